@@ -1,0 +1,1 @@
+"""jaxzero: data parallelism and ZeRO stages 1-3 for JAX."""

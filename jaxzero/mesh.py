@@ -1,0 +1,99 @@
+"""The device mesh: one place that decides axis names and axis types.
+
+jaxzero's mesh has a ``"data"`` axis that both splits the batch and shards the
+ZeRO state. Hybrid sharding (shard within a node, replicate across nodes) adds a
+leading ``"replica"`` axis: the batch is split over both axes, the state is
+sharded over ``"data"`` only. Callers ask :func:`batch_axes` and
+:func:`shard_axis` instead of spelling axis names, so adding the second axis
+changes nothing for them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+DATA = "data"  # splits the batch and shards parameters, gradients and optimizer state
+REPLICA = "replica"  # (hybrid) splits the batch, replicates the state
+
+
+def simulate_devices(n: int) -> None:
+    """Make the CPU backend expose ``n`` devices. Call before any JAX computation.
+
+    Scripts and the CLI use this to show real sharding on a laptop. It fails
+    loudly when JAX's backend already exists, because the setting would be ignored.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"simulate_devices needs a positive integer, got {n!r}")
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        have = jax.device_count()
+        if have == n and jax.default_backend() == "cpu":
+            return
+        raise RuntimeError(
+            f"cannot simulate {n} devices: JAX's backend is already initialised with "
+            f"{have} device(s). Call jaxzero.simulate_devices({n}) right after importing "
+            "jax, before any computation, or set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} in the environment."
+        )
+    jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def make_mesh(num_devices: int | None = None, *, replicas: int = 1) -> Mesh:
+    """A mesh over the first ``num_devices`` devices (default: all).
+
+    Args:
+      num_devices: how many devices train; the batch is split over all of them.
+      replicas: for hybrid sharding, how many groups replicate the state; the
+        state is sharded over ``num_devices // replicas`` devices inside a group.
+
+    Returns:
+      A ``Mesh`` with axes ``("data",)``, or ``("replica", "data")`` when
+      ``replicas > 1``. Axis types are ``Auto``: jaxzero's step states every
+      sharding explicitly through ``jit`` and ``shard_map`` specs.
+
+    Example:
+      >>> mesh = make_mesh(1)
+      >>> mesh.shape["data"]
+      1
+    """
+    devices = jax.devices()
+    n = len(devices) if num_devices is None else num_devices
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
+    if n > len(devices):
+        raise ValueError(
+            f"num_devices={n} but only {len(devices)} {jax.default_backend()} device(s) are "
+            "available. Use fewer devices, or on CPU simulate more with "
+            f"jaxzero.simulate_devices({n}) (or XLA_FLAGS=--xla_force_host_platform_device_count={n}) "
+            "before JAX starts."
+        )
+    if not isinstance(replicas, int) or replicas < 1 or n % replicas:
+        raise ValueError(f"replicas={replicas!r} must be a positive divisor of {n} devices")
+    if replicas == 1:
+        return jax.make_mesh((n,), (DATA,), axis_types=(AxisType.Auto,), devices=devices[:n])
+    return jax.make_mesh(
+        (replicas, n // replicas),
+        (REPLICA, DATA),
+        axis_types=(AxisType.Auto, AxisType.Auto),
+        devices=devices[:n],
+    )
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """Mesh axes the global batch is split over (all of them)."""
+    return tuple(mesh.axis_names)
+
+
+def shard_axis(mesh: Mesh) -> str:
+    """The mesh axis that shards ZeRO state."""
+    return DATA
+
+
+def num_shards(mesh: Mesh) -> int:
+    """N in the ZeRO formulas: devices that share one copy of the state."""
+    return mesh.shape[DATA]
