@@ -1,0 +1,164 @@
+"""The estimator reproduces the ZeRO paper's and the slides' numbers to their printed precision."""
+
+import json
+import subprocess
+import sys
+from decimal import ROUND_HALF_UP, Decimal
+
+import pytest
+
+from jaxzero import estimate as est
+
+GB = 1e9
+
+
+def printed(value: float, reference: str) -> bool:
+    """True when ``value`` rounds (half up, as papers do) to ``reference`` as printed."""
+    places = Decimal(reference).as_tuple().exponent
+    got = Decimal(repr(value)).quantize(Decimal(1).scaleb(places), rounding=ROUND_HALF_UP)
+    return got == Decimal(reference)
+
+
+def test_printed_helper_can_fail():
+    assert printed(41.25, "41.3") and not printed(41.24, "41.3") and not printed(31.4, "31.41")
+
+
+def _gb(psi: float, n: int, stage: int) -> float:
+    return est.model_state_bytes(psi, n, stage).total / GB
+
+
+@pytest.mark.parametrize(
+    "stage, reference", [(0, "120"), (1, "31.4"), (2, "16.6"), (3, "1.9")]
+)
+def test_paper_figure1(stage, reference):
+    assert printed(_gb(7.5e9, 64, stage), reference)
+
+
+@pytest.mark.parametrize(
+    "n, stage, reference",
+    [(4, 1, "52.5"), (4, 2, "41.3"), (4, 3, "30"), (1024, 1, "30.1"), (1024, 2, "15.1"),
+     (1024, 3, "0.12")],
+)
+def test_paper_table1(n, stage, reference):
+    assert printed(_gb(7.5e9, n, stage), reference)
+
+
+@pytest.mark.parametrize(
+    "n, stage, reference", [(1, 0, "112"), (8, 1, "38.5"), (8, 2, "26.25"), (8, 3, "14")]
+)
+def test_slides_7b(n, stage, reference):
+    assert printed(_gb(7e9, n, stage), reference)
+
+
+def test_slides_7b_does_not_fit_80gb_in_plain_dp():
+    e = est.estimate(7e9, 1, 80 * GB)
+    assert not e.stages[0].fits
+    e8 = est.estimate(7e9, 8, 80 * GB)
+    assert [r.fits for r in e8.stages] == [False, True, True, True]
+
+
+@pytest.mark.parametrize("stage, reference", [(1, "7.6"), (2, "14.4"), (3, "128")])
+def test_paper_section5_largest_model(stage, reference):
+    assert printed(est.max_params(32 * GB, 64, stage) / 1e9, reference)
+
+
+def test_largest_model_inverts_memory():
+    for stage in est.STAGES:
+        psi = est.max_params(40 * GB, 16, stage)
+        assert est.model_state_bytes(psi, 16, stage).total == pytest.approx(40 * GB)
+
+
+def test_fp32_and_optimizers():
+    fp32 = est.precision_bytes("fp32", "adam")
+    assert (fp32.param, fp32.grad, fp32.k) == (4, 4, 8)
+    assert est.precision_bytes("mixed", "adam").k == 12
+    assert est.precision_bytes("mixed", "sgd-momentum").k == 8
+    assert est.precision_bytes("mixed", "adafactor").k == 4
+    ms = est.model_state_bytes(1e9, 8, 0, fp32)
+    assert (ms.persistent, ms.total) == (12e9, 16e9)
+
+
+def test_communication_formulas():
+    psi, n, b = 1e9, 8, 2
+    frac = (n - 1) / n
+    assert est.comm_bytes(psi, n, 0, b).total == pytest.approx(2 * psi * b * frac)
+    assert est.comm_bytes(psi, n, 1, b).total == pytest.approx(2 * psi * b * frac)
+    assert est.comm_bytes(psi, n, 2, b).total == pytest.approx(2 * psi * b * frac)
+    assert est.comm_bytes(psi, n, 3, b).total == pytest.approx(3 * psi * b * frac)
+    # gradient accumulation: stage 2 reduce-scatters per micro-batch, stage 3 also gathers
+    assert est.comm_bytes(psi, n, 1, b, micro_batches=4).total == pytest.approx(2 * psi * b * frac)
+    assert est.comm_bytes(psi, n, 2, b, micro_batches=4).total == pytest.approx(5 * psi * b * frac)
+    assert est.comm_bytes(psi, n, 3, b, micro_batches=4).total == pytest.approx(12 * psi * b * frac)
+    assert est.comm_bytes(psi, 1, 3, b).total == 0
+
+
+def test_ring_formulas():
+    assert est.ring_bytes("all-reduce", 800, 8) == 1400
+    assert est.ring_bytes("reduce-scatter", 800, 8) == 700
+    assert est.ring_bytes("all-gather", 800, 4) == 600
+    assert est.ring_bytes("all-gather", 800, 1) == 0
+
+
+def test_activation_formula():
+    shape = est.GPTShape(layers=2, d_model=1024, heads=16, vocab=1000, seq_len=2048)
+    a = est.activation_bytes(shape, micro_batch=4)
+    s, b, h, heads = 2048, 4, 1024, 16
+    assert a.per_layer == s * b * h * (34 + 5 * heads * s / h)
+    assert a.layers == 2 * a.per_layer
+    fused = est.activation_bytes(shape, micro_batch=4, fused_attention=True)
+    assert fused.per_layer == s * b * h * 34
+    remat = est.activation_bytes(shape, micro_batch=4, remat="full")
+    assert remat.layers == 2 * 2 * s * b * h + a.per_layer < a.layers
+    assert est.activation_bytes(shape, 4, bytes_per_value=4).per_layer == 2 * a.per_layer
+
+
+def test_gpt_param_count():
+    # GPT-2 small: 124M parameters with tied embeddings
+    gpt2 = est.GPTShape(layers=12, d_model=768, heads=12, vocab=50257, seq_len=1024)
+    assert gpt2.num_params() == 124_439_808
+
+
+def test_cli_table_and_json(capsys):
+    assert est.main(["--params", "7.5B", "--devices", "64", "--device-memory", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "31.41" in out and "16.64" in out and "128B" in out
+    assert est.main(["--params", "7e9", "-n", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [round(r["model_states"] / GB, 2) for r in data["stages"]] == [112, 38.5, 26.25, 14]
+    args = ["--layers", "4", "--d-model", "128", "--heads", "4", "--vocab", "256", "--json"]
+    assert est.main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["activations"]["per_layer"] > 0
+
+
+NONSENSE = [
+    ["--params", "-5"],
+    ["--params", "1e9", "--devices", "0"],
+    ["--params", "1e9", "--optimizer", "lion"],
+    ["--params", "1e9", "--precision", "fp7"],
+    ["--params", "banana"],
+    ["--params", "1e9", "--device-memory", "-1"],
+    ["--params", "1e9", "--devices", "eight"],
+    ["--layers", "2", "--d-model", "100", "--heads", "3"],
+    [],
+]
+
+
+@pytest.mark.parametrize("argv", NONSENSE)
+def test_nonsense_exits_nonzero_with_one_line(argv, capsys):
+    assert est.main(argv) != 0
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxzero estimate: error:"), err
+
+
+def test_cli_process_nonsense_has_no_traceback():
+    """Through the real ``jaxzero`` dispatcher, in a fresh process."""
+    code = "import sys; from jaxzero.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "estimate", "--params", "-1", "--optimizer", "adam"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
