@@ -1,1 +1,26 @@
-"""jaxzero: data parallelism and ZeRO stages 1-3 for JAX."""
+"""jaxzero: data parallelism and ZeRO stages 1–3 for JAX, with explicit collectives.
+
+    import jaxzero, optax
+    mesh = jaxzero.make_mesh(8)
+    engine = jaxzero.Engine(loss_fn, optax.adamw(1e-3), mesh=mesh, stage=3)
+    state = engine.init(params)
+    state, metrics = engine.step(state, batch)
+"""
+
+from jaxzero.engine import Engine, check_elementwise
+from jaxzero.hooks import use_params
+from jaxzero.mesh import make_mesh, simulate_devices
+from jaxzero.partition import LeafLayout, layouts_for
+from jaxzero.state import TrainState
+
+__all__ = [
+    "Engine",
+    "LeafLayout",
+    "TrainState",
+    "check_elementwise",
+    "layouts_for",
+    "make_mesh",
+    "simulate_devices",
+    "use_params",
+]
+__version__ = "0.1.0"

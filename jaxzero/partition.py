@@ -1,0 +1,215 @@
+"""How each parameter leaf is stored: which dimension is sharded, and how it is padded.
+
+ZeRO shards every model state over the ``data`` axis. A leaf is sharded along one
+dimension; when no dimension divides by N it is padded (zeros that gradients and
+AdamW leave at zero) so every device holds an equal slice, and leaves too small to
+be worth a collective are replicated. The same :class:`LeafLayout` serves the
+working params, the fp32 master copy, the gradients and every param-shaped leaf of
+the optimizer state, so one function decides the whole policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxzero.mesh import DATA
+
+REPLICATE = "replicate"
+Rule = tuple[str, "int | P | str"]  # (regex on the leaf path, dim | spec | "replicate")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """Storage of one leaf: logical ``shape``, sharded ``dim`` (None: replicated), padding."""
+
+    path: str
+    shape: tuple[int, ...]
+    dim: int | None
+    num_shards: int
+
+    @property
+    def sharded(self) -> bool:
+        return self.dim is not None
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.shape
+        s = list(self.shape)
+        s[self.dim] = -(-s[self.dim] // self.num_shards) * self.num_shards
+        return tuple(s)
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        """Shape of the slice one device holds."""
+        if self.dim is None:
+            return self.shape
+        s = list(self.padded_shape)
+        s[self.dim] //= self.num_shards
+        return tuple(s)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def padded_size(self) -> int:
+        return math.prod(self.padded_shape)
+
+    @property
+    def elements_per_device(self) -> int:
+        return math.prod(self.shard_shape)
+
+    def spec(self) -> P:
+        """PartitionSpec of the stored (padded) array."""
+        if self.dim is None:
+            return P()
+        return P(*([None] * self.dim), DATA)
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """``('blocks', 'attn', 'kernel')``-style key paths as ``blocks/attn/kernel``."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def default_dim(shape: Sequence[int], n: int, skip_leading: int = 0) -> int:
+    """The dimension to shard: least padding, then the largest, then the last.
+
+    ``skip_leading`` excludes stacked layer dimensions, which a scan slices away.
+    """
+    candidates = range(skip_leading, len(shape))
+
+    def cost(d: int) -> tuple[int, int, int]:
+        padded = -(-shape[d] // n) * n
+        return (math.prod(shape) // shape[d] * padded, -shape[d], -d)
+
+    return min(candidates, key=cost)
+
+
+def _rule_dim(rule: int | P | str, path: str, ndim: int) -> int | None:
+    if rule == REPLICATE or rule is None:
+        return None
+    if isinstance(rule, P):
+        dims = [i for i, a in enumerate(rule) if a == DATA or (isinstance(a, tuple) and DATA in a)]
+        if len(dims) != 1:
+            raise ValueError(f"rule for {path!r}: spec {rule} must name {DATA!r} exactly once")
+        dim = dims[0]
+    elif isinstance(rule, int) and not isinstance(rule, bool):
+        dim = rule
+    else:
+        raise TypeError(f"rule for {path!r} must be a dim, a PartitionSpec or 'replicate', got {rule!r}")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"rule for {path!r}: dim {dim} out of range for a {ndim}-d leaf")
+    return dim % ndim
+
+
+def leaf_layout(
+    path: str,
+    shape: Sequence[int],
+    num_shards: int,
+    *,
+    rules: Sequence[Rule] = (),
+    stacked: str | None = None,
+    min_shard_size: int = 256,
+) -> LeafLayout:
+    """Layout of one leaf: user rules first, then the default policy.
+
+    Args:
+      path: the leaf's ``a/b/c`` path, matched with ``re.search`` against rules.
+      shape: the logical shape.
+      num_shards: N, the size of the ``data`` axis.
+      rules: ``(regex, dim | PartitionSpec | "replicate")``; the first match wins.
+      stacked: regex of paths whose leading dim stacks layers (never sharded).
+      min_shard_size: smaller leaves are replicated: a collective costs more than
+        the bytes saved.
+
+    Example:
+      >>> leaf_layout("w", (37, 53), 8).padded_shape
+      (40, 53)
+    """
+    shape = tuple(int(s) for s in shape)
+    for pattern, rule in rules:
+        if re.search(pattern, path):
+            return LeafLayout(path, shape, _rule_dim(rule, path, len(shape)), num_shards)
+    skip = 1 if stacked is not None and re.search(stacked, path) and len(shape) > 1 else 0
+    if math.prod(shape) < max(min_shard_size, num_shards) or len(shape) == skip:
+        return LeafLayout(path, shape, None, num_shards)
+    return LeafLayout(path, shape, default_dim(shape, num_shards, skip), num_shards)
+
+
+def layouts_for(
+    params: Any,
+    num_shards: int,
+    *,
+    rules: Sequence[Rule] = (),
+    stacked: str | None = None,
+    min_shard_size: int = 256,
+) -> Any:
+    """A pytree of :class:`LeafLayout` with the structure of ``params``."""
+
+    def one(path, leaf):
+        return leaf_layout(
+            path_str(path),
+            np.shape(leaf),
+            num_shards,
+            rules=rules,
+            stacked=stacked,
+            min_shard_size=min_shard_size,
+        )
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def is_layout(x: Any) -> bool:
+    return isinstance(x, LeafLayout)
+
+
+def pad(x: Any, layout: LeafLayout) -> Any:
+    """Zero-pad a logical leaf to its stored shape (numpy stays numpy, jax stays jax)."""
+    if layout.padded_shape == layout.shape:
+        return x
+    widths = [(0, p - s) for s, p in zip(layout.shape, layout.padded_shape, strict=True)]
+    return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)
+
+
+def unpad(x: Any, layout: LeafLayout) -> Any:
+    """The logical leaf inside a stored (padded) one."""
+    if layout.padded_shape == layout.shape:
+        return x
+    return x[tuple(slice(0, s) for s in layout.shape)]
+
+
+def balance(layouts: Any) -> float:
+    """Largest per-device element count over the mean (1.0 = perfectly balanced).
+
+    Sharded leaves put ``elements_per_device`` on every device; a padded leaf's last
+    device holds padding, which is where imbalance comes from.
+    """
+    per_device = None
+    for lay in jax.tree.leaves(layouts, is_leaf=is_layout):
+        counts = np.full(lay.num_shards, lay.size if lay.dim is None else 0, dtype=np.int64)
+        if lay.dim is not None:
+            rest = lay.size // lay.shape[lay.dim]
+            chunk = lay.padded_shape[lay.dim] // lay.num_shards
+            for i in range(lay.num_shards):
+                real = min(max(lay.shape[lay.dim] - i * chunk, 0), chunk)
+                counts[i] = real * rest
+        per_device = counts if per_device is None else per_device + counts
+    return float(per_device.max() / per_device.mean())
