@@ -69,8 +69,8 @@ def make_mesh(num_devices: int | None = None, *, replicas: int = 1) -> Mesh:
         raise ValueError(
             f"num_devices={n} but only {len(devices)} {jax.default_backend()} device(s) are "
             "available. Use fewer devices, or on CPU simulate more with "
-            f"jaxzero.simulate_devices({n}) (or XLA_FLAGS=--xla_force_host_platform_device_count={n}) "
-            "before JAX starts."
+            f"jaxzero.simulate_devices({n}) (or XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={n}) before JAX starts."
         )
     if not isinstance(replicas, int) or replicas < 1 or n % replicas:
         raise ValueError(f"replicas={replicas!r} must be a positive divisor of {n} devices")

@@ -114,7 +114,9 @@ def _rule_dim(rule: int | P | str, path: str, ndim: int) -> int | None:
     elif isinstance(rule, int) and not isinstance(rule, bool):
         dim = rule
     else:
-        raise TypeError(f"rule for {path!r} must be a dim, a PartitionSpec or 'replicate', got {rule!r}")
+        raise TypeError(
+            f"rule for {path!r} must be a dim, a PartitionSpec or 'replicate', got {rule!r}"
+        )
     if not -ndim <= dim < ndim:
         raise ValueError(f"rule for {path!r}: dim {dim} out of range for a {ndim}-d leaf")
     return dim % ndim
