@@ -139,12 +139,16 @@ class Instruction:
       type_text: the result shape as printed.
       opcode: e.g. ``all-gather``, ``while``, ``fusion``.
       attrs: the text after the operand list (attributes, backend_config, ...).
+      operands: names of the operand instructions.
+      root: whether it is its computation's ROOT.
     """
 
     name: str
     type_text: str
     opcode: str
     attrs: str
+    operands: tuple[str, ...] = ()
+    root: bool = False
 
 
 @dataclass
@@ -172,7 +176,7 @@ def _match_paren(s: str, start: int) -> int:
     raise ValueError(f"unbalanced brackets in {s[start:start + 80]!r}")
 
 
-_INSTR_RE = re.compile(r"^\s+(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+_INSTR_RE = re.compile(r"^\s+(ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
 _HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(")
 
 
@@ -181,7 +185,7 @@ def parse_instruction(line: str) -> Instruction | None:
     m = _INSTR_RE.match(line)
     if not m:
         return None
-    name, rest = m.group(1), re.sub(r"/\*.*?\*/", "", m.group(2))
+    name, rest = m.group(2), re.sub(r"/\*.*?\*/", "", m.group(3))
     if rest.startswith("("):
         end = _match_paren(rest, 0)
     else:
@@ -191,7 +195,8 @@ def parse_instruction(line: str) -> Instruction | None:
     if not om:
         return None
     close = _match_paren(rest, om.end() - 1)
-    return Instruction(name, type_text, om.group(1), rest[close:])
+    operands = tuple(re.findall(r"%([\w.\-]+)", rest[om.end() : close - 1]))
+    return Instruction(name, type_text, om.group(1), rest[close:], operands, bool(m.group(1)))
 
 
 def parse_hlo(text: str) -> HloModule:
@@ -362,6 +367,9 @@ class Collective:
       replica_groups: device groups the collective runs over.
       group_size: N of the ring formula (devices per group).
       runs: times it runs per step (product of loop trip counts, summed over paths).
+      logical_buffers: ``buffers`` with the element type the values had before XLA
+        widened them for the collective (the CPU backend runs bf16 collectives in
+        f32, converting before and after); equal to ``buffers`` when nothing was widened.
     """
 
     name: str
@@ -372,6 +380,12 @@ class Collective:
     replica_groups: tuple[tuple[int, ...], ...]
     group_size: int
     runs: int
+    logical_buffers: tuple[Buffer, ...] = ()
+
+    @property
+    def promoted(self) -> bool:
+        """XLA widened at least one buffer's element type (e.g. bf16 -> f32 on CPU)."""
+        return bool(self.logical_buffers) and self.logical_buffers != self.buffers
 
     def wire_bytes(self, buffer: Buffer) -> float:
         """Bytes one device sends for ``buffer`` in one run (ring algorithm)."""
@@ -415,6 +429,56 @@ def _full_buffers(
     return tuple(bufs)
 
 
+_PASS_THROUGH = ("bitcast", "copy", "reshape", "transpose", "dynamic-slice", "slice")
+_FLOATS = ("f8", "f16", "bf16", "f32", "f64")
+
+
+def _callee(ins: Instruction) -> str | None:
+    m = re.search(r"calls=%?([\w.\-]+)", ins.attrs)
+    return m.group(1) if m else None
+
+
+def _source_dtype(
+    defs: dict[str, dict[str, Instruction]], comp: str, name: str, depth: int = 0
+) -> str | None:
+    """The element type ``name`` had before a ``convert`` that produced it, if any.
+
+    Follows layout-only ops and looks inside fusions (whose ROOT may be the
+    convert), so ``f32 all-gather(fusion(convert(bf16 ...)))`` is recognised as a
+    widened bf16 gather.
+    """
+    ins = defs.get(comp, {}).get(name)
+    if ins is None or depth > 16:
+        return None
+    if ins.opcode == "convert" and ins.operands:
+        src = defs[comp].get(ins.operands[0])
+        return flatten_type(parse_type(src.type_text))[0].dtype if src else None
+    if ins.opcode in _PASS_THROUGH and ins.operands:
+        return _source_dtype(defs, comp, ins.operands[0], depth + 1)
+    if ins.opcode == "fusion" and (callee := _callee(ins)) in defs:
+        root = next((i for i in defs[callee].values() if i.root), None)
+        if root is not None:
+            return _source_dtype(defs, callee, root.name, depth + 1)
+    return None
+
+
+def _logical_buffers(
+    defs: dict[str, dict[str, Instruction]], comp: str, ins: Instruction, bufs: tuple[Buffer, ...]
+) -> tuple[Buffer, ...]:
+    """``bufs`` with each element type narrowed to its pre-``convert`` type, if any."""
+    if len(ins.operands) != len(bufs):
+        return bufs
+    out = []
+    for op, b in zip(ins.operands, bufs, strict=True):
+        src = _source_dtype(defs, comp, op)
+        narrower = (
+            src is not None and src.startswith(_FLOATS) and b.dtype.startswith(_FLOATS)
+            and dtype_bytes(src) < dtype_bytes(b.dtype)
+        )
+        out.append(Buffer(src, b.shape) if narrower else b)
+    return tuple(out)
+
+
 def _kind(opcode: str) -> str | None:
     base = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
     return base if base in COLLECTIVE_KINDS else None
@@ -442,6 +506,7 @@ def collectives_from_hlo(text: str) -> HloCollectives:
     runs = multiplicities(module, edges)
     num_devices = max(module.num_partitions, 1) * max(module.replica_count, 1)
     branch_comps = {e.callee for e in edges if e.via.startswith("conditional.")}
+    defs = {c: {i.name: i for i in instrs} for c, instrs in module.computations.items()}
     out: list[Collective] = []
     for comp, instrs in module.computations.items():
         for ins in instrs:
@@ -470,7 +535,15 @@ def collectives_from_hlo(text: str) -> HloCollectives:
             bufs = _full_buffers(
                 kind, ins.opcode, parse_type(ins.type_text), size, int(dm.group(1)) if dm else 0
             )
-            out.append(Collective(ins.name, kind, ins.opcode, comp, bufs, groups, size, n_runs))
+            logical = _logical_buffers(defs, comp, ins, bufs)
+            out.append(
+                Collective(ins.name, kind, ins.opcode, comp, bufs, groups, size, n_runs, logical)
+            )
+    if any(c.promoted for c in out):
+        notes.append(
+            "XLA widened some collectives' element type (converts around them; the CPU "
+            "backend runs bf16 collectives in f32): 'logical' bytes use the narrow type"
+        )
     return HloCollectives(out, notes)
 
 
@@ -484,6 +557,8 @@ class Traffic:
       scalars: small buffers (loss, gradient norm, counters).
       by_kind: grad_param bytes per collective kind.
       ops: collective instructions found; runs: their total executions per step.
+      grad_param_logical: ``grad_param`` counted at the element types the program
+        asked for, before the backend widened any (equal on GPU/TPU, and in fp32).
     """
 
     grad_param: float
@@ -491,21 +566,25 @@ class Traffic:
     by_kind: dict[str, float]
     ops: int
     runs: int
+    grad_param_logical: float
 
 
 def traffic(collectives: list[Collective], scalar_elements: int = SCALAR_ELEMENTS) -> Traffic:
     """Sum ring bytes × runs per step, splitting scalar buffers from the real traffic."""
-    big = small = 0.0
+    big = small = logical = 0.0
     by_kind: dict[str, float] = {}
     for c in collectives:
-        for b in c.buffers:
+        narrow = c.logical_buffers or c.buffers
+        for b, nb in zip(c.buffers, narrow, strict=True):
             sent = c.runs * c.wire_bytes(b)
             if b.elements < scalar_elements:
                 small += sent
             else:
                 big += sent
+                logical += c.runs * c.wire_bytes(nb)
                 by_kind[c.kind] = by_kind.get(c.kind, 0.0) + sent
-    return Traffic(big, small, by_kind, len(collectives), sum(c.runs for c in collectives))
+    runs = sum(c.runs for c in collectives)
+    return Traffic(big, small, by_kind, len(collectives), runs, logical)
 
 
 # ----------------------------------------------------------------------------- memory

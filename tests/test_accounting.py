@@ -1,0 +1,278 @@
+"""Accounting: the HLO collective parser, loop trip counts, measured vs. theory on the Engine."""
+
+# ruff: noqa: E501  (HLO text below is kept verbatim, one instruction per line)
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from jaxzero import accounting as acc
+from jaxzero import estimate as est
+
+# A GPU-style module written by hand: async collectives, iota replica groups, tuple
+# shapes, a while loop nested in a while loop, a collective in a called computation
+# and in an async-wrapped computation, a conditional.
+HAND_HLO = """\
+HloModule jit_step, is_scheduled=true, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%wrapped_reduce_scatter (p: f32[16,8]) -> f32[2,8] {
+  %p = f32[16,8]{1,0} parameter(0)
+  ROOT %rs = f32[2,8]{1,0} reduce-scatter(f32[16,8]{1,0} %p), channel_id=7, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+}
+
+%inner_body (t: (s32[], f32[2,8])) -> (s32[], f32[2,8]) {
+  %t = (s32[], f32[2,8]{1,0}) parameter(0)
+  %x = f32[2,8]{1,0} get-tuple-element(%t), index=1
+  %ags = (f32[2,8]{1,0}, f32[16,8]{1,0}) all-gather-start(f32[2,8]{1,0} %x), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true
+  %agd = f32[16,8]{1,0} all-gather-done((f32[2,8]{1,0}, f32[16,8]{1,0}) %ags)
+  %rss = ((f32[16,8]{1,0}), f32[2,8]{1,0}) async-start(f32[16,8]{1,0} %agd), calls=%wrapped_reduce_scatter
+  %rsd = f32[2,8]{1,0} async-done(((f32[16,8]{1,0}), f32[2,8]{1,0}) %rss), calls=%wrapped_reduce_scatter
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %r = (s32[], f32[2,8]{1,0}) tuple(%i, %rsd)
+}
+
+%inner_cond (t: (s32[], f32[2,8])) -> pred[] {
+  %t = (s32[], f32[2,8]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+%outer_body (t: (s32[], f32[2,8])) -> (s32[], f32[2,8]) {
+  %t = (s32[], f32[2,8]{1,0}) parameter(0)
+  ROOT %w = (s32[], f32[2,8]{1,0}) while(%t), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"4"}}
+}
+
+%outer_cond (t: (s32[], f32[2,8])) -> pred[] {
+  %t = (s32[], f32[2,8]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+%helper (y: bf16[32,4]) -> bf16[32,4] {
+  %y = bf16[32,4]{1,0} parameter(0)
+  ROOT %ar = bf16[32,4]{1,0} all-reduce(%y), channel_id=3, replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add
+}
+
+%branch_true (z: f32[4]) -> f32[4] {
+  %z = f32[4]{0} parameter(0)
+  ROOT %ar2 = f32[4]{0} all-reduce(%z), channel_id=4, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+}
+
+%branch_false (z: f32[4]) -> f32[4] {
+  ROOT %z = f32[4]{0} parameter(0)
+}
+
+ENTRY %main (p0: f32[2,8], p1: bf16[32,4], p2: f32[4], p3: pred[]) -> f32[2,8] {
+  %p0 = f32[2,8]{1,0} parameter(0)
+  %p1 = bf16[32,4]{1,0} parameter(1)
+  %p2 = f32[4]{0} parameter(2)
+  %p3 = pred[] parameter(3)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[2,8]{1,0}) tuple(%zero, %p0)
+  %loop = (s32[], f32[2,8]{1,0}) while(%init), condition=%outer_cond, body=%outer_body, metadata={op_name="body=%helper"}, backend_config={"known_induction_variable":{"tuple_index":"0"},"known_trip_count":{"n":"3"}}
+  %c1 = bf16[32,4]{1,0} call(%p1), to_apply=%helper
+  %c2 = bf16[32,4]{1,0} call(%c1), to_apply=%helper
+  %cond = f32[4]{0} conditional(%p3, %p2, %p2), true_computation=%branch_true, false_computation=%branch_false
+  %ars = (f32[], f32[1024]{0}, /*index=2*/bf16[64,2]{1,0}) all-reduce-start(f32[] %s0, f32[1024]{0} %s1, bf16[64,2]{1,0} %s2), channel_id=5, replica_groups={}, to_apply=%add
+  %ard = (f32[], f32[1024]{0}, bf16[64,2]{1,0}) all-reduce-done((f32[], f32[1024]{0}, bf16[64,2]{1,0}) %ars)
+  %cps = (f32[8,8]{1,0}, f32[8,8]{1,0}, u32[], u32[]) collective-permute-start(f32[8,8]{1,0} %q), channel_id=6, source_target_pairs={{0,1},{1,0}}
+  %cpd = f32[8,8]{1,0} collective-permute-done((f32[8,8]{1,0}, f32[8,8]{1,0}, u32[], u32[]) %cps)
+  ROOT %out = f32[2,8]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def _by_name(collectives):
+    return {c.name: c for c in collectives}
+
+
+def test_parse_type_tuples_layouts_and_comments():
+    t = acc.parse_type("((f32[8,16]{1,0:T(8,128)}, bf16[]), /*index=2*/s32[3]{0}, token[])")
+    bufs = acc.flatten_type(t)
+    assert [(b.dtype, b.shape) for b in bufs] == [
+        ("f32", (8, 16)), ("bf16", ()), ("s32", (3,)), ("token", ())
+    ]
+    assert [b.nbytes for b in bufs] == [512, 2, 12, 0]
+    assert isinstance(t, tuple) and len(t) == 3 and isinstance(t[0], tuple)
+
+
+def test_replica_group_forms():
+    assert acc.parse_replica_groups("{{0,1},{2,3}}", 4) == ((0, 1), (2, 3))
+    assert acc.parse_replica_groups("{}", 4) == ((0, 1, 2, 3),)
+    assert acc.parse_replica_groups("[1,8]<=[8]", 8) == (tuple(range(8)),)
+    assert acc.parse_replica_groups("[2,4]<=[4,2]T(1,0)", 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert acc.parse_replica_groups("[4,2]<=[8]", 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
+
+
+def test_hand_written_module_counts_every_collective_once_with_its_loops():
+    found = acc.collectives_from_hlo(HAND_HLO)
+    cols = _by_name(found.collectives)
+    # the -done halves are skipped; the async-wrapped reduce-scatter counts once
+    assert set(cols) == {"ags", "rs", "ar", "ar2", "ars", "cps"}
+    # nested loops multiply: 3 outer x 4 inner; the metadata string "body=%helper" is ignored
+    assert cols["ags"].runs == 12 and cols["rs"].runs == 12
+    assert cols["ags"].kind == "all-gather" and cols["ags"].buffers == (acc.Buffer("f32", (16, 8)),)
+    # a reduce-scatter's full buffer is its input: output x N along the scatter dimension
+    assert cols["rs"].buffers == (acc.Buffer("f32", (16, 8)),) and cols["rs"].group_size == 8
+    # a computation called from two call sites runs twice; transposed iota groups of 4
+    assert cols["ar"].runs == 2 and cols["ar"].group_size == 4
+    assert cols["ar"].replica_groups == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert cols["ar2"].runs == 1 and cols["ar2"].group_size == 2
+    assert any("conditional" in n for n in found.notes)
+    # an async all-reduce of a tuple; empty replica_groups means all 8 partitions
+    assert cols["ars"].kind == "all-reduce" and cols["ars"].group_size == 8
+    assert [b.shape for b in cols["ars"].buffers] == [(), (1024,), (64, 2)]
+    assert cols["cps"].kind == "collective-permute"
+    assert cols["cps"].buffers == (acc.Buffer("f32", (8, 8)),)
+
+    tr = acc.traffic(found.collectives)
+    frac = 7 / 8
+    expected_big = (
+        12 * 512 * frac  # all-gather, 16x8 f32
+        + 12 * 512 * frac  # reduce-scatter, 16x8 f32 input
+        + 2 * 2 * 256 * 3 / 4  # all-reduce bf16 32x4 over groups of 4, twice
+        + 2 * (4096 + 256) * frac  # the tuple all-reduce's big members
+        + 256  # collective-permute sends its buffer once
+    )
+    # the f32[4] all-reduce (4 elements) and the f32[] member are scalars
+    expected_small = 2 * 16 * 1 / 2 + 2 * 4 * frac
+    assert tr.grad_param == pytest.approx(expected_big)
+    assert tr.scalars == pytest.approx(expected_small)
+    assert tr.ops == 6 and tr.runs == 12 + 12 + 2 + 1 + 1 + 1
+
+
+def test_unknown_trip_count_is_noted():
+    text = HAND_HLO.replace('"known_trip_count":{"n":"4"}', '"other":1')
+    found = acc.collectives_from_hlo(text)
+    assert _by_name(found.collectives)["ags"].runs == 3
+    assert any("no known_trip_count" in n for n in found.notes)
+
+
+# ---------------------------------------------------------------- real compiled programs
+
+
+@pytest.fixture(scope="module")
+def mesh8():
+    return jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+
+
+def _compile_text(fn, mesh, in_specs, out_specs, *args) -> str:
+    sm = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.jit(sm).lower(*args).compile().as_text()
+
+
+def _fsdp_mlp_text(mesh, layers: int, width: int = 64) -> str:
+    """Stage-3 style MLP: scanned layers gather their weight; grad reduce-scatters per layer."""
+
+    def loss(w, x):
+        def layer(h, wl):
+            return jnp.tanh(h @ lax.all_gather(wl, "data", tiled=True)), None
+
+        def remat_layer(h, wl):
+            return jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)(h, wl)
+
+        h, _ = lax.scan(remat_layer, x, w)
+        return lax.psum(jnp.sum(h**2), "data")
+
+    def step(w, x):
+        value, grad = jax.value_and_grad(loss)(w, x)
+        return value, grad
+
+    w = jnp.ones((layers, width, width)) * 0.01
+    x = jnp.ones((16, width))
+    return _compile_text(step, mesh, (P(None, "data"), P("data")), (P(), P(None, "data")), w, x)
+
+
+def test_scanned_collectives_scale_with_layers_not_ops(mesh8):
+    width = 64
+    t4 = acc.traffic(acc.collectives_from_hlo(_fsdp_mlp_text(mesh8, 4, width)).collectives)
+    t8 = acc.traffic(acc.collectives_from_hlo(_fsdp_mlp_text(mesh8, 8, width)).collectives)
+    assert t4.ops == t8.ops  # the same distinct HLO ops ...
+    assert t8.grad_param == pytest.approx(2 * t4.grad_param)  # ... but twice the traffic
+    # gather fwd + gather bwd + reduce-scatter per layer: 3 Ψ b (N-1)/N
+    psi = 4 * width * width
+    assert t4.grad_param == pytest.approx(est.comm_bytes(psi, 8, 3, 4).total)
+    assert t4.by_kind["all-gather"] == pytest.approx(2 * t4.by_kind["reduce-scatter"])
+
+
+def test_psum_psum_scatter_all_gather_sizes(mesh8):
+    def f(a, b, c):
+        return (
+            lax.psum(a, "data"),
+            lax.psum_scatter(b, "data", scatter_dimension=1, tiled=True),
+            lax.all_gather(c, "data", axis=0, tiled=True),
+        )
+
+    a = jnp.ones((8 * 3, 100), jnp.bfloat16)
+    b = jnp.ones((8, 8 * 40))
+    c = jnp.ones((8 * 5, 7))
+    text = _compile_text(f, mesh8, (P("data"), P("data"), P("data")), (P("data"),) * 3, a, b, c)
+    cols = {c.kind: c for c in acc.collectives_from_hlo(text).collectives}
+    # the CPU backend widens bf16 collectives to f32 (convert before and after); the
+    # logical buffer keeps the type the program asked for
+    assert cols["all-reduce"].logical_buffers == (acc.Buffer("bf16", (3, 100)),)
+    assert cols["all-reduce"].buffers[0].shape == (3, 100)
+    wire_bytes = cols["all-reduce"].buffers[0].nbytes
+    assert cols["reduce-scatter"].buffers == (acc.Buffer("f32", (1, 320)),)
+    assert cols["all-gather"].buffers == (acc.Buffer("f32", (40, 7)),)
+    assert all(c.runs == 1 and c.group_size == 8 for c in cols.values())
+    assert cols["all-reduce"].bytes_per_step == 2 * wire_bytes * 7 / 8
+    assert not cols["all-gather"].promoted
+    tr = acc.traffic(list(cols.values()))
+    f32_bytes = 2 * 300 * 4 * 7 / 8 + (320 * 4 + 280 * 4) * 7 / 8
+    assert tr.grad_param_logical == pytest.approx(f32_bytes - 2 * 300 * 2 * 7 / 8)
+
+
+def test_nested_scan_multiplies_trip_counts(mesh8):
+    def f(w, x):
+        def outer(h, _):
+            def inner(h2, wl):
+                return jnp.tanh(h2 @ lax.all_gather(wl, "data", tiled=True)), None
+
+            return lax.scan(inner, h, w)[0], None
+
+        return lax.psum(lax.scan(outer, x, None, length=3)[0], "data")
+
+    text = _compile_text(
+        f, mesh8, (P(None, "data"), P("data")), P(), jnp.ones((5, 64, 64)), jnp.ones((8, 64))
+    )
+    runs = {c.kind: c.runs for c in acc.collectives_from_hlo(text).collectives}
+    assert runs == {"all-gather": 15, "all-reduce": 1}
+
+
+def test_two_axis_mesh_groups():
+    mesh = jax.make_mesh((2, 4), ("r", "d"), axis_types=(AxisType.Auto,) * 2)
+
+    def f(x):
+        return lax.psum(x, "r"), lax.psum_scatter(x, "d", tiled=True)
+
+    spec = P(("r", "d"))
+    text = _compile_text(f, mesh, spec, (spec, spec), jnp.ones((64, 128)))
+    cols = {c.kind: c for c in acc.collectives_from_hlo(text).collectives}
+    assert cols["all-reduce"].group_size == 2 and len(cols["all-reduce"].replica_groups) == 4
+    assert cols["reduce-scatter"].group_size == 4
+    assert cols["reduce-scatter"].buffers == (acc.Buffer("f32", (8, 128)),)
+
+
+def test_compiled_memory_peak(mesh8):
+    fn = jax.jit(lambda x: x * 2, donate_argnums=0)
+    m = acc.compiled_memory(fn.lower(jnp.ones((256,))).compile())
+    assert m.argument == 1024 and m.output == 1024
+    assert m.peak == m.argument + m.output + m.temp - m.alias
+
+
+def test_device0_bytes_reads_shards(mesh8):
+    sharded = jax.device_put(jnp.ones((64, 8)), jax.NamedSharding(mesh8, P("data")))
+    replicated = jax.device_put(jnp.ones((10,)), jax.NamedSharding(mesh8, P()))
+    assert acc.device0_bytes({"a": sharded, "b": replicated, "c": None}) == 8 * 8 * 4 + 40
+    assert math.isclose(np.asarray(sharded).sum(), 512)
