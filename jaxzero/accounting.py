@@ -141,6 +141,7 @@ class Instruction:
       attrs: the text after the operand list (attributes, backend_config, ...).
       operands: names of the operand instructions.
       root: whether it is its computation's ROOT.
+      operand_text: the operand list as printed (``parameter(3)`` keeps its number here).
     """
 
     name: str
@@ -149,6 +150,7 @@ class Instruction:
     attrs: str
     operands: tuple[str, ...] = ()
     root: bool = False
+    operand_text: str = ""
 
 
 @dataclass
@@ -196,7 +198,10 @@ def parse_instruction(line: str) -> Instruction | None:
         return None
     close = _match_paren(rest, om.end() - 1)
     operands = tuple(re.findall(r"%([\w.\-]+)", rest[om.end() : close - 1]))
-    return Instruction(name, type_text, om.group(1), rest[close:], operands, bool(m.group(1)))
+    return Instruction(
+        name, type_text, om.group(1), rest[close:], operands, bool(m.group(1)),
+        rest[om.end() : close - 1],
+    )
 
 
 def parse_hlo(text: str) -> HloModule:
@@ -438,44 +443,114 @@ def _callee(ins: Instruction) -> str | None:
     return m.group(1) if m else None
 
 
-def _source_dtype(
-    defs: dict[str, dict[str, Instruction]], comp: str, name: str, depth: int = 0
-) -> str | None:
-    """The element type ``name`` had before a ``convert`` that produced it, if any.
+def _first_dtype(ins: Instruction | None) -> str | None:
+    return flatten_type(parse_type(ins.type_text))[0].dtype if ins is not None else None
 
-    Follows layout-only ops and looks inside fusions (whose ROOT may be the
-    convert), so ``f32 all-gather(fusion(convert(bf16 ...)))`` is recognised as a
-    widened bf16 gather.
+
+def _widening_converts(
+    defs: dict[str, dict[str, Instruction]], comp: str, name: str, depth: int = 0
+) -> list[tuple[str, Instruction]]:
+    """The last converts into ``name``'s element type, with the type they converted from.
+
+    Walks back from the value through ops of the same element type (layout ops,
+    and inside a producing fusion through its elementwise spine, e.g.
+    ``convert(bf16 g) * 0.125``), stopping at each convert. Converts deeper down,
+    behind an operand of another type, are not the ones that fed the collective.
     """
     ins = defs.get(comp, {}).get(name)
-    if ins is None or depth > 16:
-        return None
+    if ins is None or depth > 32:
+        return []
     if ins.opcode == "convert" and ins.operands:
-        src = defs[comp].get(ins.operands[0])
-        return flatten_type(parse_type(src.type_text))[0].dtype if src else None
-    if ins.opcode in _PASS_THROUGH and ins.operands:
-        return _source_dtype(defs, comp, ins.operands[0], depth + 1)
+        src = _first_dtype(defs[comp].get(ins.operands[0]))
+        return [(src, ins)] if src else []
     if ins.opcode == "fusion" and (callee := _callee(ins)) in defs:
         root = next((i for i in defs[callee].values() if i.root), None)
-        if root is not None:
-            return _source_dtype(defs, callee, root.name, depth + 1)
+        return _widening_converts(defs, callee, root.name, depth + 1) if root else []
+    if ins.opcode in ("parameter", "get-tuple-element", "while", "call", "constant"):
+        return []
+    dtype = _first_dtype(ins)
+    found = []
+    for op in ins.operands:
+        if _first_dtype(defs[comp].get(op)) == dtype:
+            found += _widening_converts(defs, comp, op, depth + 1)
+    return found
+
+
+def _is_narrower_float(src: str, dst: str) -> bool:
+    return src.startswith(_FLOATS) and dst.startswith(_FLOATS) and (
+        dtype_bytes(src) < dtype_bytes(dst)
+    )
+
+
+def _users(instrs: dict[str, Instruction], name: str) -> list[Instruction]:
+    return [i for i in instrs.values() if name in i.operands]
+
+
+def _narrowed_after(
+    defs: dict[str, dict[str, Instruction]], comp: str, name: str, depth: int = 0
+) -> set[str]:
+    """Element types every use of ``name`` converts it down to (empty: some use does not).
+
+    Looks through tuple element reads and into fusions, at the fused parameter.
+    """
+    users = _users(defs[comp], name)
+    if not users or depth > 8:
+        return set()
+    dtype = _first_dtype(defs[comp][name])
+    out: set[str] = set()
+    for u in users:
+        if u.opcode == "convert" and _is_narrower_float(_first_dtype(u), dtype or "f32"):
+            got = {_first_dtype(u)}
+        elif u.opcode == "get-tuple-element":
+            got = _narrowed_after(defs, comp, u.name, depth + 1)
+        elif u.opcode == "fusion" and (callee := _callee(u)) in defs:
+            param = _fused_param_name(defs[callee], u.operands.index(name))
+            got = _narrowed_after(defs, callee, param, depth + 1) if param else set()
+        else:
+            got = set()
+        if not got:
+            return set()
+        out |= got
+    return out
+
+
+def _fused_param_name(instrs: dict[str, Instruction], index: int) -> str | None:
+    """Name of ``parameter(index)`` in a computation (its number is the operand list)."""
+    for ins in instrs.values():
+        if ins.opcode == "parameter" and ins.operand_text.strip() == str(index):
+            return ins.name
     return None
 
 
 def _logical_buffers(
     defs: dict[str, dict[str, Instruction]], comp: str, ins: Instruction, bufs: tuple[Buffer, ...]
 ) -> tuple[Buffer, ...]:
-    """``bufs`` with each element type narrowed to its pre-``convert`` type, if any."""
+    """``bufs`` at the element types the program asked for, before XLA widened them.
+
+    The CPU backend cannot reduce or gather bf16, so float normalisation wraps such
+    collectives in converts to f32 and back. A reduction it widened calls a
+    ``*_promoted`` computation; the narrow type is the one converted from just
+    before. A widened gather is recognised by both converts: its operand comes from a
+    narrower type and every use converts the result straight back to it. A convert
+    the program asked for (``reduce_dtype="fp32"`` with bf16 compute) has neither
+    mark and is left alone.
+    """
     if len(ins.operands) != len(bufs):
         return bufs
+    to_apply = re.search(r"to_apply=%?([\w.\-]+)", ins.attrs)
+    promoted = bool(to_apply and to_apply.group(1).endswith("_promoted"))
+    back = set() if to_apply else _narrowed_after(defs, comp, ins.name)
     out = []
     for op, b in zip(ins.operands, bufs, strict=True):
-        src = _source_dtype(defs, comp, op)
-        narrower = (
-            src is not None and src.startswith(_FLOATS) and b.dtype.startswith(_FLOATS)
-            and dtype_bytes(src) < dtype_bytes(b.dtype)
-        )
-        out.append(Buffer(src, b.shape) if narrower else b)
+        sources = [
+            src for src, _ in _widening_converts(defs, comp, op) if _is_narrower_float(src, b.dtype)
+        ]
+        if promoted:
+            out.append(Buffer(min(sources, key=dtype_bytes) if sources else "bf16", b.shape))
+        elif sources and back and set(sources) & back:
+            out.append(Buffer(min(set(sources) & back, key=dtype_bytes), b.shape))
+        else:
+            out.append(b)
     return tuple(out)
 
 
@@ -717,6 +792,71 @@ def theory(
     )
 
 
+@dataclass
+class LayoutExpectation:
+    """What the engine's actual leaf layouts predict, bytes per device.
+
+    The formulas assume every element is sharded evenly. The engine pads sharded
+    leaves to a multiple of N and replicates leaves too small to shard (their
+    gradients are all-reduced: 2S instead of 2S or 3S, and every device stores
+    them whole). Counting leaf by leaf explains the gap between measurement and
+    formula exactly, which is what this is for.
+    """
+
+    persistent: float
+    comm: float
+    padded_params: int
+    replicated_params: int
+
+
+def layout_expectation(
+    layouts: list[Any],
+    n: int,
+    stage: int,
+    param_bytes: float,
+    grad_bytes: float,
+    master_bytes: float,
+    moments: int,
+    micro_batches: int = 1,
+    moment_bytes: float = 4.0,
+) -> LayoutExpectation:
+    """Leaf-by-leaf persistent bytes and traffic for the engine's layouts.
+
+    Args:
+      layouts: objects with ``shape``, ``dim`` (None: replicated) and ``padded_shape``.
+      n, stage, param_bytes, grad_bytes, master_bytes, moments, micro_batches,
+        moment_bytes: as for :func:`theory`.
+    """
+    frac = (n - 1) / n if n > 1 else 0.0
+    k = micro_batches
+    persistent = comm = 0.0
+    padded_total = replicated = 0
+    for lay in layouts:
+        size = math.prod(lay.shape)
+        if lay.dim is None:
+            replicated += size
+            padded_total += size
+            persistent += size * (param_bytes + master_bytes + moments * moment_bytes)
+            # stage 0 and 1 reduce once per step, stages 2-3 once per micro-batch (hook)
+            comm += (k if stage >= 2 else 1) * 2 * size * grad_bytes * frac
+            continue
+        padded = math.prod(lay.padded_shape)
+        padded_total += padded
+        shard = padded / n
+        params = shard if stage == 3 else size
+        state = shard if stage >= 1 else size
+        persistent += params * param_bytes + state * (master_bytes + moments * moment_bytes)
+        if stage == 0:
+            comm += 2 * size * grad_bytes * frac
+        elif stage == 1:
+            comm += padded * (grad_bytes + param_bytes) * frac
+        elif stage == 2:
+            comm += padded * (k * grad_bytes + param_bytes) * frac
+        else:
+            comm += k * padded * (grad_bytes + 2 * param_bytes) * frac
+    return LayoutExpectation(persistent, comm, padded_total, replicated)
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -728,7 +868,9 @@ class Report:
       config: stage, N, precision, dtypes, micro-batches, Ψ (logical and padded).
       persistent: measured bytes of device 0 per category (params, master,
         optimizer, other) and their total.
-      theory: the formulas' figures.
+      theory: the formulas' figures for Ψ (no padding, everything sharded).
+      expected: the same counted leaf by leaf over the engine's layouts (padding,
+        replicated small leaves), which explains any gap to ``theory``.
       compiled: the step's compiled memory (peak = argument + output + temp − alias).
       traffic: measured bytes on the wire.
       collectives: every collective found, with runs per step.
@@ -738,6 +880,7 @@ class Report:
     config: dict[str, Any]
     persistent: dict[str, int]
     theory: Theory
+    expected: LayoutExpectation
     compiled: CompiledMemory
     traffic: Traffic
     collectives: list[Collective]
@@ -750,18 +893,38 @@ class Report:
 
     @property
     def comm_ratio(self) -> float:
-        """Measured gradient/param traffic / theory; nan where theory is 0 (N = 1)."""
+        """Measured gradient/param traffic (as compiled) / theory; nan when theory is 0."""
         return self.traffic.grad_param / self.theory.comm if self.theory.comm else math.nan
+
+    @property
+    def comm_ratio_logical(self) -> float:
+        """As :attr:`comm_ratio`, at the element types the program asked for.
+
+        Differs from ``comm_ratio`` only where the backend widened a collective
+        (the CPU backend runs bf16 collectives in f32).
+        """
+        t = self.theory.comm
+        return self.traffic.grad_param_logical / t if t else math.nan
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["compiled"]["peak"] = self.compiled.peak
-        d["persistent_ratio"] = self.persistent_ratio
-        d["comm_ratio"] = None if math.isnan(self.comm_ratio) else self.comm_ratio
+        nan_none = lambda x: None if math.isnan(x) else x
+        d["ratios"] = {
+            "persistent": self.persistent_ratio,
+            "persistent_vs_layouts": self.persistent["total"] / self.expected.persistent,
+            "comm": nan_none(self.comm_ratio),
+            "comm_logical": nan_none(self.comm_ratio_logical),
+            "comm_logical_vs_layouts": (
+                self.traffic.grad_param_logical / self.expected.comm if self.expected.comm
+                else None
+            ),
+        }
         d["collectives"] = [
             {
                 "name": c.name, "kind": c.kind, "opcode": c.opcode, "computation": c.computation,
-                "buffers": [f"{b.dtype}[{','.join(map(str, b.shape))}]" for b in c.buffers],
+                "buffers": [_fmt_buffer(b) for b in c.buffers],
+                "logical_buffers": [_fmt_buffer(b) for b in c.logical_buffers],
                 "group_size": c.group_size, "num_groups": len(c.replica_groups), "runs": c.runs,
                 "bytes_per_run": c.bytes_per_run, "bytes_per_step": c.bytes_per_step,
             }
@@ -774,60 +937,64 @@ class Report:
 
     def table(self) -> str:
         """Measured vs. theory, MB = 1e6 bytes."""
-        c, t, p = self.config, self.theory, self.persistent
-        mb = lambda x: f"{x / 1e6:10.3f}"
-        ratio = lambda a, b: f"{a / b:7.3f}" if b else "      -"
+        c, t, p, e = self.config, self.theory, self.persistent, self.expected
+        mb = lambda x: f"{x / 1e6:12.4f}"
+        ratio = lambda a, b: f"{a / b:8.3f}" if b else "       -"
+        head = f"{'':<30}{'measured':>12}{'formula':>12}{'ratio':>8}{'layouts':>12}{'ratio':>8}"
         lines = [
             f"stage {c['stage']}, N = {c['num_shards']}, {c['precision']} "
-            f"(compute {c['compute_dtype']}, reduce {c['reduce_dtype']}), "
-            f"{c['micro_batches']} micro-batch(es), Ψ = {c['num_params']:,} "
-            f"(padded {c['padded_params']:,})",
+            f"(compute {c['compute_dtype']}, gradient reduce {c['reduce_dtype']}), "
+            f"{c['micro_batches']} micro-batch(es)",
+            f"Ψ = {c['num_params']:,} (stored {e.padded_params:,} with padding; "
+            f"{e.replicated_params:,} in replicated small leaves); {t.moments} optimizer "
+            "moment(s) per param",
             "",
-            f"{'per device (MB)':<28}{'measured':>10}{'theory':>10}{'ratio':>8}",
-            f"{'working params':<28}{mb(p['params'])}{mb(t.params)}{ratio(p['params'], t.params)}",
-            f"{'fp32 master':<28}{mb(p['master'])}{mb(t.master)}{ratio(p['master'], t.master)}",
-            f"{'optimizer state':<28}{mb(p['optimizer'])}{mb(t.optimizer)}"
+            "persistent memory per device (MB)",
+            head,
+            f"{'working params':<30}{mb(p['params'])}{mb(t.params)}"
+            f"{ratio(p['params'], t.params)}",
+            f"{'fp32 master':<30}{mb(p['master'])}{mb(t.master)}{ratio(p['master'], t.master)}",
+            f"{'optimizer state':<30}{mb(p['optimizer'])}{mb(t.optimizer)}"
             f"{ratio(p['optimizer'], t.optimizer)}",
-            f"{'other (step, counters)':<28}{mb(p['other'])}{mb(0)}{'':>8}",
-            f"{'persistent total':<28}{mb(p['total'])}{mb(t.persistent)}"
-            f"{ratio(p['total'], t.persistent)}",
-            f"{'+ gradients (theory)':<28}{'':>10}{mb(t.model_states)}",
+            f"{'other (step, counters)':<30}{mb(p['other'])}",
+            f"{'total':<30}{mb(p['total'])}{mb(t.persistent)}{ratio(p['total'], t.persistent)}"
+            f"{mb(e.persistent)}{ratio(p['total'], e.persistent)}",
+            f"{'+ gradients (formula)':<30}{'':>12}{mb(t.model_states)}",
             "",
-            f"{'compiled step (MB)':<28}{'argument':>10}{'output':>10}{'temp':>10}"
-            f"{'alias':>10}{'peak':>10}",
-            f"{'':<28}{mb(self.compiled.argument)}{mb(self.compiled.output)}"
+            "compiled step per device (MB)",
+            f"{'':<30}{'argument':>12}{'output':>12}{'temp':>12}{'alias':>12}{'peak':>12}",
+            f"{'':<30}{mb(self.compiled.argument)}{mb(self.compiled.output)}"
             f"{mb(self.compiled.temp)}{mb(self.compiled.alias)}{mb(self.compiled.peak)}",
             "",
-            f"{'communication per step (MB)':<28}{'measured':>10}{'theory':>10}{'ratio':>8}",
-            f"{'gradients + params':<28}{mb(self.traffic.grad_param)}{mb(t.comm)}"
+            "communication per device per step (MB on the wire, ring)",
+            head,
+            f"{'gradients + params':<30}{mb(self.traffic.grad_param)}{mb(t.comm)}"
             f"{ratio(self.traffic.grad_param, t.comm)}",
         ]
+        if self.traffic.grad_param_logical != self.traffic.grad_param:
+            lines.append(
+                f"{'  at the program dtypes':<30}{mb(self.traffic.grad_param_logical)}{mb(t.comm)}"
+                f"{ratio(self.traffic.grad_param_logical, t.comm)}{mb(e.comm)}"
+                f"{ratio(self.traffic.grad_param_logical, e.comm)}"
+            )
+        else:
+            lines[-1] += f"{mb(e.comm)}{ratio(self.traffic.grad_param, e.comm)}"
         for kind, b in sorted(self.traffic.by_kind.items()):
-            lines.append(f"{'  ' + kind:<28}{mb(b)}")
-        lines.append(f"{'scalars (loss, norms)':<28}{mb(self.traffic.scalars)}")
+            lines.append(f"{'  ' + kind:<30}{mb(b)}")
+        lines.append(f"{'scalars (loss, norms)':<30}{mb(self.traffic.scalars)}")
         lines += ["", f"collectives: {self.traffic.ops} ops, {self.traffic.runs} runs per step"]
         for col in self.collectives:
-            shapes = " ".join(f"{b.dtype}[{','.join(map(str, b.shape))}]" for b in col.buffers)
+            shapes = " ".join(_fmt_buffer(b) for b in col.buffers)
             lines.append(
-                f"  {col.kind:<18} x{col.runs:<4} N={col.group_size:<3} {shapes[:60]:<60}"
-                f"{mb(col.bytes_per_step)} MB"
+                f"  {col.kind:<18} x{col.runs:<4} N={col.group_size:<3} {shapes[:48]:<48}"
+                f"{mb(col.bytes_per_step)}"
             )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
-def _padded_params(layouts: Any) -> int:
-    """Ψ as stored: padded shape for sharded leaves, logical shape for replicated ones."""
-    import jax
-
-    from jaxzero.partition import LeafLayout
-
-    leaves = jax.tree.leaves(layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
-    total = 0
-    for lay in leaves:
-        shape = lay.padded_shape if lay.dim is not None else lay.shape
-        total += int(math.prod(shape))
-    return total
+def _fmt_buffer(b: Buffer) -> str:
+    return f"{b.dtype}[{','.join(map(str, b.shape))}]"
 
 
 def _itemsize(dtype: Any) -> int:
@@ -854,16 +1021,17 @@ def report(
       scalar_elements: buffers with fewer elements count as scalars.
       compiled: an already compiled step, to skip compiling again.
     """
-    mesh_dev0 = None
-    mesh = getattr(engine, "mesh", None)
-    if mesh is not None:
-        mesh_dev0 = mesh.devices.flat[0]
+    import jax
+
+    from jaxzero.partition import is_layout
+
+    dev0 = engine.mesh.devices.flat[0]
     persistent = {
-        "params": device0_bytes(state.params, mesh_dev0),
-        "master": device0_bytes(state.master, mesh_dev0),
-        "optimizer": device0_bytes(state.opt_state, mesh_dev0),
+        "params": device0_bytes(state.params, dev0),
+        "master": device0_bytes(state.master, dev0),
+        "optimizer": device0_bytes(state.opt_state, dev0),
     }
-    whole = device0_bytes(state, mesh_dev0)
+    whole = device0_bytes(state, dev0)
     persistent["other"] = whole - sum(persistent.values())
     persistent["total"] = whole
 
@@ -872,33 +1040,42 @@ def report(
     tr = traffic(hlo.collectives, scalar_elements)
 
     psi = int(engine.num_params)
-    padded = _padded_params(engine.layouts)
-    param_bytes = _itemsize(engine.compute_dtype)
-    grad_bytes = _itemsize(engine.reduce_dtype or engine.compute_dtype)
-    has_master = state.master is not None
+    reduce_dtype = engine.reduce_dtype or engine.compute_dtype
+    param_bytes, grad_bytes = _itemsize(engine.compute_dtype), _itemsize(reduce_dtype)
+    master_bytes = 4.0 if state.master is not None else 0.0
     moments = count_moments(state.opt_state, state.params)
+    n, k = engine.num_shards, engine.micro_batches
+    th = theory(psi, n, engine.stage, param_bytes, grad_bytes, master_bytes, moments, k)
+    layouts = jax.tree.leaves(engine.layouts, is_leaf=is_layout)
+    ex = layout_expectation(
+        layouts, n, engine.stage, param_bytes, grad_bytes, master_bytes, moments, k
+    )
     notes = list(hlo.notes)
     if moments == 0:
         notes.append("no params-shaped moments found in the optimizer state; theory assumes none")
-    th = theory(
-        psi, engine.num_shards, engine.stage, param_bytes, grad_bytes,
-        4.0 if has_master else 0.0, moments, engine.micro_batches,
-    )
-    if padded != psi:
+    if ex.padded_params != psi:
         notes.append(
-            f"padding to multiples of N stores {padded - psi:,} extra elements "
-            f"({100 * (padded / psi - 1):.2f}% of Ψ); sharded traffic and memory scale with "
-            f"the padded size"
+            f"padding to multiples of N stores {ex.padded_params - psi:,} extra elements "
+            f"({100 * (ex.padded_params / psi - 1):.3f}% of Ψ); sharded memory and traffic "
+            "grow with it (the 'layouts' column counts it)"
+        )
+    if ex.replicated_params:
+        notes.append(
+            f"{ex.replicated_params:,} params sit in leaves too small to shard: replicated, "
+            "their gradients all-reduced (the 'layouts' column counts them)"
         )
     config = {
         "stage": engine.stage,
-        "num_shards": engine.num_shards,
+        "num_shards": n,
+        "devices": int(engine.mesh.devices.size),
         "precision": engine.precision,
         "compute_dtype": str(np.dtype(engine.compute_dtype)),
-        "reduce_dtype": str(np.dtype(engine.reduce_dtype or engine.compute_dtype)),
-        "micro_batches": engine.micro_batches,
+        "reduce_dtype": str(np.dtype(reduce_dtype)),
+        "micro_batches": k,
         "num_params": psi,
-        "padded_params": padded,
+        "padded_params": ex.padded_params,
         "scalar_elements": scalar_elements,
     }
-    return Report(config, persistent, th, compiled_memory(compiled), tr, hlo.collectives, notes)
+    return Report(
+        config, persistent, th, ex, compiled_memory(compiled), tr, hlo.collectives, notes
+    )

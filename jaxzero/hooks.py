@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -132,3 +133,51 @@ def use_params(tree: Any) -> Any:
       (3,)
     """
     return jax.tree.map(_use_leaf, tree, is_leaf=lambda x: isinstance(x, Stored))
+
+
+# The gather inlines into all_gather (+ a slice dropping padding); views of it are cheap.
+# Not saving any of them leaves only the stored slice as the residual, so the backward
+# pass gathers again.
+_REGATHER = {"all_gather", "slice", "dynamic_slice", "reshape", "transpose", "squeeze",
+             "broadcast_in_dim", "convert_element_type", "expand_dims"}
+
+
+def regather_policy(base: Callable[..., bool] | None = None) -> Callable[..., bool]:
+    """A remat policy that never saves gathered params (and otherwise follows ``base``).
+
+    ``base=None`` saves every other value, so only the gathers (and cheap views)
+    are redone in the backward pass.
+    """
+
+    def policy(prim, *args, **params) -> bool:
+        name = getattr(prim, "name", "")
+        if name in _REGATHER or name == "name" and params.get("name") == GATHERED:
+            return False
+        return True if base is None else base(prim, *args, **params)
+
+    return policy
+
+
+def _gathers(tree: Any) -> bool:
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Stored))
+    return any(isinstance(x, Stored) and x.op.gather for x in leaves)
+
+
+def remat_layer(fn: Callable, policy: Callable[..., bool] | None = None) -> Callable:
+    """Wrap a layer that calls :func:`use_params` so stage 3 re-gathers in the backward.
+
+    Without it, the backward pass of a scanned layer keeps every layer's gathered
+    params alive from the forward pass, which is no memory saving at all. ``policy``
+    is the layer's own activation checkpointing policy (None: save activations).
+    The wrapper only remats when its arguments hold params to gather (stage 3).
+    """
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        if _gathers(args):
+            return jax.checkpoint(fn, policy=regather_policy(policy))(*args)
+        if policy is not None:
+            return jax.checkpoint(fn, policy=policy)(*args)
+        return fn(*args)
+
+    return wrapped

@@ -1,0 +1,372 @@
+"""Token corpora and a deterministic, resumable, per-process batch loader.
+
+Two on-disk formats are read: raw bytes (any text; vocab 256, no tokenizer to
+install) and nanoGPT-style token files, a flat ``uint16`` array written with
+``ndarray.tofile`` (``train.bin``/``val.bin``), read through ``np.memmap`` so
+a corpus of billions of tokens costs no RAM. With no path, the corpus is this
+Python's own standard library sources: every machine that can run jaxzero has it.
+
+Batches are windows of ``seq_len + 1`` tokens at offsets drawn from
+``numpy.random.default_rng((seed, step))``. The batch of a step is therefore a
+pure function of ``(seed, step)``: the loader's whole position is one integer,
+which makes save/restore exact, and a process computes all ``B`` offsets (cheap)
+but reads only the rows its devices hold.
+
+Why not grain: grain gives deterministic, checkpointable, per-process-sharded
+pipelines with worker processes, and is the right tool for record datasets
+with decoding and augmentation. Here a "record" is a random crop of one flat
+token array, reading it is a memmap slice, and the state is one integer; grain
+would add a dependency and worker machinery (and its record-index sampling
+does not express random crops of a stream) for nothing this module lacks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from jaxzero.config import DataConfig
+
+TOKEN_SUFFIX = ".bin"  # nanoGPT's uint16 token files
+Kind = Literal["bytes", "uint16"]
+
+
+class DataError(ValueError):
+    """A data problem the user must fix; its message is one line."""
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A train and a validation token stream, and how to read them.
+
+    Attributes:
+      train: 1-D ``uint8`` (bytes) or ``uint16`` array, possibly a memmap.
+      val: like ``train``, held out.
+      kind: ``"bytes"`` or ``"uint16"``.
+      vocab_size: tokens are in ``[0, vocab_size)``.
+      source: a short human description (for logs and the run config).
+    """
+
+    train: np.ndarray
+    val: np.ndarray
+    kind: Kind
+    vocab_size: int
+    source: str
+
+
+# --------------------------------------------------------------------------- reading
+
+
+STDLIB_SKIP = frozenset(
+    {
+        "site-packages",
+        "dist-packages",
+        "__pycache__",
+        "test",
+        "tests",
+        "idle_test",
+        "encodings",
+        "pydoc_data",
+    }
+)  # third-party code, test suites, and generated tables (codecs, pydoc topics)
+
+
+def stdlib_files() -> list[Path]:
+    """This interpreter's stdlib ``*.py`` files in a fixed pseudo-random order.
+
+    Files are ordered by a hash of their relative path: a fixed shuffle, so a
+    few-MB prefix samples the whole library (and the held-out tail is whole
+    modules from all over it) rather than the modules whose names start with "a".
+    Test suites and generated tables are skipped: they are repetitive enough to
+    make a validation loss look better than the model is.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in STDLIB_SKIP]
+        files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
+    key = lambda p: hashlib.sha256(p.relative_to(root).as_posix().encode()).hexdigest()
+    return sorted(files, key=key)
+
+
+def text_files(directory: Path) -> list[Path]:
+    """Non-hidden regular files under ``directory`` that look like text, sorted."""
+    files = []
+    for p in sorted(directory.rglob("*")):
+        rel = p.relative_to(directory).parts
+        if p.is_file() and not any(part.startswith(".") for part in rel) and _is_text(p):
+            files.append(p)
+    return files
+
+
+def _is_text(path: Path) -> bool:
+    """Binary files (a NUL byte in the first 8 KiB) are skipped, like ``grep -I``."""
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(8192)
+
+
+def concat_files(files: list[Path], max_bytes: int) -> np.ndarray:
+    """The first ``max_bytes`` bytes of ``files`` joined, each ending in a newline."""
+    chunks, total = [], 0
+    for path in files:
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            data += b"\n"
+        chunks.append(data[: max_bytes - total])
+        total += len(chunks[-1])
+        if total >= max_bytes:
+            break
+    return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+
+
+def read_tokens(path: Path) -> np.ndarray:
+    """A ``uint16`` token file as a read-only memmap (an empty file gives an empty array)."""
+    if path.stat().st_size % 2:
+        raise DataError(f"token file {str(path)!r} has an odd number of bytes: not uint16 tokens")
+    if path.stat().st_size == 0:
+        return np.zeros(0, np.uint16)
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def write_tokens(path: str | Path, tokens: np.ndarray) -> None:
+    """Writes tokens as a nanoGPT-style ``uint16`` file (values must fit in 16 bits)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.uint16).max):
+        raise DataError(f"tokens must be in [0, 65535] for a uint16 file, got {tokens.max()}")
+    tokens.astype(np.uint16).tofile(path)
+
+
+def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """The head for training, the last ``val_fraction`` held out (a fixed split, no shuffle).
+
+    A tail split keeps validation text unseen as whole files, rather than windows
+    interleaved with training windows that share most of their bytes.
+    """
+    n_val = max(1, int(round(len(tokens) * val_fraction)))
+    return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
+
+
+def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
+    """Reads the corpus ``cfg`` names.
+
+    Args:
+      cfg: ``path`` None (stdlib sources), a text file, a directory of text
+        files, a ``.bin`` token file, or a directory holding ``train.bin`` (and
+        optionally ``val.bin``). ``format`` forces bytes or uint16 reading.
+      vocab_size: for uint16 data, the model's vocab; None scans for the largest token.
+
+    Returns:
+      The train/validation :class:`Corpus`.
+
+    Raises:
+      DataError: the path does not exist, or holds no tokens.
+    """
+    if cfg.path is None:
+        files = stdlib_files()
+        source = f"python stdlib sources ({sysconfig.get_paths()['stdlib']})"
+        return _bytes_corpus(concat_files(files, cfg.max_bytes), cfg, source)
+    path = Path(cfg.path).expanduser()
+    if not path.exists():
+        raise DataError(f"data path {str(path)!r} does not exist")
+    if path.is_dir():
+        if (path / "train.bin").is_file() and cfg.format != "bytes":
+            train = read_tokens(path / "train.bin")
+            val_path = path / "val.bin"
+            if val_path.is_file():
+                return _token_corpus(train, read_tokens(val_path), vocab_size, str(path))
+            return _token_corpus(*split(train, cfg.val_fraction), vocab_size, str(path))
+        files = text_files(path)
+        if not files:
+            raise DataError(f"data directory {str(path)!r} holds no text files")
+        return _bytes_corpus(
+            concat_files(files, cfg.max_bytes), cfg, f"{len(files)} files in {path}"
+        )
+    if cfg.format == "uint16" or (cfg.format == "auto" and path.suffix == TOKEN_SUFFIX):
+        return _token_corpus(*split(read_tokens(path), cfg.val_fraction), vocab_size, str(path))
+    return _bytes_corpus(
+        np.memmap(path, np.uint8, "r") if path.stat().st_size else np.zeros(0, np.uint8),
+        cfg,
+        str(path),
+    )
+
+
+def _bytes_corpus(data: np.ndarray, cfg: DataConfig, source: str) -> Corpus:
+    if len(data) < 2:
+        raise DataError(f"corpus {source} is empty ({len(data)} bytes)")
+    train, val = split(data, cfg.val_fraction)
+    return Corpus(train, val, "bytes", 256, source)
+
+
+def _token_corpus(
+    train: np.ndarray, val: np.ndarray, vocab_size: int | None, source: str
+) -> Corpus:
+    if len(train) == 0 or len(val) == 0:
+        raise DataError(f"token corpus {source} is empty (train {len(train)}, val {len(val)})")
+    top = max(_max_token(train), _max_token(val)) + 1
+    if vocab_size is not None and top > vocab_size:
+        raise DataError(
+            f"token corpus {source} holds token {top - 1} >= model.vocab_size {vocab_size}"
+        )
+    return Corpus(train, val, "uint16", vocab_size or top, source)
+
+
+def _max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
+    """Largest token, read in chunks so a memmap never materialises whole."""
+    return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))
+
+
+def decode(tokens: np.ndarray, kind: Kind) -> str:
+    """Text of byte tokens; uint16 ids have no tokenizer here, so they are printed as ids."""
+    tokens = np.asarray(tokens).reshape(-1)
+    if kind == "bytes":
+        return bytes(tokens.astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+    return " ".join(str(int(t)) for t in tokens)
+
+
+def encode(text: str, kind: Kind) -> np.ndarray:
+    """Byte tokens of ``text``; for uint16 data (no tokenizer) an empty prompt."""
+    if kind == "bytes":
+        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+    return np.zeros(0, np.int32)
+
+
+# --------------------------------------------------------------------------- batching
+
+
+def check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
+    """A window needs ``seq_len + 1`` tokens (inputs and shifted targets)."""
+    if len(tokens) < seq_len + 1:
+        raise DataError(
+            f"model.seq_len={seq_len} needs at least {seq_len + 1} tokens, but the "
+            f"{what} split has {len(tokens)}"
+        )
+
+
+def offsets(num_tokens: int, seq_len: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+    """Start offsets of the ``batch_size`` windows of global step ``step`` (all processes agree)."""
+    rng = np.random.default_rng((seed, step))
+    return rng.integers(0, num_tokens - seq_len, size=batch_size, dtype=np.int64)
+
+
+def read_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """``{"inputs", "targets"}`` int32 ``[len(starts), seq_len]``: windows and their shift."""
+    rows = (
+        np.stack([np.asarray(tokens[s : s + seq_len + 1]) for s in starts])
+        if len(starts)
+        else np.zeros((0, seq_len + 1), tokens.dtype)
+    )
+    rows = rows.astype(np.int32)
+    return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+
+
+def process_rows(device_rows: Mapping[Any, Any], batch_size: int) -> dict[int, slice]:
+    """Which contiguous rows of the global batch each process must supply.
+
+    Args:
+      device_rows: ``sharding.devices_indices_map((batch_size, seq_len))``: for
+        each device (anything with ``process_index``), its index tuple.
+      batch_size: global rows.
+
+    Returns:
+      ``{process_index: slice}``. Raises if a process's rows are not contiguous,
+      which ``make_array_from_process_local_data`` needs.
+    """
+    held: dict[int, set[int]] = {}
+    for device, index in device_rows.items():
+        rows = range(*index[0].indices(batch_size))
+        held.setdefault(device.process_index, set()).update(rows)
+    out = {}
+    for proc, rows in sorted(held.items()):
+        lo, hi = min(rows), max(rows) + 1
+        if len(rows) != hi - lo:
+            raise ValueError(f"process {proc} holds non-contiguous batch rows {sorted(rows)}")
+        out[proc] = slice(lo, hi)
+    return out
+
+
+class Loader:
+    """Deterministic batches of a token stream, resumable from :meth:`state_dict`.
+
+    Args:
+      tokens: the 1-D token array (a split of a :class:`Corpus`).
+      seq_len: tokens per row.
+      batch_size: global rows per step.
+      seed: with the step, determines every batch.
+      rows: the rows of the global batch this process reads (default: all).
+
+    Example:
+      >>> loader = Loader(np.arange(100, dtype=np.uint16), seq_len=4, batch_size=2, seed=0)
+      >>> first = next(loader)["inputs"]
+      >>> loader.load_state_dict({"step": 0, "seed": 0})
+      >>> bool((next(loader)["inputs"] == first).all())
+      True
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        rows: slice = slice(None),
+    ):
+        check_length(tokens, seq_len, "training")
+        self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
+        self.rows = rows
+        self.step = 0
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of the global batch of ``step`` (pure: no position change)."""
+        starts = offsets(len(self.tokens), self.seq_len, self.batch_size, self.seed, step)
+        return read_windows(self.tokens, starts[self.rows], self.seq_len)
+
+    def __iter__(self) -> Loader:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        out = self.batch(self.step)
+        self.step += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: the next step to read, and the seed (with the corpus size, to check)."""
+        return {"step": self.step, "seed": self.seed, "num_tokens": len(self.tokens)}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Restores a position from :meth:`state_dict`; refuses a different corpus."""
+        if "num_tokens" in state and int(state["num_tokens"]) != len(self.tokens):
+            raise DataError(
+                f"loader state is for a corpus of {state['num_tokens']} tokens, "
+                f"this one has {len(self.tokens)}"
+            )
+        self.seed, self.step = int(state["seed"]), int(state["step"])
+
+
+def eval_starts(num_tokens: int, seq_len: int, batch_size: int, num_batches: int) -> np.ndarray:
+    """Evenly spaced window offsets over the whole split, ``[num_batches, batch_size]``.
+
+    The same windows every evaluation, spread over all of the validation text,
+    so validation curves compare like with like across steps and runs.
+    """
+    total = num_batches * batch_size
+    return (
+        np.linspace(0, num_tokens - seq_len - 1, total)
+        .astype(np.int64)
+        .reshape(num_batches, batch_size)
+    )
+
+
+def eval_batches(
+    tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int, rows: slice = slice(None)
+) -> list[dict[str, np.ndarray]]:
+    """This process's rows of the fixed validation batches."""
+    check_length(tokens, seq_len, "validation")
+    starts = eval_starts(len(tokens), seq_len, batch_size, num_batches)
+    return [read_windows(tokens, s[rows], seq_len) for s in starts]

@@ -1,0 +1,183 @@
+"""The reference GPT: a pre-LN decoder in Flax Linen, blocks stacked and scanned.
+
+The model knows one thing about sharding: it passes each layer's params through
+:func:`jaxzero.use_params` right where the layer uses them. Blocks are stacked
+along a leading layer dim and run with ``lax.scan``, so stage 3 gathers one block
+at a time and the compiled program has one block body whatever the depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxzero.hooks import remat_layer, use_params
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the model. ``d_ff`` defaults to ``4 * d_model``."""
+
+    vocab_size: int = 256
+    seq_len: int = 128
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int | None = None
+    tie_embeddings: bool = True
+    remat: str = "none"  # activation checkpointing of each block: none | full | dots
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}"
+            )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat {self.remat!r}: use one of {list(REMAT_POLICIES)}")
+
+    @property
+    def ff(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, x_BxSxD.dtype
+        b, s, d = x_BxSxD.shape
+        h, dh = cfg.n_heads, d // cfg.n_heads
+        init = nn.initializers.normal(0.02)
+        out_init = nn.initializers.normal(0.02 / np.sqrt(2 * cfg.n_layers))
+        y = nn.LayerNorm(dtype=dt, name="ln1")(x_BxSxD)
+        qkv_BxSx3D = nn.Dense(3 * d, dtype=dt, kernel_init=init, name="qkv")(y)
+        q, k, v = jnp.split(qkv_BxSx3D.reshape(b, s, 3 * h, dh), 3, axis=2)
+        att_BxSxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        x_BxSxD = x_BxSxD + nn.Dense(d, dtype=dt, kernel_init=out_init, name="proj")(
+            att_BxSxHxK.reshape(b, s, d))
+        y = nn.LayerNorm(dtype=dt, name="ln2")(x_BxSxD)
+        y_BxSxF = nn.gelu(nn.Dense(cfg.ff, dtype=dt, kernel_init=init, name="fc")(y))
+        return x_BxSxD + nn.Dense(d, dtype=dt, kernel_init=out_init, name="out")(y_BxSxF)
+
+
+class GPT:
+    """Token + position embeddings, ``n_layers`` scanned blocks, final LN, LM head.
+
+    Params (a plain nested dict)::
+
+        wte          V x D   token embedding (also the head when tied)
+        wpe          S x D   position embedding
+        blocks/...   L x ... one stacked leaf per block param (ln1, qkv, proj, ln2, fc, out)
+        ln_f/scale, ln_f/bias      D
+        head/kernel  D x V   (untied only)
+
+    Example:
+      >>> model = GPT(GPTConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2))
+      >>> params = model.init(jax.random.key(0))
+      >>> model.apply(params, jnp.zeros((1, 8), jnp.int32)).shape
+      (1, 8, 256)
+    """
+
+    def __init__(self, config: GPTConfig):
+        self.config = config
+        self.block = Block(config)
+
+    def init(self, rng: jax.Array) -> dict[str, Any]:
+        """Fresh fp32 params (pure: ``Engine.init_from`` runs it sharded from birth)."""
+        c = self.config
+        k_tok, k_pos, k_blocks, k_head = jax.random.split(rng, 4)
+        x = jnp.zeros((1, c.seq_len, c.d_model), jnp.float32)
+        blocks = jax.vmap(lambda k: self.block.init(k, x)["params"])(
+            jax.random.split(k_blocks, c.n_layers))
+        params = {
+            "wte": 0.02 * jax.random.normal(k_tok, (c.vocab_size, c.d_model)),
+            "wpe": 0.01 * jax.random.normal(k_pos, (c.seq_len, c.d_model)),
+            "blocks": blocks,
+            "ln_f": {"scale": jnp.ones(c.d_model), "bias": jnp.zeros(c.d_model)},
+        }
+        if not c.tie_embeddings:
+            params["head"] = {"kernel": 0.02 * jax.random.normal(k_head, (c.d_model,
+                                                                          c.vocab_size))}
+        return params
+
+    def apply(self, params: dict[str, Any], tokens_BxS: jax.Array) -> jax.Array:
+        """Logits (fp32) for every position."""
+        c = self.config
+        s = tokens_BxS.shape[1]
+        if s > c.seq_len:
+            raise ValueError(f"sequence of {s} tokens is longer than seq_len {c.seq_len}")
+        emb = use_params({"wte": params["wte"], "wpe": params["wpe"]})
+        x_BxSxD = emb["wte"][tokens_BxS] + emb["wpe"][:s]
+
+        def layer(x, p):
+            return self.block.apply({"params": use_params(p)}, x), None
+
+        layer = remat_layer(layer, REMAT_POLICIES[c.remat])  # stage 3: re-gather in backward
+        x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, params["blocks"])
+        ln_f = use_params(params["ln_f"])
+        x_BxSxD = nn.LayerNorm(dtype=x_BxSxD.dtype).apply({"params": ln_f}, x_BxSxD)
+        head_DxV = emb["wte"].T if c.tie_embeddings else use_params(params["head"])["kernel"]
+        return jnp.einsum("bsd,dv->bsv", x_BxSxD, head_DxV).astype(jnp.float32)
+
+    def loss_fn(self, params: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
+        """Mean next-token cross-entropy (nats per token) of ``batch["inputs"/"targets"]``."""
+        logits_BxSxV = self.apply(params, batch["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits_BxSxV, batch["targets"]).mean()
+
+    def engine(self, optimizer: optax.GradientTransformation | None = None, **kwargs):
+        """An :class:`jaxzero.Engine` for this model, with per-layer gathering."""
+        from jaxzero.engine import Engine
+
+        kwargs.setdefault("per_layer", True)
+        kwargs.setdefault("stacked", r"^blocks/")
+        return Engine(self.loss_fn, optimizer, **kwargs)
+
+    @staticmethod
+    def num_params(params: Any) -> int:
+        return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
+
+    def flops_per_token(self, num_params: int | None = None) -> float:
+        """Training FLOPs per token: 6·N (matmuls, fwd+bwd) + 12·L·D·S (attention)."""
+        c = self.config
+        if num_params is None:
+            num_params = self.num_params(jax.eval_shape(self.init, jax.random.key(0)))
+        return 6.0 * num_params + 12.0 * c.n_layers * c.d_model * c.seq_len
+
+    def generate(self, params: Any, prompt: np.ndarray, max_new_tokens: int, rng: jax.Array,
+                 temperature: float = 0.8) -> np.ndarray:
+        """Sample ``max_new_tokens`` after ``prompt`` (int array ``[1, P]``), sliding window."""
+        s = self.config.seq_len
+        params = jax.tree.map(jnp.asarray, params)
+
+        @jax.jit
+        def next_token(window_1xS, pos, key):
+            logits = self.apply(params, window_1xS)[0, pos] / max(temperature, 1e-6)
+            return jax.random.categorical(key, logits)
+
+        tokens = list(np.asarray(prompt).reshape(-1)) or [0]
+        for _ in range(max_new_tokens):
+            ctx = tokens[-s:]
+            window = np.zeros((1, s), np.int32)
+            window[0, : len(ctx)] = ctx
+            rng, key = jax.random.split(rng)
+            tokens.append(int(next_token(window, len(ctx) - 1, key)))
+        return np.asarray(tokens, np.int32)[None]
