@@ -434,7 +434,7 @@ def _full_buffers(
     return tuple(bufs)
 
 
-_PASS_THROUGH = ("bitcast", "copy", "reshape", "transpose", "dynamic-slice", "slice")
+_LAYOUT_OPS = ("bitcast", "copy", "reshape", "transpose")
 _FLOATS = ("f8", "f16", "bf16", "f32", "f64")
 
 
@@ -501,7 +501,7 @@ def _narrowed_after(
     for u in users:
         if u.opcode == "convert" and _is_narrower_float(_first_dtype(u), dtype or "f32"):
             got = {_first_dtype(u)}
-        elif u.opcode == "get-tuple-element":
+        elif u.opcode == "get-tuple-element" or u.opcode in _LAYOUT_OPS:
             got = _narrowed_after(defs, comp, u.name, depth + 1)
         elif u.opcode == "fusion" and (callee := _callee(u)) in defs:
             param = _fused_param_name(defs[callee], u.operands.index(name))
