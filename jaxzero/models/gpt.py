@@ -68,7 +68,8 @@ class Block(nn.Module):
         init = nn.initializers.normal(0.02)
         out_init = nn.initializers.normal(0.02 / np.sqrt(2 * cfg.n_layers))
         y = nn.LayerNorm(dtype=dt, name="ln1")(x_BxSxD)
-        qkv_BxSx3D = nn.Dense(3 * d, dtype=dt, kernel_init=init, name="qkv")(y)
+        # no qkv bias: the key bias has no gradient (softmax ignores it), only noise
+        qkv_BxSx3D = nn.Dense(3 * d, dtype=dt, use_bias=False, kernel_init=init, name="qkv")(y)
         q, k, v = jnp.split(qkv_BxSx3D.reshape(b, s, 3 * h, dh), 3, axis=2)
         att_BxSxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         x_BxSxD = x_BxSxD + nn.Dense(d, dtype=dt, kernel_init=out_init, name="proj")(

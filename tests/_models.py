@@ -1,0 +1,83 @@
+"""Small models and a single-device reference trainer shared by the tests."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxzero.models.gpt import GPT, GPTConfig
+
+TINY_GPT = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=2, n_heads=2)
+
+
+def mlp_params(seed: int = 0) -> dict:
+    """An MLP whose dimensions are not divisible by 8, plus a scalar leaf."""
+    rng = np.random.default_rng(seed)
+    return {
+        "w1": (0.3 * rng.standard_normal((37, 53))).astype(np.float32),
+        "b1": np.zeros(53, np.float32),
+        "w2": (0.3 * rng.standard_normal((53, 11))).astype(np.float32),
+        "b2": np.zeros(11, np.float32),
+        "scale": np.ones((), np.float32),
+    }
+
+
+def mlp_loss(p, batch):
+    h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])
+    return jnp.mean((p["scale"] * (h @ p["w2"] + p["b2"]) - batch["y"]) ** 2)
+
+
+def mlp_batches(n: int, batch: int = 16, seed: int = 1) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((batch, 37)).astype(np.float32),
+             "y": rng.standard_normal((batch, 11)).astype(np.float32)} for _ in range(n)]
+
+
+def gpt_batches(n: int, batch: int = 16, cfg: GPTConfig = TINY_GPT, seed: int = 1) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        t = rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len + 1)).astype(np.int32)
+        out.append({"inputs": t[:, :-1], "targets": t[:, 1:]})
+    return out
+
+
+def gpt(cfg: GPTConfig = TINY_GPT):
+    model = GPT(cfg)
+    return model, jax.tree.map(np.asarray, model.init(jax.random.key(0)))
+
+
+def train_reference(loss_fn, params, batches, tx):
+    """Plain single-device training: the answer every stage must reproduce."""
+
+    @jax.jit
+    def step(p, s, b):
+        loss, g = jax.value_and_grad(loss_fn)(p, b)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    p = jax.tree.map(jnp.asarray, params)
+    s, losses = tx.init(p), []
+    for b in batches:
+        p, s, loss = step(p, s, b)
+        losses.append(float(loss))
+    return np.array(losses), jax.tree.map(np.asarray, p)
+
+
+def train_engine(engine, params, batches):
+    state = engine.init(params)
+    losses = []
+    for b in batches:
+        state, metrics = engine.step(state, b)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), engine.gather_params(state), state
+
+
+def rel_diff(a, b) -> float:
+    """Largest per-leaf ||a - b|| / ||b|| over two pytrees (or arrays)."""
+    diffs = jax.tree.map(
+        lambda x, y: float(np.linalg.norm(np.asarray(x, np.float64) - y)
+                           / max(np.linalg.norm(np.asarray(y, np.float64)), 1e-30)), a, b)
+    return max(jax.tree.leaves(diffs))
