@@ -1,0 +1,250 @@
+"""Where a run's numbers go: JSONL, TensorBoard, a progress bar or plain lines, and MFU.
+
+Every writer here is inert on processes other than 0, so the training loop
+calls them unconditionally and multi-process runs print and write once.
+The JSONL file is the source of truth (``jaxzero plot`` reads it); TensorBoard
+gets the same scalars for people who live there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+
+# Dense bf16 peak FLOP/s per chip, matched against ``device.device_kind``; nominal figures
+# from vendor data sheets. Unknown kinds get no MFU unless train.peak_flops_per_device is set.
+PEAK_FLOPS = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L4", 121e12),
+    ("V100", 125e12),
+    ("TPU v4", 275e12),
+    ("TPU v5 lite", 197e12),
+    ("TPU v5e", 197e12),
+    ("TPU v5p", 459e12),
+    ("TPU v6", 918e12),
+)
+CPU_FLOPS_PER_CORE = 50e9  # nominal: AVX2/AVX-512 FMA fp32 at ~2-3 GHz, order of magnitude only
+
+
+class MetricsWriter:
+    """Appends one JSON record per logged step to ``metrics.jsonl`` and mirrors it to TensorBoard.
+
+    Args:
+      run_dir: the run directory, or None to write nothing (processes other than 0).
+      tensorboard: also write tensorboardX event files into ``run_dir``.
+    """
+
+    def __init__(self, run_dir: Path | None, tensorboard: bool = True):
+        self._file: TextIO | None = None
+        self._tb = None
+        if run_dir is None:
+            return
+        self._file = open(run_dir / METRICS_FILE, "a")
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(logdir=str(run_dir))
+
+    def text(self, tag: str, text: str) -> None:
+        """A text blob in TensorBoard (the resolved config, the final sample)."""
+        if self._tb is not None:
+            self._tb.add_text(tag, f"```\n{text}\n```")
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Writes ``record`` (which has an int ``step``); non-finite floats become null."""
+        if self._file is None:
+            return
+        clean = {k: _jsonable(v) for k, v in record.items()}
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in clean.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, global_step=int(record["step"]))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        self._file = self._tb = None
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a metrics file, skipping blank lines."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps({k: _jsonable(v) for k, v in data.items()}, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- console
+
+
+def format_duration(seconds: float) -> str:
+    """``"1h02m"``, ``"3m05s"`` or ``"12.3s"``."""
+    if seconds >= 3600:
+        return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+    if seconds >= 60:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{seconds:.1f}s"
+
+
+def format_record(record: Mapping[str, Any], total_steps: int) -> str:
+    """One plain log line of a metrics record."""
+    parts = [f"step {record['step']:>{len(str(total_steps))}}/{total_steps}"]
+    if record.get("loss") is not None:
+        parts.append(f"loss {record['loss']:.4f}")
+    if record.get("val_loss") is not None:
+        parts.append(f"val {record['val_loss']:.4f}")
+    if record.get("lr") is not None:
+        parts.append(f"lr {record['lr']:.2e}")
+    if record.get("grad_norm") is not None:
+        parts.append(f"gnorm {record['grad_norm']:.3f}")
+    if record.get("tokens_per_s"):
+        parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+    if record.get("eta_s") is not None:
+        parts.append(f"eta {format_duration(record['eta_s'])}")
+    return " | ".join(parts)
+
+
+class Progress:
+    """A tqdm bar on a terminal, or one plain line per log interval elsewhere.
+
+    Args:
+      total: steps in the run.
+      mode: ``"bar"``, ``"lines"``, ``"none"``, or ``"auto"`` (bar when ``stream`` is a TTY).
+      enabled: False on processes other than 0.
+      stream: where to print (stdout).
+    """
+
+    def __init__(
+        self, total: int, mode: str = "auto", enabled: bool = True, stream: TextIO | None = None
+    ):
+        self.total, self.stream = total, stream or sys.stdout
+        if not enabled:
+            mode = "none"
+        elif mode == "auto":
+            mode = "bar" if self.stream.isatty() else "lines"
+        self.mode = mode
+        self._bar = None
+        if mode == "bar":
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, unit="step", file=self.stream, dynamic_ncols=True)
+
+    def print(self, message: str) -> None:
+        """A message that does not break the bar."""
+        if self.mode == "none":
+            return
+        if self._bar is not None:
+            self._bar.write(message, file=self.stream)
+        else:
+            print(message, file=self.stream, flush=True)
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        """Advances the bar to ``step`` (every step; the bar computes its own ETA)."""
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        """A logged record: a plain line in ``lines`` mode; the bar already shows it."""
+        if self.mode == "lines":
+            self.print(format_record(record, self.total))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+# --------------------------------------------------------------------------- throughput
+
+
+def peak_flops_per_device(
+    device: Any, configured: float | None, num_local_devices: int
+) -> tuple[float | None, str]:
+    """The FLOP/s one device is measured against for MFU, and where the figure came from.
+
+    Simulated CPU devices share the host's cores, so each gets its share of a
+    nominal host figure; the result is a rough yardstick, and says so.
+    """
+    if configured is not None:
+        return configured, "train.peak_flops_per_device"
+    if device.platform == "cpu":
+        cores = os.cpu_count() or 1
+        host = cores * CPU_FLOPS_PER_CORE
+        return host / num_local_devices, (
+            f"nominal CPU peak: {cores} cores x {CPU_FLOPS_PER_CORE / 1e9:.0f} GFLOP/s, shared by "
+            f"{num_local_devices} device(s)"
+        )
+    kind = getattr(device, "device_kind", "")
+    for name, flops in PEAK_FLOPS:
+        if name.lower() in kind.lower():
+            return flops, f"nominal dense bf16 peak of {kind}"
+    return None, f"unknown peak for {kind!r}: set train.peak_flops_per_device"
+
+
+def mfu(
+    flops_per_token: float, tokens_per_s: float, peak_per_device: float | None, num_devices: int
+) -> float | None:
+    """Model FLOPs utilisation: achieved training FLOP/s over the devices' peak."""
+    if not peak_per_device or tokens_per_s <= 0:
+        return None
+    return flops_per_token * tokens_per_s / (peak_per_device * num_devices)
+
+
+def peak_memory_bytes(devices: list[Any]) -> int | None:
+    """Largest ``peak_bytes_in_use`` over ``devices``; None where the backend does not report it."""
+    peaks = []
+    for device in devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # some backends raise instead of returning None
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
+class Stopwatch:
+    """Training time excluding compilation and evaluation, for honest tokens/s."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.start = time.perf_counter() if start is None else start
+        self.seconds = 0.0
+        self.tokens = 0
+        self.steps = 0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.seconds += seconds
+        self.tokens += tokens
+        self.steps += 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def wall(self) -> float:
+        return time.perf_counter() - self.start

@@ -1,0 +1,499 @@
+"""``jaxzero train``: train a GPT on text with ZeRO sharding, from a laptop CPU upwards.
+
+With no arguments it trains a small byte-level GPT on this Python's standard
+library sources at stage 3 over 8 simulated CPU devices, so the first thing a
+researcher runs already shards parameters, gradients and optimizer state.
+Everything else is a config field (:mod:`jaxzero.config`); this module turns a
+config into an engine, a loader and a loop, and reports what happened.
+
+Order matters: arguments are parsed and the config validated before JAX does
+any computation, because simulated CPU devices can only be requested before
+the backend starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from jaxzero import config as config_lib
+from jaxzero import data as data_lib
+from jaxzero import metrics as metrics_lib
+from jaxzero.config import Config, ConfigError
+from jaxzero.data import DataError
+
+DEFAULT_SIMULATED_DEVICES = 8
+RESOLVED_CONFIG = "config.yaml"
+SHORTCUTS = {  # --flag: config key (applied before --set, so --set wins)
+    "stage": "parallel.stage",
+    "devices": "parallel.devices",
+    "simulate_devices": "parallel.simulate_devices",
+    "micro_batches": "parallel.micro_batches",
+    "precision": "precision.compute",
+    "data": "data.path",
+    "steps": "train.steps",
+    "name": "logging.name",
+}
+
+
+class Diverged(RuntimeError):
+    """The loss or gradient norm stopped being finite."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float):
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        super().__init__(
+            f"loss is {loss} (grad norm {grad_norm}) at step {step}: training stopped; "
+            f"step {step - 1} was the last with finite values. Lower optimizer.lr or "
+            "set optimizer.max_grad_norm."
+        )
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jaxzero train",
+        description="Train a GPT with ZeRO sharding. Defaults: byte-level GPT on this Python's "
+        "stdlib sources, stage 3, 8 simulated CPU devices when only a CPU is present.",
+    )
+    p.add_argument("--config", help="YAML or JSON config file (see experiments/configs/)")
+    p.add_argument(
+        "--set",
+        dest="assignments",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set optimizer.lr=3e-4 (repeatable)",
+    )
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 3)")
+    p.add_argument("--devices", type=int, help="devices to train on (default: all)")
+    p.add_argument(
+        "--simulate-devices",
+        type=int,
+        metavar="N",
+        help="CPU only: expose N simulated devices (default 8 when only one exists)",
+    )
+    p.add_argument("--micro-batches", type=int, help="gradient accumulation steps")
+    p.add_argument("--precision", choices=("fp32", "bf16"), help="compute precision")
+    p.add_argument("--data", help="text file, directory of text files, or uint16 token file/dir")
+    p.add_argument("--steps", type=int, help="optimizer steps")
+    p.add_argument("--name", help="run name: results go to runs/NAME/")
+    p.add_argument("--print-config", action="store_true", help="print the config and exit")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The config file, then the typed shortcuts, then ``--set`` (later wins); validated."""
+    cfg = config_lib.load_file(args.config) if args.config else Config()
+    for flag, key in SHORTCUTS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            cfg = config_lib.override(cfg, key, value)
+    return config_lib.validate(config_lib.apply_overrides(cfg, args.assignments))
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def _configured_cpu_devices() -> int:
+    """CPU devices already requested through XLA_FLAGS or jax.config (1 if none)."""
+    import jax
+
+    match = re.search(
+        r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", "")
+    )
+    return max(int(match.group(1)) if match else 1, jax.config.jax_num_cpu_devices)
+
+
+def _accelerator_expected() -> bool:
+    """Whether JAX will find a GPU/TPU, judged without starting its backend."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return any(p.strip() not in ("", "cpu") for p in platforms.split(","))
+    pattern = re.compile(r"^(jax[-_](cuda|rocm)\d*[-_](plugin|pjrt)|libtpu.*)$", re.I)
+    return any(pattern.match(d.metadata["Name"] or "") for d in importlib.metadata.distributions())
+
+
+def devices_to_simulate(parallel: config_lib.ParallelConfig) -> int | None:
+    """How many CPU devices to simulate (None: leave the backend alone)."""
+    if parallel.simulate_devices is not None:
+        return parallel.simulate_devices
+    if _accelerator_expected() or _configured_cpu_devices() > 1:
+        return None
+    return parallel.devices or DEFAULT_SIMULATED_DEVICES
+
+
+def setup_devices(parallel: config_lib.ParallelConfig) -> tuple[Any, int | None]:
+    """Simulates CPU devices if asked (before any computation) and builds the mesh."""
+    import jax
+
+    from jaxzero.mesh import make_mesh, simulate_devices
+
+    simulated = devices_to_simulate(parallel)
+    try:
+        if simulated is not None:
+            simulate_devices(simulated)
+        return make_mesh(parallel.devices or jax.device_count()), simulated
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(" ".join(str(e).split())) from None
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def lr_schedule(opt: config_lib.OptimizerConfig, steps: int):
+    """Linear warmup from ``lr / warmup`` to ``lr``, then cosine to ``lr * min_lr_ratio``.
+
+    Warmup starts above zero (unlike ``optax.warmup_cosine_decay_schedule``) so
+    that no step of a short run is wasted on a zero learning rate.
+    """
+    import jax.numpy as jnp
+
+    warmup, floor = min(opt.warmup_steps, steps), opt.lr * opt.min_lr_ratio
+
+    def schedule(count):
+        count = jnp.asarray(count, jnp.float32)
+        warm = opt.lr * (count + 1) / max(warmup, 1)
+        progress = jnp.clip((count - warmup) / max(steps - warmup - 1, 1), 0.0, 1.0)
+        cosine = floor + 0.5 * (opt.lr - floor) * (1 + jnp.cos(jnp.pi * progress))
+        return jnp.where(count < warmup, warm, cosine)
+
+    return schedule
+
+
+def decay_mask(params: Any) -> Any:
+    """True for matrices (``.../kernel``): no weight decay on norms, biases and embeddings."""
+    import jax
+
+    def is_kernel(path, _):
+        return bool(path) and getattr(path[-1], "key", None) == "kernel"
+
+    return jax.tree_util.tree_map_with_path(is_kernel, params)
+
+
+def make_optimizer(opt: config_lib.OptimizerConfig, steps: int):
+    """AdamW with the schedule and mask above; clipping is the engine's ``max_grad_norm``."""
+    import optax
+
+    schedule = lr_schedule(opt, steps)
+    tx = optax.adamw(
+        schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay, mask=decay_mask
+    )
+    return tx, schedule
+
+
+# --------------------------------------------------------------------------- run directory
+
+
+def prepare_run_dir(cfg: Config, is_main: bool) -> Path:
+    """``ROOT/NAME``, created on process 0; refuses to mix two runs' metrics."""
+    run_dir = Path(cfg.logging.root) / str(cfg.logging.name)
+    if not is_main:
+        return run_dir
+    old = [run_dir / metrics_lib.METRICS_FILE, run_dir / metrics_lib.SUMMARY_FILE]
+    old += list(run_dir.glob("events.out.tfevents.*")) if run_dir.is_dir() else []
+    if any(p.exists() for p in old):
+        if not cfg.logging.overwrite:
+            raise ConfigError(
+                f"run directory {str(run_dir)!r} already holds a run: choose "
+                "another --name, or --set logging.overwrite=true"
+            )
+        for p in old:
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def resolve_run(cfg: Config, num_devices: int, simulated: int | None, vocab: int) -> Config:
+    """The config with every ``None`` the run decided filled in (name, devices, vocab)."""
+    name = cfg.logging.name or (
+        f"stage{cfg.parallel.stage}-{num_devices}dev-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, vocab_size=vocab),
+        parallel=dataclasses.replace(cfg.parallel, devices=num_devices, simulate_devices=simulated),
+        logging=dataclasses.replace(cfg.logging, name=name),
+    )
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def check_finite(step: int, loss: float, grad_norm: float) -> None:
+    """Raises :class:`Diverged` naming ``step``. A checkpoint manager restores from here."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise Diverged(step, loss, grad_norm)
+
+
+def evaluate(engine: Any, state: Any, batches: list[Any]) -> float:
+    """Mean loss over the fixed validation batches (already sharded)."""
+    return sum(float(engine.eval_loss(state, b)) for b in batches) / len(batches)
+
+
+def train(cfg: Config, started: float | None = None) -> dict[str, Any]:
+    """Runs the whole training job described by ``cfg`` and returns its summary.
+
+    Args:
+      cfg: the validated config.
+      started: ``time.perf_counter()`` when the command started, so the reported
+        wall time includes start-up (default: now).
+    """
+    watch = metrics_lib.Stopwatch(started)
+    corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)
+    seq = cfg.model.seq_len
+    data_lib.check_length(corpus.train, seq, "training")
+    data_lib.check_length(corpus.val, seq, "validation")
+    vocab = cfg.model.vocab_size or corpus.vocab_size
+    if vocab < corpus.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={vocab} is smaller than the data's {corpus.vocab_size}"
+        )
+
+    if cfg.checkpoint.every:
+        raise ConfigError("checkpoint.every: checkpointing is not available yet; leave it 0")
+    mesh, simulated = setup_devices(cfg.parallel)
+    import jax
+
+    from jaxzero.models.gpt import GPT, GPTConfig
+
+    n_dev = mesh.size
+    need = n_dev * cfg.parallel.micro_batches
+    if cfg.train.batch_size % need:
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} must be a multiple of "
+            f"{n_dev} devices x {cfg.parallel.micro_batches} micro-batches = {need}"
+        )
+    cfg = resolve_run(cfg, n_dev, simulated, vocab)
+    is_main = jax.process_index() == 0
+    run_dir = prepare_run_dir(cfg, is_main)
+    writer = metrics_lib.MetricsWriter(run_dir if is_main else None, cfg.logging.tensorboard)
+    progress = metrics_lib.Progress(cfg.train.steps, cfg.logging.progress, is_main)
+    try:
+        if is_main:
+            (run_dir / RESOLVED_CONFIG).write_text(config_lib.dump_yaml(cfg))
+            writer.text("config", config_lib.dump_yaml(cfg))
+        m = cfg.model
+        model = GPT(
+            GPTConfig(
+                vocab_size=vocab,
+                seq_len=seq,
+                d_model=m.d_model,
+                n_layers=m.n_layers,
+                n_heads=m.n_heads,
+                d_ff=m.d_ff,
+                tie_embeddings=m.tie_embeddings,
+                remat=m.remat,
+            )
+        )
+        tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+        engine = model.engine(
+            tx,
+            mesh=mesh,
+            stage=cfg.parallel.stage,
+            precision=cfg.precision.compute,
+            reduce_dtype=cfg.precision.reduce_dtype,
+            micro_batches=cfg.parallel.micro_batches,
+            max_grad_norm=cfg.optimizer.max_grad_norm,
+        )
+        state = engine.init_from(model.init, jax.random.key(cfg.train.seed))
+        progress.print(_banner(cfg, corpus, engine.num_params, simulated, run_dir))
+        summary = _loop(cfg, engine, state, model, corpus, schedule, writer, progress, watch)
+        if is_main:
+            metrics_lib.write_json(run_dir / metrics_lib.SUMMARY_FILE, summary)
+        return summary
+    finally:
+        progress.close()
+        writer.close()
+
+
+def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress, watch) -> dict:
+    import jax
+
+    b, seq, steps, lg = cfg.train.batch_size, cfg.model.seq_len, cfg.train.steps, cfg.logging
+    rows = data_lib.process_rows(engine.batch_sharding.devices_indices_map((b, seq)), b)
+    rows = rows[jax.process_index()]
+    loader = data_lib.Loader(corpus.train, seq, b, cfg.train.seed, rows)
+    val = [
+        engine.shard_batch(x)
+        for x in data_lib.eval_batches(corpus.val, seq, b, lg.eval_batches, rows)
+    ]
+    window = metrics_lib.Stopwatch()
+    loss = val_loss = float("nan")
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        state, out = engine.step(state, engine.shard_batch(next(loader)))
+        loss, grad_norm = float(out["loss"]), float(out["grad_norm"])
+        seconds = time.perf_counter() - t0
+        check_finite(step, loss, grad_norm)
+        if step > 1:  # step 1 pays for compilation
+            watch.add(seconds, b * seq)
+            window.add(seconds, b * seq)
+        progress.update(step, loss, watch.tokens_per_s)
+        evaluate_now = step % lg.eval_every == 0 or step == steps
+        if step % lg.log_every and not evaluate_now:
+            continue
+        record = {
+            "step": step,
+            "tokens": step * b * seq,
+            "loss": loss,
+            "lr": float(schedule(step - 1)),
+            "grad_norm": grad_norm,
+            "tokens_per_s": window.tokens_per_s or None,
+            "step_time": window.seconds / window.steps if window.steps else seconds,
+            "elapsed_s": watch.wall,
+        }
+        if evaluate_now:
+            val_loss = record["val_loss"] = evaluate(engine, state, val)
+        if watch.tokens_per_s:
+            record["eta_s"] = (steps - step) * b * seq / watch.tokens_per_s
+        writer.write(record)
+        progress.log(record)
+        window = metrics_lib.Stopwatch()
+    summary = _summary(cfg, engine, model, watch, loss, val_loss)
+    sample = _sample(cfg, engine, state, model, corpus)
+    if sample is not None:
+        summary["sample"] = sample
+        writer.text("sample", sample)
+    progress.close()
+    progress.print(format_summary(summary))
+    return summary
+
+
+def _sample(cfg: Config, engine, state, model, corpus) -> str | None:
+    """Text generated by the trained model after ``logging.sample_prompt``."""
+    import jax
+    import numpy as np
+
+    if cfg.logging.sample_tokens == 0:
+        return None
+    params = engine.gather_params(state)  # every process: it may need a collective
+    prompt = data_lib.encode(cfg.logging.sample_prompt, corpus.kind)
+    if prompt.size == 0:
+        prompt = np.asarray(corpus.val[:1], np.int32)
+    prompt = prompt[-cfg.model.seq_len :]
+    tokens = model.generate(
+        params,
+        prompt[None],
+        cfg.logging.sample_tokens,
+        jax.random.key(cfg.train.seed + 1),
+        temperature=cfg.logging.sample_temperature,
+    )
+    return data_lib.decode(tokens[0], corpus.kind)
+
+
+def _summary(cfg: Config, engine, model, watch, loss: float, val_loss: float) -> dict:
+    import jax
+
+    local = jax.local_devices()
+    n_dev = engine.mesh.size
+    flops_per_token = model.flops_per_token(engine.num_params)
+    peak, source = metrics_lib.peak_flops_per_device(
+        local[0], cfg.train.peak_flops_per_device, len(local)
+    )
+    tps = watch.tokens_per_s
+    m = cfg.model
+    return {
+        "name": cfg.logging.name,
+        "stage": cfg.parallel.stage,
+        "devices": n_dev,
+        "params": engine.num_params,
+        "steps": cfg.train.steps,
+        "tokens": cfg.train.steps * cfg.train.batch_size * m.seq_len,
+        "wall_s": watch.wall,
+        "train_s": watch.seconds,
+        "tokens_per_s": tps,
+        "flops_per_token": flops_per_token,
+        "flops_formula": f"6*N + 12*L*D*S = 6*{engine.num_params} + "
+        f"12*{m.n_layers}*{m.d_model}*{m.seq_len}",
+        "achieved_flops": flops_per_token * tps,
+        "peak_flops_per_device": peak,
+        "peak_flops_source": source,
+        "mfu": metrics_lib.mfu(flops_per_token, tps, peak, n_dev),
+        "final_loss": loss,
+        "final_val_loss": val_loss,
+        "peak_memory_bytes_per_device": metrics_lib.peak_memory_bytes(local),
+    }
+
+
+def format_summary(s: dict) -> str:
+    """The end-of-run report, a few lines a person reads."""
+    fmt = metrics_lib.format_duration
+    mfu = "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
+    peak = "n/a" if s["peak_flops_per_device"] is None else f"{s['peak_flops_per_device']:.3g}"
+    mem = s["peak_memory_bytes_per_device"]
+    lines = [
+        "",
+        f"== {s['name']}: stage {s['stage']} on {s['devices']} devices, {s['params']:,} params ==",
+        f"steps {s['steps']} | tokens {s['tokens']:,} | wall {fmt(s['wall_s'])} (training "
+        f"{fmt(s['train_s'])}; the rest is start-up, compilation, evaluation and sampling)",
+        f"throughput {s['tokens_per_s']:,.0f} tokens/s | {s['achieved_flops'] / 1e9:.2f} GFLOP/s "
+        f"| MFU {mfu} of {peak} FLOP/s per device ({s['peak_flops_source']})",
+        f"FLOPs per token {s['flops_per_token']:.4g} = {s['flops_formula']} (attention term)",
+        f"final loss: train {s['final_loss']:.4f} | val {s['final_val_loss']:.4f} nats/token",
+        "peak memory per device: "
+        + ("not reported by this backend" if mem is None else f"{mem / 2**20:,.1f} MiB"),
+    ]
+    if s.get("sample"):
+        lines += ["sample:", s["sample"]]
+    return "\n".join(lines)
+
+
+def _banner(cfg: Config, corpus, num_params: int, simulated: int | None, run_dir: Path) -> str:
+    p, m = cfg.parallel, cfg.model
+    dev = f"{p.devices} device(s)"
+    if simulated is not None:
+        dev = f"{p.devices} of {simulated} simulated CPU devices (--simulate-devices {simulated})"
+    return "\n".join(
+        [
+            f"jaxzero train: {cfg.logging.name} -> {run_dir}",
+            f"  data   {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} val "
+            f"{corpus.kind} tokens, vocab {corpus.vocab_size}",
+            f"  model  GPT {m.n_layers} layers x {m.d_model} wide, {m.n_heads} heads, "
+            f"seq {m.seq_len}, {num_params:,} params, remat {m.remat}",
+            f"  zero   stage {p.stage} on {dev}, {cfg.precision.compute}, micro-batches "
+            f"{p.micro_batches}, global batch {cfg.train.batch_size} x {m.seq_len} tokens",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``jaxzero train``; returns the exit status."""
+    started = time.perf_counter()
+    try:
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:  # --help, or argparse's own one-line usage error
+        return int(e.code or 0)
+    try:
+        cfg = config_from_args(args)
+        if args.print_config:
+            print(config_lib.dump_yaml(cfg), end="")
+            return 0
+        train(cfg, started)
+    except (ConfigError, DataError) as e:
+        print(f"jaxzero train: error: {e}", file=sys.stderr)
+        return 2
+    except Diverged as e:
+        print(f"jaxzero train: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("jaxzero train: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
