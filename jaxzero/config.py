@@ -157,7 +157,7 @@ def _check_value(key: str, value: Any, annotation: Any) -> Any:
         raise ConfigError(f"{key}: expected {_type_name(annotation)}, got {value!r}")
     if origin is Literal:
         choices = typing.get_args(annotation)
-        if value in choices and not isinstance(value, bool):
+        if any(value == c and type(value) is type(c) for c in choices):  # 3.0 is not 3
             return value
         raise ConfigError(f"{key}: expected one of {list(choices)}, got {value!r}")
     if annotation is bool:
