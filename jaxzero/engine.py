@@ -110,7 +110,7 @@ class Engine:
         per_layer: bool = False,
         rules: Sequence[Rule] = (),
         stacked: str | None = None,
-        min_shard_size: int = 256,
+        min_shard_size: int = 64,
         check_optimizer: bool = True,
     ):
         if not callable(loss_fn):
@@ -251,6 +251,22 @@ class Engine:
 
         return jax.jit(build, out_shardings=self.state_shardings)(*args)
 
+    def abstract_state(self, params_shapes: Any) -> TrainState:
+        """The state's shapes, dtypes and shardings, allocating nothing.
+
+        ``params_shapes`` is a pytree of ``jax.ShapeDtypeStruct`` (e.g.
+        ``jax.eval_shape(model.init, key)``); the result lowers and compiles the
+        step (:meth:`compile`) for models too large to create here.
+        """
+        self._set_layouts(params_shapes)
+        master = jax.tree.map(
+            lambda lay: jax.ShapeDtypeStruct(
+                lay.padded_shape if master_sharded(self.stage) else lay.shape, jnp.float32),
+            self.layouts, is_leaf=is_layout)
+        shapes = jax.eval_shape(self._state_from_padded, master)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, self.state_shardings)
+
     # --- the step ----------------------------------------------------------------------
 
     def _build_jits(self) -> None:
@@ -277,7 +293,7 @@ class Engine:
                 f"batch structure changed: expected {self._batch_treedef}, got {treedef}. "
                 "Every step must receive the same pytree of arrays."
             )
-        sizes = {jax.tree_util.keystr(p): (np.shape(x)[0] if np.ndim(x) else None)
+        sizes = {jax.tree_util.keystr(p): (x.shape[0] if len(x.shape) else None)
                  for p, x in jax.tree_util.tree_leaves_with_path(batch)}
         if len(set(sizes.values())) != 1 or None in sizes.values():
             raise ValueError(
@@ -308,8 +324,12 @@ class Engine:
         return jax.tree.map(one, batch)
 
     def _global_batch(self, batch: Any) -> Any:
-        batch = self.shard_batch(batch) if not all(
-            isinstance(x, jax.Array) for x in jax.tree.leaves(batch)) else batch
+        leaves = jax.tree.leaves(batch)
+        if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+            batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                sharding=self.batch_sharding), batch)
+        elif not all(isinstance(x, jax.Array) for x in leaves):
+            batch = self.shard_batch(batch)
         self._check_batch(batch)
         return batch
 
@@ -327,7 +347,11 @@ class Engine:
         return self._eval(state.params, self._global_batch(batch))
 
     def compile(self, state: TrainState, batch: Any) -> jax.stages.Compiled:
-        """The compiled step, for its HLO and ``memory_analysis()`` (nothing runs)."""
+        """The compiled step, for its HLO and ``memory_analysis()`` (nothing runs).
+
+        ``state`` and ``batch`` may be arrays or ``jax.ShapeDtypeStruct`` trees
+        (:meth:`abstract_state`).
+        """
         self._require_init()
         return self._step.lower(state, self._global_batch(batch)).compile()
 

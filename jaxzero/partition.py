@@ -129,7 +129,7 @@ def leaf_layout(
     *,
     rules: Sequence[Rule] = (),
     stacked: str | None = None,
-    min_shard_size: int = 256,
+    min_shard_size: int = 64,
 ) -> LeafLayout:
     """Layout of one leaf: user rules first, then the default policy.
 
@@ -162,7 +162,7 @@ def layouts_for(
     *,
     rules: Sequence[Rule] = (),
     stacked: str | None = None,
-    min_shard_size: int = 256,
+    min_shard_size: int = 64,
 ) -> Any:
     """A pytree of :class:`LeafLayout` with the structure of ``params``."""
 
