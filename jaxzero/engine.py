@@ -326,8 +326,9 @@ class Engine:
     def _global_batch(self, batch: Any) -> Any:
         leaves = jax.tree.leaves(batch)
         if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-            batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                sharding=self.batch_sharding), batch)
+            sh = self.batch_sharding
+            batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                 batch)
         elif not all(isinstance(x, jax.Array) for x in leaves):
             batch = self.shard_batch(batch)
         self._check_batch(batch)
