@@ -150,7 +150,7 @@ def leaf_layout(
     for pattern, rule in rules:
         if re.search(pattern, path):
             return LeafLayout(path, shape, _rule_dim(rule, path, len(shape)), num_shards)
-    skip = 1 if stacked is not None and re.search(stacked, path) and len(shape) > 1 else 0
+    skip = 1 if stacked is not None and re.search(stacked, path) and shape else 0
     if math.prod(shape) < max(min_shard_size, num_shards) or len(shape) == skip:
         return LeafLayout(path, shape, None, num_shards)
     return LeafLayout(path, shape, default_dim(shape, num_shards, skip), num_shards)
