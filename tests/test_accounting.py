@@ -2,6 +2,7 @@
 
 # ruff: noqa: E501  (HLO text below is kept verbatim, one instruction per line)
 
+import json
 import math
 
 import jax
@@ -276,3 +277,157 @@ def test_device0_bytes_reads_shards(mesh8):
     replicated = jax.device_put(jnp.ones((10,)), jax.NamedSharding(mesh8, P()))
     assert acc.device0_bytes({"a": sharded, "b": replicated, "c": None}) == 8 * 8 * 4 + 40
     assert math.isclose(np.asarray(sharded).sum(), 512)
+
+
+# ---------------------------------------------------------------- the Engine, measured
+
+REFERENCE_GPT = dict(vocab_size=256, seq_len=64, d_model=128, n_layers=4, n_heads=4)
+
+
+def _gpt_report(stage: int, **cfg_overrides):
+    import optax
+
+    import jaxzero
+    from jaxzero.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(**{**REFERENCE_GPT, **cfg_overrides})
+    model = GPT(cfg)
+    engine = model.engine(optax.adamw(1e-3), mesh=jaxzero.make_mesh(8), stage=stage)
+    # accounting needs shapes, not values: zeros skip compiling the model's init
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    state = engine.init(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes))
+    tokens = jnp.zeros((16, cfg.seq_len), jnp.int32)
+    return acc.report(engine, state, {"inputs": tokens, "targets": tokens})
+
+
+def _mlp_params() -> dict:
+    """A plain-pytree MLP, no dimension divisible by 8; every leaf big enough to shard."""
+    rng = np.random.default_rng(0)
+    return {
+        "w1": (0.1 * rng.standard_normal((97, 515))).astype(np.float32),
+        "b1": np.zeros(515, np.float32),
+        "w2": (0.1 * rng.standard_normal((515, 301))).astype(np.float32),
+        "b2": np.zeros(301, np.float32),
+    }
+
+
+def _mlp_loss(p, batch):
+    h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] + p["b2"] - batch["y"]) ** 2)
+
+
+def _mlp_report(stage: int, **engine_kwargs):
+    import optax
+
+    import jaxzero
+
+    engine = jaxzero.Engine(
+        _mlp_loss, optax.adamw(1e-3), mesh=jaxzero.make_mesh(8), stage=stage, **engine_kwargs
+    )
+    state = engine.init(_mlp_params())
+    batch = {"x": jnp.ones((16, 97)), "y": jnp.ones((16, 301))}
+    return acc.report(engine, state, batch)
+
+
+def _check_against_theory(r: acc.Report) -> None:
+    # the design doc's formulas, within the issue's tolerances
+    assert 0.98 <= r.persistent_ratio <= 1.02, r.table()
+    assert 0.98 <= r.comm_ratio <= 1.05, r.table()
+    # leaf by leaf (padding, replicated small leaves) the persistent bytes are exact
+    assert r.persistent["total"] == pytest.approx(r.expected.persistent, rel=1e-4, abs=64)
+    assert r.persistent["params"] > 0 and r.persistent["optimizer"] > 0
+    assert r.compiled.peak >= r.compiled.argument > 0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_reference_gpt_memory_and_traffic_match_theory(stage):
+    r = _gpt_report(stage)
+    _check_against_theory(r)
+    assert r.config["num_params"] == r.theory.params * (8 if stage == 3 else 1) / 4
+    kinds = set(r.traffic.by_kind)
+    assert kinds >= ({"all-reduce"} if stage == 0 else {"reduce-scatter", "all-gather"})
+    if stage < 3:  # stage 3 leaves the embeddings' backward re-gather out (see report)
+        assert r.traffic.grad_param == pytest.approx(r.expected.comm, rel=1e-3)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_odd_mlp_memory_matches_theory(stage):
+    r = _mlp_report(stage)
+    assert r.config["padded_params"] > r.config["num_params"]  # padding really happens
+    assert 0.98 <= r.persistent_ratio <= 1.02, r.table()
+    assert r.persistent["total"] == pytest.approx(r.expected.persistent, rel=1e-4, abs=64)
+    if stage == 3:  # everything sharded: the excess over the formula is the padding alone
+        excess = r.config["padded_params"] / r.config["num_params"]
+        assert r.persistent_ratio == pytest.approx(excess, rel=1e-3)
+
+
+MLP_STAGE3_KEEPS_GATHER = pytest.mark.xfail(
+    strict=True,
+    reason="engine (per_layer=False): XLA merges the backward re-gather with the forward "
+    "gather, so stage 3 moves 2Ψ, not 3Ψ; see the accounting report",
+)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, pytest.param(3, marks=MLP_STAGE3_KEEPS_GATHER)])
+def test_odd_mlp_traffic_matches_theory(stage):
+    r = _mlp_report(stage)
+    assert 0.98 <= r.comm_ratio <= 1.05, r.table()
+    assert r.traffic.grad_param == pytest.approx(r.expected.comm, rel=1e-3)
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, "fp32"])
+def test_bf16_traffic_counts_the_program_dtypes(reduce_dtype):
+    r = _mlp_report(1, precision="bf16", reduce_dtype=reduce_dtype)
+    # bf16 gather + bf16 (or fp32) reduce-scatter: what the program asked for, even
+    # though the CPU backend widens bf16 collectives to f32 on the wire
+    assert 0.98 <= r.comm_ratio_logical <= 1.05, r.table()
+    assert r.traffic.grad_param_logical <= r.traffic.grad_param
+    assert 0.98 <= r.persistent_ratio <= 1.02  # 2 Ψ params + 12 Ψ / N (master, moments)
+    assert r.persistent["master"] > 0
+
+
+def test_stage3_traffic_scales_with_scanned_layers():
+    small = _gpt_report(3, n_layers=4, d_model=64, seq_len=32)
+    big = _gpt_report(3, n_layers=8, d_model=64, seq_len=32)
+    # the same HLO ops (one scanned block body) ...
+    assert small.traffic.ops == big.traffic.ops
+    assert {c.runs for c in small.collectives} == {1, 4}
+    assert {c.runs for c in big.collectives} == {1, 8}
+    per_op_once = sum(c.bytes_per_run for c in big.collectives) / sum(
+        c.bytes_per_run for c in small.collectives
+    )
+    assert per_op_once == pytest.approx(1.0, abs=0.01)  # counting each op once cannot tell
+    # ... but the traffic inside the loop doubles with the layers, and the total follows
+    # the parameter count (embeddings outside the loop are the same in both)
+    loop = lambda r, n: sum(c.bytes_per_step for c in r.collectives if c.runs == n)
+    assert loop(big, 8) == pytest.approx(2 * loop(small, 4), rel=1e-9)
+    measured = big.traffic.grad_param / small.traffic.grad_param
+    params = big.config["num_params"] / small.config["num_params"]
+    assert measured == pytest.approx(params, rel=0.03)
+    assert measured > 1.8
+
+
+def test_report_cli_json(capsys):
+    from jaxzero import report
+
+    argv = ["--stage", "2", "--layers", "2", "--d-model", "64", "--heads", "2",
+            "--seq-len", "16", "--devices", "4", "--json"]
+    assert report.main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["config"]["stage"] == 2 and data["config"]["num_shards"] == 4
+    assert data["ratios"]["persistent_vs_layouts"] == pytest.approx(1.0, abs=1e-3)
+    assert data["ratios"]["comm_logical_vs_layouts"] == pytest.approx(1.0, abs=1e-3)
+    assert {c["kind"] for c in data["collectives"]} >= {"reduce-scatter", "all-gather"}
+    assert data["compiled"]["peak"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv", [["--heads", "3"], ["--stage", "5"], ["--micro-batches", "0"], ["--devices", "x"]]
+)
+def test_report_cli_nonsense_is_one_line(argv, capsys):
+    from jaxzero import report
+
+    assert report.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("jaxzero report: error:")

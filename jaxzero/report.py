@@ -1,0 +1,175 @@
+"""``jaxzero report``: compile one training step and print what it really costs.
+
+Builds the reference GPT and an Engine for the requested stage, mesh and precision,
+compiles the step without running it, and prints :mod:`jaxzero.accounting`'s
+measured memory and communication beside the ZeRO formulas. On a machine without
+an accelerator it simulates CPU devices (default 8), so the sharding is real even
+on a laptop: the collectives and per-device bytes are those a cluster would see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from typing import Any
+
+_ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
+
+
+def _has_accelerator() -> bool:
+    """Whether JAX could find a GPU/TPU, judged without starting JAX's backend."""
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return False
+    return any(importlib.util.find_spec(m) is not None for m in _ACCELERATOR_PLUGINS)
+
+
+class _ArgError(Exception):
+    """An argparse error, raised instead of printing usage and exiting."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # noqa: D401 - argparse hook
+        raise _ArgError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="jaxzero report",
+        description="Compile (not run) a GPT training step; print measured memory and "
+        "communication per device beside the ZeRO formulas.",
+    )
+    p.add_argument(
+        "--stage",
+        type=int,
+        nargs="+",
+        default=[3],
+        choices=[0, 1, 2, 3],
+        help="ZeRO stage(s) to report (several: one report each)",
+    )
+    p.add_argument("--devices", type=int, default=None, help="devices in the mesh (default all)")
+    p.add_argument(
+        "--simulate-devices",
+        type=int,
+        default=None,
+        help="CPU devices to simulate (default 8 when no accelerator is present)",
+    )
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument(
+        "--reduce-dtype",
+        default=None,
+        choices=["fp32", "bf16"],
+        help="gradient reduction dtype (default: the compute dtype)",
+    )
+    p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="global batch (default: 2 sequences per device per micro-batch)",
+    )
+    p.add_argument("--remat", default="none", choices=["none", "full", "dots"])
+    p.add_argument(
+        "--dump-hlo",
+        default=None,
+        metavar="PATH",
+        help="also write the compiled HLO text here (stage number appended)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    return p
+
+
+def _validate(args: argparse.Namespace) -> None:
+    for name in ("micro_batches", "d_model", "layers", "heads", "seq_len", "vocab"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+    for name in ("devices", "simulate_devices", "batch"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+    if args.d_model % args.heads:
+        raise ValueError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+
+
+def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any]:
+    """The Engine, its initial state and a sample batch for ``stage``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import jaxzero
+    from jaxzero.models.gpt import GPT, GPTConfig
+
+    mesh = jaxzero.make_mesh(args.devices)
+    cfg = GPTConfig(
+        vocab_size=args.vocab,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        remat=args.remat,
+    )
+    model = GPT(cfg)
+    engine = model.engine(
+        optax.adamw(1e-3),
+        mesh=mesh,
+        stage=stage,
+        precision=args.precision,
+        reduce_dtype=args.reduce_dtype,
+        micro_batches=args.micro_batches,
+    )
+    state = engine.init_from(model.init, jax.random.key(0))
+    batch_size = args.batch or 2 * engine.batch_devices * args.micro_batches
+    tokens = jnp.zeros((batch_size, args.seq_len), jnp.int32)
+    return engine, state, {"inputs": tokens, "targets": tokens}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``jaxzero report``: returns 0, or 2 with a one-line message on bad input."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = build_parser().parse_args(argv)
+        _validate(args)
+    except (_ArgError, ValueError) as e:
+        print(f"jaxzero report: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+
+    from jaxzero import accounting
+    from jaxzero.mesh import simulate_devices
+
+    n_sim = args.simulate_devices
+    if n_sim is None and not _has_accelerator():
+        n_sim = max(8, args.devices or 0)
+    reports = []
+    try:
+        if n_sim is not None:
+            simulate_devices(n_sim)
+        for stage in args.stage:
+            engine, state, batch = build(args, stage)
+            compiled = engine.compile(state, batch)
+            if args.dump_hlo:
+                with open(f"{args.dump_hlo}.stage{stage}", "w") as f:
+                    f.write(compiled.as_text())
+            reports.append(accounting.report(engine, state, batch, compiled=compiled))
+    except (ValueError, RuntimeError) as e:
+        print(f"jaxzero report: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = [r.to_dict() for r in reports]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
+    else:
+        print("\n\n".join(r.table() for r in reports))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
