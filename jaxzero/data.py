@@ -112,8 +112,8 @@ def _is_text(path: Path) -> bool:
         return b"\0" not in f.read(8192)
 
 
-def concat_files(files: list[Path], max_bytes: int) -> np.ndarray:
-    """The first ``max_bytes`` bytes of ``files`` joined, each ending in a newline."""
+def read_files(files: list[Path], max_bytes: int) -> list[bytes]:
+    """The contents of ``files`` in order, each ending in a newline, ``max_bytes`` in all."""
     chunks, total = [], 0
     for path in files:
         data = path.read_bytes()
@@ -123,7 +123,23 @@ def concat_files(files: list[Path], max_bytes: int) -> np.ndarray:
         total += len(chunks[-1])
         if total >= max_bytes:
             break
-    return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+    return [c for c in chunks if c]
+
+
+def split_files(chunks: list[bytes], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Holds out whole files: every k-th one, ``k = round(1 / val_fraction)``.
+
+    Validation then samples files from all over the corpus rather than the few
+    that happen to come last, one of which can be a table of data unlike the
+    rest (``html/entities.py`` in the stdlib). A single file is split by its tail.
+    """
+    if len(chunks) < 2:
+        return split(np.frombuffer(b"".join(chunks), np.uint8), val_fraction)
+    k = max(2, round(1 / val_fraction))
+    held = {i for i in range(len(chunks)) if i % k == k - 1} or {len(chunks) - 1}
+    train = [c for i, c in enumerate(chunks) if i not in held]
+    val = [c for i, c in enumerate(chunks) if i in held]
+    return np.frombuffer(b"".join(train), np.uint8), np.frombuffer(b"".join(val), np.uint8)
 
 
 def read_tokens(path: Path) -> np.ndarray:
@@ -171,7 +187,9 @@ def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
     if cfg.path is None:
         files = stdlib_files()
         source = f"python stdlib sources ({sysconfig.get_paths()['stdlib']})"
-        return _bytes_corpus(concat_files(files, cfg.max_bytes), cfg, source)
+        return _bytes_corpus(
+            *split_files(read_files(files, cfg.max_bytes), cfg.val_fraction), source
+        )
     path = Path(cfg.path).expanduser()
     if not path.exists():
         raise DataError(f"data path {str(path)!r} does not exist")
@@ -185,22 +203,21 @@ def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
         files = text_files(path)
         if not files:
             raise DataError(f"data directory {str(path)!r} holds no text files")
+        chunks = read_files(files, cfg.max_bytes)
         return _bytes_corpus(
-            concat_files(files, cfg.max_bytes), cfg, f"{len(files)} files in {path}"
+            *split_files(chunks, cfg.val_fraction), f"{len(files)} files in {path}"
         )
     if cfg.format == "uint16" or (cfg.format == "auto" and path.suffix == TOKEN_SUFFIX):
         return _token_corpus(*split(read_tokens(path), cfg.val_fraction), vocab_size, str(path))
-    return _bytes_corpus(
-        np.memmap(path, np.uint8, "r") if path.stat().st_size else np.zeros(0, np.uint8),
-        cfg,
-        str(path),
-    )
+    data = np.memmap(path, np.uint8, "r") if path.stat().st_size else np.zeros(0, np.uint8)
+    return _bytes_corpus(*split(data, cfg.val_fraction), str(path))
 
 
-def _bytes_corpus(data: np.ndarray, cfg: DataConfig, source: str) -> Corpus:
-    if len(data) < 2:
-        raise DataError(f"corpus {source} is empty ({len(data)} bytes)")
-    train, val = split(data, cfg.val_fraction)
+def _bytes_corpus(train: np.ndarray, val: np.ndarray, source: str) -> Corpus:
+    if len(train) == 0 or len(val) == 0:
+        raise DataError(
+            f"corpus {source} is empty or too small to split ({len(train) + len(val)} bytes)"
+        )
     return Corpus(train, val, "bytes", 256, source)
 
 

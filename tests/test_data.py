@@ -45,6 +45,15 @@ def test_directory_of_text_files_is_sorted_and_skips_binary_and_hidden(tmp_path)
     assert D.decode(np.concatenate([corpus.train, corpus.val]), "bytes") == "first\nsecond\n"
 
 
+def test_split_files_holds_out_every_kth_whole_file():
+    chunks = [bytes([i]) * (i + 1) for i in range(10)]
+    train, val = D.split_files(chunks, val_fraction=0.25)  # k = 4: files 3 and 7
+    assert val.tobytes() == chunks[3] + chunks[7]
+    assert train.tobytes() == b"".join(c for i, c in enumerate(chunks) if i not in (3, 7))
+    train, val = D.split_files(chunks[:2], val_fraction=0.1)  # fewer than k: the last file
+    assert (train.tobytes(), val.tobytes()) == (chunks[0], chunks[1])
+
+
 def test_uint16_token_file_round_trips(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 50257, size=5000).astype(np.uint16)
     D.write_tokens(tmp_path / "tokens.bin", tokens)

@@ -1,0 +1,189 @@
+"""End to end: `jaxzero train` and `jaxzero plot` on 8 simulated CPU devices, and their errors."""
+
+import contextlib
+import io
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxzero import config as C
+from jaxzero import metrics, plot, train
+
+TINY = str(Path(__file__).parent.parent / "experiments" / "configs" / "tiny.yaml")
+STEPS = 4
+
+
+def _args(root: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "--config", TINY, "--steps", str(STEPS), "--name", name, "--devices", "8",
+        "--set", f"logging.root={root}", "--set", "logging.log_every=1",
+        "--set", "logging.eval_every=2", "--set", "logging.eval_batches=1",
+        "--set", "logging.sample_tokens=8", "--set", "data.max_bytes=200000",
+        "--set", "model.d_model=32", "--set", "model.seq_len=32",
+        *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two tiny runs, stage 3 and stage 0, on the same data and seed, and what they printed."""
+    root = tmp_path_factory.mktemp("runs")
+    out = {}
+    for stage in (3, 0):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            rc = train.main(_args(root, f"s{stage}", "--stage", str(stage)))
+        assert rc == 0
+        out[stage] = root / f"s{stage}"
+        out[f"stdout{stage}"] = printed.getvalue()
+    return out
+
+
+def test_run_directory_holds_metrics_events_and_resolved_config(runs):
+    run = runs[3]
+    records = metrics.read_jsonl(run / metrics.METRICS_FILE)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens", "step_time"} <= set(r)
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
+    assert records[-1]["tokens"] == STEPS * 16 * 32
+    assert records[0]["lr"] < records[-1]["lr"]  # warmup
+    assert list(run.glob("events.out.tfevents.*"))
+    cfg = C.load_file(run / train.RESOLVED_CONFIG)  # resolved config reloads as a config
+    assert (cfg.parallel.stage, cfg.parallel.devices, cfg.model.vocab_size) == (3, 8, 256)
+    assert cfg.logging.name == "s3" and cfg.train.steps == STEPS
+    summary = (run / metrics.SUMMARY_FILE).read_text()
+    assert '"flops_per_token"' in summary and '"final_val_loss"' in summary
+
+
+def test_stage_0_and_stage_3_losses_agree_to_fp32_rounding(runs):
+    losses = {
+        s: np.array([r["loss"] for r in metrics.read_jsonl(d / metrics.METRICS_FILE)])
+        for s, d in runs.items()
+    }
+    np.testing.assert_allclose(losses[3], losses[0], rtol=2e-5, atol=0)
+    assert losses[3][-1] < losses[3][0]  # it trains
+
+
+def test_plot_overlays_two_runs(runs, tmp_path):
+    out = tmp_path / "curves.png"
+    assert plot.main([str(runs[0]), str(runs[3]), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    labels = [plot.load_run(runs[s]).label for s in (0, 3)]
+    assert labels == ["s0 (stage 0, 8 dev)", "s3 (stage 3, 8 dev)"]
+
+
+def test_plot_rejects_a_directory_without_metrics(tmp_path, capsys):
+    assert plot.main([str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_progress_lines_and_summary_are_printed(runs):
+    out = runs["stdout3"]
+    assert "step 1/4 | loss" in out and "tok/s" in out  # stdout is not a TTY: plain lines
+    assert "MFU" in out and "6*N + 12*L*D*S" in out and "val" in out
+    assert "sample:" in out
+
+
+def test_an_existing_run_is_not_overwritten(runs, capsys):
+    root, name = runs[3].parent, runs[3].name
+    rc = train.main(_args(root, name))
+    assert rc == 2 and "already holds a run" in capsys.readouterr().err
+
+
+def _error_of(argv, capsys) -> str:
+    rc = train.main(argv)
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--data", "/no/such/corpus.txt"], "/no/such/corpus.txt' does not exist"),
+        (["--set", "model.dmodel=8"], "unknown config key 'model.dmodel'"),
+        (["--set", "train.steps=many"], "train.steps: expected int"),
+        (["--set", "optimizer.lr=[1]"], "optimizer.lr: expected float"),
+    ],
+)
+def test_user_errors_are_one_line_without_traceback(tmp_path, capsys, extra, expected):
+    assert expected in _error_of(_args(tmp_path, "e", *extra), capsys)
+
+
+def test_empty_corpus_and_too_short_corpus(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    err = _error_of(_args(tmp_path, "e", "--data", str(tmp_path / "empty.txt")), capsys)
+    assert "empty" in err
+    (tmp_path / "short.txt").write_text("x = 1\n" * 8)  # 48 bytes < seq_len 32 + 1 in val split
+    err = _error_of(_args(tmp_path, "e", "--data", str(tmp_path / "short.txt")), capsys)
+    assert "model.seq_len=32 needs at least 33 tokens" in err
+
+
+def test_nan_loss_stops_training_naming_the_step(tmp_path, capsys):
+    argv = _args(
+        tmp_path, "nan", "--devices", "1", "--stage", "0",
+        "--set", "optimizer.lr=1e30", "--set", "optimizer.max_grad_norm=null",
+        "--set", "optimizer.warmup_steps=0",
+    )  # fmt: skip
+    err = _error_of(argv, capsys)
+    assert "at step 2" in err and "last with finite values" in err
+    records = metrics.read_jsonl(tmp_path / "nan" / metrics.METRICS_FILE)
+    assert [r["step"] for r in records] == [1]  # nothing non-finite was logged
+
+
+def test_cli_subprocess_error_exit_code(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxzero.cli", "train", "--data", str(tmp_path / "nope")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("jaxzero train: error: data path")
+    assert "Traceback" not in proc.stderr
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    opt = C.OptimizerConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    sched = train.lr_schedule(opt, steps=100)
+    lrs = np.array([float(sched(i)) for i in range(100)])
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert np.all(np.diff(lrs[:10]) > 0) and np.all(np.diff(lrs[10:]) <= 1e-7)
+    assert lrs[-1] == pytest.approx(0.1)
+
+
+def test_weight_decay_only_on_kernels():
+    import jax
+
+    from jaxzero.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, tie_embeddings=False))
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    mask = train.decay_mask(shapes)
+    flat = {jax.tree_util.keystr(p, simple=True, separator="/"): v
+            for p, v in jax.tree_util.tree_leaves_with_path(mask)}  # fmt: skip
+    decayed = sorted(k for k, v in flat.items() if v)
+    assert decayed and all(k.endswith("kernel") for k in decayed)
+    assert "head/kernel" in decayed
+    for key in ("wte", "wpe", "ln_f/scale", "ln_f/bias"):
+        assert flat[key] is False
+
+
+def test_devices_to_simulate(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    P = C.ParallelConfig
+    assert train.devices_to_simulate(P()) == 8  # CPU only, one device: simulate 8
+    assert train.devices_to_simulate(P(devices=4)) == 4
+    assert train.devices_to_simulate(P(simulate_devices=2)) == 2
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    assert train.devices_to_simulate(P()) is None  # already several CPU devices
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    assert train.devices_to_simulate(P()) is None  # an accelerator: leave it alone
