@@ -134,6 +134,7 @@ class Engine:
         self.min_shard_size = min_shard_size
         self.num_shards = num_shards(self.mesh)
         self.batch_devices = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))
+        self.batch_sharding = NamedSharding(self.mesh, P(batch_axes(self.mesh)))
         if check_optimizer and stage >= 1 and self.num_shards > 1 and not check_elementwise(
             optimizer
         ):
@@ -184,7 +185,6 @@ class Engine:
         self.specs = state_specs(self.stage, self.layouts, self.tx, self.mixed)
         self.state_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs,
                                             is_leaf=lambda x: isinstance(x, P))
-        self.batch_sharding = NamedSharding(self.mesh, P(batch_axes(self.mesh)))
         self._build_jits()
 
     def _require_init(self) -> None:
