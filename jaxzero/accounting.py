@@ -92,6 +92,9 @@ def _strip_layouts(text: str) -> str:
     return text
 
 
+_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)(?:\[([^\]]*)\])?")
+
+
 def parse_type(text: str) -> HloType:
     """Parse an HLO shape such as ``(f32[8,16]{1,0}, bf16[])`` into Buffers and tuples."""
     s = _strip_layouts(text).replace(" ", "")
@@ -108,7 +111,7 @@ def parse_type(text: str) -> HloType:
                     pos += 1
             pos += 1
             return tuple(items)
-        m = re.compile(r"([a-z][a-z0-9]*)(?:\[([^\]]*)\])?").match(s, pos)
+        m = _ARRAY_RE.match(s, pos)
         if not m:
             raise ValueError(f"cannot parse HLO type {text!r} at {s[pos:]!r}")
         pos = m.end()
@@ -116,8 +119,7 @@ def parse_type(text: str) -> HloType:
         # dynamic dims are written "<=8": the bound is the size we keep
         return Buffer(m.group(1), dims)
 
-    out = node()
-    return out
+    return node()
 
 
 def flatten_type(t: HloType) -> list[Buffer]:
@@ -363,8 +365,8 @@ class Collective:
       name: instruction name.
       kind: all-reduce, reduce-scatter, all-gather, all-to-all or collective-permute
         (async ``-start`` forms are reported under their base kind, once).
-      opcode: the opcode as printed (``all-gather-start``, or ``async-start`` wrapper's
-        inner op).
+      opcode: the opcode as printed (e.g. ``all-gather-start``). A collective that an
+        ``async-start`` wraps is found in the wrapped computation, under its own opcode.
       computation: the HLO computation holding it.
       buffers: the FULL buffers S of the ring formulas (all-gather: output;
         reduce-scatter: input; all-reduce / all-to-all / permute: operand), one per

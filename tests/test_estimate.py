@@ -162,3 +162,15 @@ def test_cli_process_nonsense_has_no_traceback():
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+
+
+def test_gpt_shape_counts_the_reference_gpt_closely():
+    import jax
+
+    from jaxzero.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_layers=4, n_heads=4)
+    actual = GPT.num_params(jax.eval_shape(GPT(cfg).init, jax.random.key(0)))
+    shape = est.GPTShape(layers=4, d_model=128, heads=4, vocab=256, seq_len=64)
+    # GPT-2 counts a QKV bias that jaxzero's GPT leaves out: 3h per layer
+    assert abs(shape.num_params() - actual) <= 3 * 128 * 4
