@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxzero import collectives
-from jaxzero.hooks import Stored, UseOp, regather_policy, use_params
+from jaxzero.hooks import Stored, UseOp, use_params
 from jaxzero.mesh import DATA
 from jaxzero.partition import LeafLayout, is_layout
 from jaxzero.state import TrainState
@@ -94,8 +94,6 @@ def local_gradients(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any,
             raise TypeError(f"loss_fn must return a scalar, got shape {jnp.shape(loss)}")
         return loss.astype(jnp.float32)
 
-    if cfg.stage == 3 and not cfg.per_layer:  # re-gather in the backward, don't keep
-        loss_of = jax.checkpoint(loss_of, policy=regather_policy())
     grad_fn = jax.value_and_grad(loss_of)
     k = cfg.micro_batches
     if k == 1:
