@@ -68,6 +68,21 @@ def measure(stage: int, precision: str, micro_batches: int) -> dict:
     }
 
 
+def read_csv(path: pathlib.Path) -> list[dict]:
+    """Rows written by :func:`write_csv`, numbers as numbers (for ``--replot``)."""
+
+    def num(v: str):
+        for cast in (int, float):
+            try:
+                return cast(v)
+            except ValueError:
+                pass
+        return v
+
+    with path.open() as f:
+        return [{k: num(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
 def write_csv(path: pathlib.Path, rows: list[dict]) -> None:
     fields = []
     for r in rows:
@@ -148,10 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 4])
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    p.add_argument("--replot", action="store_true",
+                   help="redraw the plot and summary from the existing CSV, compile nothing")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for k in args.micro_batches:
+    rows = read_csv(args.out / "zero_comm.csv") if args.replot else []
+    for k in [] if args.replot else args.micro_batches:
         for prec in args.precisions:
             for stage in (0, 1, 2, 3):
                 t = time.time()
