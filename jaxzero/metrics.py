@@ -1,9 +1,11 @@
-"""Where a run's numbers go: JSONL, TensorBoard, a progress bar or plain lines, and MFU.
+"""Where a run's numbers go: the run directory, JSONL, TensorBoard, the console, the summary.
 
-Every writer here is inert on processes other than 0, so the training loop
-calls them unconditionally and multi-process runs print and write once.
-The JSONL file is the source of truth (``jaxzero plot`` reads it); TensorBoard
-gets the same scalars for people who live there.
+``runs/NAME/`` holds ``config.yaml`` (resolved), ``metrics.jsonl`` (one record
+per logged step; the source of truth that ``jaxzero plot`` reads), TensorBoard
+event files with the same scalars, and ``summary.json``. Every writer here is
+inert on processes other than 0, so the loop calls them unconditionally and a
+multi-process run prints and writes once. The summary states its FLOP formula
+and the peak it divides by, because an MFU without both is not a number.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
+
+from jaxzero.config import Config, ConfigError
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -34,7 +39,9 @@ PEAK_FLOPS = (
     ("TPU v5p", 459e12),
     ("TPU v6", 918e12),
 )
-CPU_FLOPS_PER_CORE = 50e9  # nominal: AVX2/AVX-512 FMA fp32 at ~2-3 GHz, order of magnitude only
+# Nominal CPU core: two 256-bit FMA units = 32 fp32 FLOP/cycle, at 2.5 GHz. A yardstick only:
+# clocks vary, and AVX-512 parts can do twice this.
+CPU_FLOPS_PER_CORE = 32 * 2.5e9
 
 
 class MetricsWriter:
@@ -95,6 +102,31 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.write_text(json.dumps({k: _jsonable(v) for k, v in data.items()}, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- run directory
+
+
+def prepare_run_dir(cfg: Config, is_main: bool) -> Path:
+    """``ROOT/NAME``, created on process 0; refuses to mix two runs' metrics."""
+    run_dir = Path(cfg.logging.root) / str(cfg.logging.name)
+    if not is_main:
+        return run_dir
+    old = [run_dir / METRICS_FILE, run_dir / SUMMARY_FILE]
+    old += list(run_dir.glob("events.out.tfevents.*")) if run_dir.is_dir() else []
+    if any(p.exists() for p in old):
+        if not cfg.logging.overwrite:
+            raise ConfigError(
+                f"run directory {str(run_dir)!r} already holds a run: choose "
+                "another --name, or --set logging.overwrite=true"
+            )
+        for p in old:
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
 
 
 # --------------------------------------------------------------------------- console
@@ -176,6 +208,86 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def summarize(
+    cfg: Config, engine: Any, model: Any, watch: Stopwatch, loss: float, val_loss: float
+) -> dict[str, Any]:
+    """The end-of-run figures: tokens, throughput, MFU (formula stated), losses, memory."""
+    import jax
+
+    local = jax.local_devices()
+    n_dev = engine.mesh.size
+    flops_per_token = model.flops_per_token(engine.num_params)
+    peak, source = peak_flops_per_device(local[0], cfg.train.peak_flops_per_device, len(local))
+    tps = watch.tokens_per_s
+    m = cfg.model
+    return {
+        "name": cfg.logging.name,
+        "stage": cfg.parallel.stage,
+        "devices": n_dev,
+        "params": engine.num_params,
+        "steps": cfg.train.steps,
+        "tokens": cfg.train.steps * cfg.train.batch_size * m.seq_len,
+        "wall_s": watch.wall,
+        "train_s": watch.seconds,
+        "tokens_per_s": tps,
+        "flops_per_token": flops_per_token,
+        "flops_formula": f"6*N + 12*L*D*S = 6*{engine.num_params} + "
+        f"12*{m.n_layers}*{m.d_model}*{m.seq_len}",
+        "achieved_flops": flops_per_token * tps,
+        "peak_flops_per_device": peak,
+        "peak_flops_source": source,
+        "mfu": mfu(flops_per_token, tps, peak, n_dev),
+        "final_loss": loss,
+        "final_val_loss": val_loss,
+        "peak_memory_bytes_per_device": peak_memory_bytes(local),
+    }
+
+
+def format_summary(s: dict) -> str:
+    """The end-of-run report, a few lines a person reads."""
+    fmt = format_duration
+    mfu = "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
+    peak = "n/a" if s["peak_flops_per_device"] is None else f"{s['peak_flops_per_device']:.3g}"
+    mem = s["peak_memory_bytes_per_device"]
+    lines = [
+        "",
+        f"== {s['name']}: stage {s['stage']} on {s['devices']} devices, {s['params']:,} params ==",
+        f"steps {s['steps']} | tokens {s['tokens']:,} | wall {fmt(s['wall_s'])} (training "
+        f"{fmt(s['train_s'])}; the rest is start-up, compilation, evaluation and sampling)",
+        f"throughput {s['tokens_per_s']:,.0f} tokens/s | {s['achieved_flops'] / 1e9:.2f} GFLOP/s "
+        f"| MFU {mfu} of {peak} FLOP/s per device ({s['peak_flops_source']})",
+        f"FLOPs per token {s['flops_per_token']:.4g} = {s['flops_formula']} (attention term)",
+        f"final loss: train {s['final_loss']:.4f} | val {s['final_val_loss']:.4f} nats/token",
+        "peak memory per device: "
+        + ("not reported by this backend" if mem is None else f"{mem / 2**20:,.1f} MiB"),
+    ]
+    if s.get("sample"):
+        lines += ["sample:", s["sample"]]
+    return "\n".join(lines)
+
+
+def banner(cfg: Config, corpus: Any, num_params: int, simulated: int | None, run_dir: Path) -> str:
+    """What is about to run: data, model, ZeRO layout (printed before the first step)."""
+    p, m = cfg.parallel, cfg.model
+    dev = f"{p.devices} device(s)"
+    if simulated is not None:
+        dev = f"{p.devices} of {simulated} simulated CPU devices (--simulate-devices {simulated})"
+    return "\n".join(
+        [
+            f"jaxzero train: {cfg.logging.name} -> {run_dir}",
+            f"  data   {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} val "
+            f"{corpus.kind} tokens, vocab {corpus.vocab_size}",
+            f"  model  GPT {m.n_layers} layers x {m.d_model} wide, {m.n_heads} heads, "
+            f"seq {m.seq_len}, {num_params:,} params, remat {m.remat}",
+            f"  zero   stage {p.stage} on {dev}, {cfg.precision.compute}, micro-batches "
+            f"{p.micro_batches}, global batch {cfg.train.batch_size} x {m.seq_len} tokens",
+        ]
+    )
 
 
 # --------------------------------------------------------------------------- throughput

@@ -19,10 +19,9 @@ import importlib.metadata
 import math
 import os
 import re
-import shutil
 import sys
 import time
-from pathlib import Path
+from dataclasses import fields
 from typing import Any
 
 from jaxzero import config as config_lib
@@ -33,16 +32,17 @@ from jaxzero.data import DataError
 
 DEFAULT_SIMULATED_DEVICES = 8
 RESOLVED_CONFIG = "config.yaml"
-SHORTCUTS = {  # --flag: config key (applied before --set, so --set wins)
-    "stage": "parallel.stage",
-    "devices": "parallel.devices",
-    "simulate_devices": "parallel.simulate_devices",
-    "micro_batches": "parallel.micro_batches",
-    "precision": "precision.compute",
-    "data": "data.path",
-    "steps": "train.steps",
-    "name": "logging.name",
-}
+SHORTCUTS = {  # --flag: (config key, type, help); applied before --set, so --set wins
+    "stage": ("parallel.stage", int, "ZeRO stage 0-3 (default 3)"),
+    "devices": ("parallel.devices", int, "devices to train on (default: all)"),
+    "simulate_devices": ("parallel.simulate_devices", int, "CPU only: simulate N devices "
+                         "(default 8 when only one CPU device would exist)"),
+    "micro_batches": ("parallel.micro_batches", int, "gradient accumulation steps"),
+    "precision": ("precision.compute", str, "fp32 or bf16"),
+    "data": ("data.path", str, "text file, directory of text files, or uint16 token file/dir"),
+    "steps": ("train.steps", int, "optimizer steps"),
+    "name": ("logging.name", str, "run name: results go to runs/NAME/"),
+}  # fmt: skip
 
 
 class Diverged(RuntimeError):
@@ -67,27 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
         "stdlib sources, stage 3, 8 simulated CPU devices when only a CPU is present.",
     )
     p.add_argument("--config", help="YAML or JSON config file (see experiments/configs/)")
-    p.add_argument(
-        "--set",
-        dest="assignments",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set optimizer.lr=3e-4 (repeatable)",
-    )
-    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 3)")
-    p.add_argument("--devices", type=int, help="devices to train on (default: all)")
-    p.add_argument(
-        "--simulate-devices",
-        type=int,
-        metavar="N",
-        help="CPU only: expose N simulated devices (default 8 when only one exists)",
-    )
-    p.add_argument("--micro-batches", type=int, help="gradient accumulation steps")
-    p.add_argument("--precision", choices=("fp32", "bf16"), help="compute precision")
-    p.add_argument("--data", help="text file, directory of text files, or uint16 token file/dir")
-    p.add_argument("--steps", type=int, help="optimizer steps")
-    p.add_argument("--name", help="run name: results go to runs/NAME/")
+    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set optimizer.lr=3e-4 (repeatable)")  # fmt: skip
+    for flag, (_, type_, help_) in SHORTCUTS.items():
+        metavar = "N" if type_ is int else flag.upper()
+        p.add_argument("--" + flag.replace("_", "-"), type=type_, metavar=metavar, help=help_)
     p.add_argument("--print-config", action="store_true", help="print the config and exit")
     return p
 
@@ -95,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> Config:
     """The config file, then the typed shortcuts, then ``--set`` (later wins); validated."""
     cfg = config_lib.load_file(args.config) if args.config else Config()
-    for flag, key in SHORTCUTS.items():
+    for flag, (key, _, _) in SHORTCUTS.items():
         value = getattr(args, flag)
         if value is not None:
             cfg = config_lib.override(cfg, key, value)
@@ -195,28 +179,6 @@ def make_optimizer(opt: config_lib.OptimizerConfig, steps: int):
 # --------------------------------------------------------------------------- run directory
 
 
-def prepare_run_dir(cfg: Config, is_main: bool) -> Path:
-    """``ROOT/NAME``, created on process 0; refuses to mix two runs' metrics."""
-    run_dir = Path(cfg.logging.root) / str(cfg.logging.name)
-    if not is_main:
-        return run_dir
-    old = [run_dir / metrics_lib.METRICS_FILE, run_dir / metrics_lib.SUMMARY_FILE]
-    old += list(run_dir.glob("events.out.tfevents.*")) if run_dir.is_dir() else []
-    if any(p.exists() for p in old):
-        if not cfg.logging.overwrite:
-            raise ConfigError(
-                f"run directory {str(run_dir)!r} already holds a run: choose "
-                "another --name, or --set logging.overwrite=true"
-            )
-        for p in old:
-            if p.is_dir():
-                shutil.rmtree(p)
-            elif p.exists():
-                p.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
 def resolve_run(cfg: Config, num_devices: int, simulated: int | None, vocab: int) -> Config:
     """The config with every ``None`` the run decided filled in (name, devices, vocab)."""
     name = cfg.logging.name or (
@@ -244,6 +206,24 @@ def evaluate(engine: Any, state: Any, batches: list[Any]) -> float:
     return sum(float(engine.eval_loss(state, b)) for b in batches) / len(batches)
 
 
+def build(cfg: Config, mesh: Any) -> tuple[Any, Any, Any]:
+    """The GPT, its engine (every parallel/precision option reaches it here), the LR schedule."""
+    from jaxzero.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(**{f.name: getattr(cfg.model, f.name) for f in fields(GPTConfig)}))
+    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+    engine = model.engine(
+        tx,
+        mesh=mesh,
+        stage=cfg.parallel.stage,
+        precision=cfg.precision.compute,
+        reduce_dtype=cfg.precision.reduce_dtype,
+        micro_batches=cfg.parallel.micro_batches,
+        max_grad_norm=cfg.optimizer.max_grad_norm,
+    )
+    return model, engine, schedule
+
+
 def train(cfg: Config, started: float | None = None) -> dict[str, Any]:
     """Runs the whole training job described by ``cfg`` and returns its summary.
 
@@ -268,8 +248,6 @@ def train(cfg: Config, started: float | None = None) -> dict[str, Any]:
     mesh, simulated = setup_devices(cfg.parallel)
     import jax
 
-    from jaxzero.models.gpt import GPT, GPTConfig
-
     n_dev = mesh.size
     need = n_dev * cfg.parallel.micro_batches
     if cfg.train.batch_size % need:
@@ -279,38 +257,16 @@ def train(cfg: Config, started: float | None = None) -> dict[str, Any]:
         )
     cfg = resolve_run(cfg, n_dev, simulated, vocab)
     is_main = jax.process_index() == 0
-    run_dir = prepare_run_dir(cfg, is_main)
+    run_dir = metrics_lib.prepare_run_dir(cfg, is_main)
     writer = metrics_lib.MetricsWriter(run_dir if is_main else None, cfg.logging.tensorboard)
     progress = metrics_lib.Progress(cfg.train.steps, cfg.logging.progress, is_main)
     try:
         if is_main:
             (run_dir / RESOLVED_CONFIG).write_text(config_lib.dump_yaml(cfg))
             writer.text("config", config_lib.dump_yaml(cfg))
-        m = cfg.model
-        model = GPT(
-            GPTConfig(
-                vocab_size=vocab,
-                seq_len=seq,
-                d_model=m.d_model,
-                n_layers=m.n_layers,
-                n_heads=m.n_heads,
-                d_ff=m.d_ff,
-                tie_embeddings=m.tie_embeddings,
-                remat=m.remat,
-            )
-        )
-        tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
-        engine = model.engine(
-            tx,
-            mesh=mesh,
-            stage=cfg.parallel.stage,
-            precision=cfg.precision.compute,
-            reduce_dtype=cfg.precision.reduce_dtype,
-            micro_batches=cfg.parallel.micro_batches,
-            max_grad_norm=cfg.optimizer.max_grad_norm,
-        )
+        model, engine, schedule = build(cfg, mesh)
         state = engine.init_from(model.init, jax.random.key(cfg.train.seed))
-        progress.print(_banner(cfg, corpus, engine.num_params, simulated, run_dir))
+        progress.print(metrics_lib.banner(cfg, corpus, engine.num_params, simulated, run_dir))
         summary = _loop(cfg, engine, state, model, corpus, schedule, writer, progress, watch)
         if is_main:
             metrics_lib.write_json(run_dir / metrics_lib.SUMMARY_FILE, summary)
@@ -363,13 +319,13 @@ def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress,
         writer.write(record)
         progress.log(record)
         window = metrics_lib.Stopwatch()
-    summary = _summary(cfg, engine, model, watch, loss, val_loss)
+    summary = metrics_lib.summarize(cfg, engine, model, watch, loss, val_loss)
     sample = _sample(cfg, engine, state, model, corpus)
     if sample is not None:
         summary["sample"] = sample
         writer.text("sample", sample)
     progress.close()
-    progress.print(format_summary(summary))
+    progress.print(metrics_lib.format_summary(summary))
     return summary
 
 
@@ -393,81 +349,6 @@ def _sample(cfg: Config, engine, state, model, corpus) -> str | None:
         temperature=cfg.logging.sample_temperature,
     )
     return data_lib.decode(tokens[0], corpus.kind)
-
-
-def _summary(cfg: Config, engine, model, watch, loss: float, val_loss: float) -> dict:
-    import jax
-
-    local = jax.local_devices()
-    n_dev = engine.mesh.size
-    flops_per_token = model.flops_per_token(engine.num_params)
-    peak, source = metrics_lib.peak_flops_per_device(
-        local[0], cfg.train.peak_flops_per_device, len(local)
-    )
-    tps = watch.tokens_per_s
-    m = cfg.model
-    return {
-        "name": cfg.logging.name,
-        "stage": cfg.parallel.stage,
-        "devices": n_dev,
-        "params": engine.num_params,
-        "steps": cfg.train.steps,
-        "tokens": cfg.train.steps * cfg.train.batch_size * m.seq_len,
-        "wall_s": watch.wall,
-        "train_s": watch.seconds,
-        "tokens_per_s": tps,
-        "flops_per_token": flops_per_token,
-        "flops_formula": f"6*N + 12*L*D*S = 6*{engine.num_params} + "
-        f"12*{m.n_layers}*{m.d_model}*{m.seq_len}",
-        "achieved_flops": flops_per_token * tps,
-        "peak_flops_per_device": peak,
-        "peak_flops_source": source,
-        "mfu": metrics_lib.mfu(flops_per_token, tps, peak, n_dev),
-        "final_loss": loss,
-        "final_val_loss": val_loss,
-        "peak_memory_bytes_per_device": metrics_lib.peak_memory_bytes(local),
-    }
-
-
-def format_summary(s: dict) -> str:
-    """The end-of-run report, a few lines a person reads."""
-    fmt = metrics_lib.format_duration
-    mfu = "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
-    peak = "n/a" if s["peak_flops_per_device"] is None else f"{s['peak_flops_per_device']:.3g}"
-    mem = s["peak_memory_bytes_per_device"]
-    lines = [
-        "",
-        f"== {s['name']}: stage {s['stage']} on {s['devices']} devices, {s['params']:,} params ==",
-        f"steps {s['steps']} | tokens {s['tokens']:,} | wall {fmt(s['wall_s'])} (training "
-        f"{fmt(s['train_s'])}; the rest is start-up, compilation, evaluation and sampling)",
-        f"throughput {s['tokens_per_s']:,.0f} tokens/s | {s['achieved_flops'] / 1e9:.2f} GFLOP/s "
-        f"| MFU {mfu} of {peak} FLOP/s per device ({s['peak_flops_source']})",
-        f"FLOPs per token {s['flops_per_token']:.4g} = {s['flops_formula']} (attention term)",
-        f"final loss: train {s['final_loss']:.4f} | val {s['final_val_loss']:.4f} nats/token",
-        "peak memory per device: "
-        + ("not reported by this backend" if mem is None else f"{mem / 2**20:,.1f} MiB"),
-    ]
-    if s.get("sample"):
-        lines += ["sample:", s["sample"]]
-    return "\n".join(lines)
-
-
-def _banner(cfg: Config, corpus, num_params: int, simulated: int | None, run_dir: Path) -> str:
-    p, m = cfg.parallel, cfg.model
-    dev = f"{p.devices} device(s)"
-    if simulated is not None:
-        dev = f"{p.devices} of {simulated} simulated CPU devices (--simulate-devices {simulated})"
-    return "\n".join(
-        [
-            f"jaxzero train: {cfg.logging.name} -> {run_dir}",
-            f"  data   {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} val "
-            f"{corpus.kind} tokens, vocab {corpus.vocab_size}",
-            f"  model  GPT {m.n_layers} layers x {m.d_model} wide, {m.n_heads} heads, "
-            f"seq {m.seq_len}, {num_params:,} params, remat {m.remat}",
-            f"  zero   stage {p.stage} on {dev}, {cfg.precision.compute}, micro-batches "
-            f"{p.micro_batches}, global batch {cfg.train.batch_size} x {m.seq_len} tokens",
-        ]
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
