@@ -28,23 +28,14 @@ def _args(root: Path, name: str, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Two tiny runs, stage 3 and stage 0, on the same data and seed, and what they printed."""
-    root = tmp_path_factory.mktemp("runs")
-    out = {}
-    for stage in (3, 0):
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            rc = train.main(_args(root, f"s{stage}", "--stage", str(stage)))
-        assert rc == 0
-        out[stage] = root / f"s{stage}"
-        out[f"stdout{stage}"] = printed.getvalue()
-    return out
+def _train(root: Path, stage: int) -> tuple[Path, str]:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert train.main(_args(root, f"s{stage}", "--stage", str(stage))) == 0
+    return root / f"s{stage}", printed.getvalue()
 
 
-def test_run_directory_holds_metrics_events_and_resolved_config(runs):
-    run = runs[3]
+def _check_run_dir(run: Path) -> None:
     records = metrics.read_jsonl(run / metrics.METRICS_FILE)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
@@ -54,46 +45,45 @@ def test_run_directory_holds_metrics_events_and_resolved_config(runs):
     assert records[-1]["tokens"] == STEPS * 16 * 32
     assert records[0]["lr"] < records[-1]["lr"]  # warmup
     assert list(run.glob("events.out.tfevents.*"))
-    cfg = C.load_file(run / train.RESOLVED_CONFIG)  # resolved config reloads as a config
-    assert (cfg.parallel.stage, cfg.parallel.devices, cfg.model.vocab_size) == (3, 8, 256)
-    assert cfg.logging.name == "s3" and cfg.train.steps == STEPS
+    cfg = C.load_file(run / train.RESOLVED_CONFIG)  # the resolved config reloads as a config
+    assert (cfg.parallel.devices, cfg.model.vocab_size, cfg.train.steps) == (8, 256, STEPS)
+    assert cfg.logging.name == run.name
     summary = (run / metrics.SUMMARY_FILE).read_text()
     assert '"flops_per_token"' in summary and '"final_val_loss"' in summary
 
 
-def test_stage_0_and_stage_3_losses_agree_to_fp32_rounding(runs):
-    losses = {
-        s: np.array([r["loss"] for r in metrics.read_jsonl(runs[s] / metrics.METRICS_FILE)])
-        for s in (0, 3)
-    }
-    np.testing.assert_allclose(losses[3], losses[0], rtol=2e-5, atol=0)
-    assert losses[3][-1] < losses[3][0]  # it trains
+def _losses(run: Path) -> np.ndarray:
+    return np.array([r["loss"] for r in metrics.read_jsonl(run / metrics.METRICS_FILE)])
 
 
-def test_plot_overlays_two_runs(runs, tmp_path):
+def test_train_stage_3_and_stage_0_then_plot(tmp_path, capsys):
+    """One test, so that pytest-xdist never trains the same runs twice in two workers."""
+    s3, printed = _train(tmp_path, 3)
+    s0, _ = _train(tmp_path, 0)
+    for run in (s3, s0):
+        _check_run_dir(run)
+    assert C.load_file(s3 / train.RESOLVED_CONFIG).parallel.stage == 3
+    # Every stage computes the same update as one device: the losses agree to fp32 rounding.
+    np.testing.assert_allclose(_losses(s3), _losses(s0), rtol=2e-5, atol=0)
+    assert _losses(s3)[-1] < _losses(s3)[0]  # and it trains
+    # stdout is not a TTY here: plain progress lines, then the summary and a sample.
+    assert "step 1/4 | loss" in printed and "tok/s" in printed
+    assert "MFU" in printed and "6*N + 12*L*D*S" in printed and "sample:" in printed
     out = tmp_path / "curves.png"
-    assert plot.main([str(runs[0]), str(runs[3]), "-o", str(out)]) == 0
+    assert plot.main([str(s0), str(s3), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    labels = [plot.load_run(runs[s]).label for s in (0, 3)]
-    assert labels == ["s0 (stage 0, 8 dev)", "s3 (stage 3, 8 dev)"]
+    assert [plot.load_run(r).label for r in (s0, s3)] == [
+        "s0 (stage 0, 8 dev)",
+        "s3 (stage 3, 8 dev)",
+    ]
+    capsys.readouterr()
+    assert train.main(_args(tmp_path, "s3")) == 2  # a finished run is never appended to
+    assert "already holds a run" in capsys.readouterr().err
 
 
 def test_plot_rejects_a_directory_without_metrics(tmp_path, capsys):
     assert plot.main([str(tmp_path)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
-
-
-def test_progress_lines_and_summary_are_printed(runs):
-    out = runs["stdout3"]
-    assert "step 1/4 | loss" in out and "tok/s" in out  # stdout is not a TTY: plain lines
-    assert "MFU" in out and "6*N + 12*L*D*S" in out and "val" in out
-    assert "sample:" in out
-
-
-def test_an_existing_run_is_not_overwritten(runs, capsys):
-    root, name = runs[3].parent, runs[3].name
-    rc = train.main(_args(root, name))
-    assert rc == 2 and "already holds a run" in capsys.readouterr().err
 
 
 def _error_of(argv, capsys) -> str:
