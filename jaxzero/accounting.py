@@ -995,6 +995,37 @@ class Report:
         return "\n".join(lines)
 
 
+def _stage3_notes(engine: Any, collectives: list[Collective], scalar_elements: int) -> list[str]:
+    """Explain stage-3 traffic below 3Ψ: how much the backward pass gathers again.
+
+    The design gathers every param twice (forward, backward) per reduce-scatter of
+    its gradient. Counting elements (not bytes, so dtypes do not matter) shows how
+    much of that second gather the compiled step really does.
+    """
+    if engine.stage != 3:
+        return []
+
+    def elements(kind: str) -> int:
+        return sum(
+            c.runs * b.elements for c in collectives if c.kind == kind
+            for b in c.buffers if b.elements >= scalar_elements
+        )
+
+    gathered, scattered = elements("all-gather"), elements("reduce-scatter")
+    notes = []
+    if not getattr(engine, "per_layer", True):
+        notes.append(
+            "per_layer=False: the engine gathers the whole tree once per micro-batch and keeps "
+            "it through the backward pass (coarse stage 3), so expect 2Ψb, not 3Ψb"
+        )
+    if scattered and gathered < 2 * scattered * (1 - 1e-3):
+        notes.append(
+            f"the backward pass gathers {max(gathered / scattered - 1, 0):.1%} of the params "
+            "again (design: 100%); it keeps the rest from the forward pass, alive until used"
+        )
+    return notes
+
+
 def _fmt_buffer(b: Buffer) -> str:
     return f"{b.dtype}[{','.join(map(str, b.shape))}]"
 
@@ -1066,6 +1097,7 @@ def report(
             f"{ex.replicated_params:,} params sit in leaves too small to shard: replicated, "
             "their gradients all-reduced (the 'layouts' column counts them)"
         )
+    notes += _stage3_notes(engine, hlo.collectives, scalar_elements)
     config = {
         "stage": engine.stage,
         "num_shards": n,
