@@ -200,8 +200,8 @@ class Progress:
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
 
     def log(self, record: Mapping[str, Any]) -> None:
-        """A logged record: a plain line in ``lines`` mode; the bar already shows it."""
-        if self.mode == "lines":
+        """A logged record: a plain line in ``lines`` mode; above the bar only with a val loss."""
+        if self.mode == "lines" or (self.mode == "bar" and record.get("val_loss") is not None):
             self.print(format_record(record, self.total))
 
     def close(self) -> None:

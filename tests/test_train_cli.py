@@ -177,3 +177,56 @@ def test_devices_to_simulate(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS")
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     assert train.devices_to_simulate(P()) is None  # an accelerator: leave it alone
+
+
+class _TTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere():
+    record = {"step": 10, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1234.0}
+    lines = io.StringIO()
+    progress = metrics.Progress(20, "auto", stream=lines)
+    progress.update(10, 2.5, 1234.0)
+    progress.log(record)
+    progress.close()
+    assert progress.mode == "lines"
+    assert (
+        lines.getvalue() == "step 10/20 | loss 2.5000 | lr 1.00e-03 | gnorm 0.500 | 1,234 tok/s\n"
+    )
+    tty = _TTY()
+    progress = metrics.Progress(20, "auto", stream=tty)
+    progress.update(10, 2.5, 1234.0)
+    progress.log(record)  # no val loss: the bar already shows it
+    progress.log({**record, "val_loss": 2.7})
+    progress.close()
+    assert progress.mode == "bar"
+    assert "10/20" in tty.getvalue() and "val 2.7000" in tty.getvalue()
+    assert tty.getvalue().count("step 10/20") == 1
+    quiet = io.StringIO()
+    progress = metrics.Progress(20, "auto", enabled=False, stream=quiet)  # processes other than 0
+    progress.log(record)
+    progress.print("hello")
+    assert quiet.getvalue() == ""
+
+
+def test_metrics_writer_nulls_non_finite_values(tmp_path):
+    writer = metrics.MetricsWriter(tmp_path, tensorboard=False)
+    writer.write({"step": 1, "loss": float("nan"), "lr": 0.1})
+    writer.close()
+    assert metrics.read_jsonl(tmp_path / metrics.METRICS_FILE) == [
+        {"step": 1, "loss": None, "lr": 0.1}
+    ]
+    metrics.MetricsWriter(None).write({"step": 1})  # inert on other processes
+
+
+def test_mfu_against_a_configured_or_nominal_peak():
+    cpu = type("Device", (), {"platform": "cpu", "device_kind": "cpu"})()
+    gpu = type("Device", (), {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"})()
+    assert metrics.peak_flops_per_device(gpu, None, 8)[0] == 989e12
+    assert metrics.peak_flops_per_device(gpu, 1e12, 8) == (1e12, "train.peak_flops_per_device")
+    peak, source = metrics.peak_flops_per_device(cpu, None, 8)
+    assert "nominal" in source and peak > 0
+    assert metrics.mfu(6e6, 1000.0, 1e10, 2) == pytest.approx(6e9 / 2e10)
+    assert metrics.mfu(6e6, 1000.0, None, 2) is None
