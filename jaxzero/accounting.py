@@ -767,6 +767,7 @@ def theory(
     moments: int,
     micro_batches: int = 1,
     moment_bytes: float = 4.0,
+    param_gathers: int = 2,
 ) -> Theory:
     """Model-state memory and communication from :mod:`jaxzero.estimate`'s formulas.
 
@@ -780,13 +781,14 @@ def theory(
       moments: params-shaped optimizer moments (Adam: 2).
       micro_batches: gradient-accumulation steps per optimizer step.
       moment_bytes: bytes per moment element (fp32).
+      param_gathers: stage-3 gathers per param and micro-batch (see ``est.comm_bytes``).
     """
     prec = est.Precision(
         param=param_bytes, grad=param_bytes, master=master_bytes,
         optimizer=moments * moment_bytes,
     )
     ms = est.model_state_bytes(psi, n, stage, prec)
-    cm = est.comm_bytes(psi, n, stage, grad_bytes, param_bytes, micro_batches)
+    cm = est.comm_bytes(psi, n, stage, grad_bytes, param_bytes, micro_batches, param_gathers)
     return Theory(
         params=ms.params, master=ms.master, optimizer=ms.optimizer, grads=ms.grads,
         persistent=ms.persistent, model_states=ms.total, comm_grad=cm.grad,
@@ -821,13 +823,14 @@ def layout_expectation(
     moments: int,
     micro_batches: int = 1,
     moment_bytes: float = 4.0,
+    param_gathers: int = 2,
 ) -> LayoutExpectation:
     """Leaf-by-leaf persistent bytes and traffic for the engine's layouts.
 
     Args:
       layouts: objects with ``shape``, ``dim`` (None: replicated) and ``padded_shape``.
       n, stage, param_bytes, grad_bytes, master_bytes, moments, micro_batches,
-        moment_bytes: as for :func:`theory`.
+        moment_bytes, param_gathers: as for :func:`theory`.
     """
     frac = (n - 1) / n if n > 1 else 0.0
     k = micro_batches
@@ -855,7 +858,7 @@ def layout_expectation(
         elif stage == 2:
             comm += padded * (k * grad_bytes + param_bytes) * frac
         else:
-            comm += k * padded * (grad_bytes + 2 * param_bytes) * frac
+            comm += k * padded * (grad_bytes + param_gathers * param_bytes) * frac
     return LayoutExpectation(persistent, comm, padded_total, replicated)
 
 
@@ -1016,9 +1019,10 @@ def _stage3_notes(engine: Any, collectives: list[Collective], scalar_elements: i
     if not getattr(engine, "per_layer", True):
         notes.append(
             "per_layer=False: the engine gathers the whole tree once per micro-batch and keeps "
-            "it through the backward pass (coarse stage 3), so expect 2Ψb, not 3Ψb"
+            "it through the backward pass (coarse stage 3): the theory column counts one gather "
+            "(2Ψb), not ZeRO-3's two (3Ψb)"
         )
-    if scattered and gathered < 2 * scattered * (1 - 1e-3):
+    if getattr(engine, "per_layer", True) and scattered and gathered < 2 * scattered * (1 - 1e-3):
         notes.append(
             f"the backward pass gathers {max(gathered / scattered - 1, 0):.1%} of the params "
             "again (design: 100%); it keeps the rest from the forward pass, alive until used"
@@ -1078,10 +1082,13 @@ def report(
     master_bytes = 4.0 if state.master is not None else 0.0
     moments = count_moments(state.opt_state, state.params)
     n, k = engine.num_shards, engine.micro_batches
-    th = theory(psi, n, engine.stage, param_bytes, grad_bytes, master_bytes, moments, k)
+    gathers = 2 if getattr(engine, "per_layer", True) else 1  # coarse stage 3 gathers once
+    th = theory(psi, n, engine.stage, param_bytes, grad_bytes, master_bytes, moments, k,
+                param_gathers=gathers)
     layouts = jax.tree.leaves(engine.layouts, is_leaf=is_layout)
     ex = layout_expectation(
-        layouts, n, engine.stage, param_bytes, grad_bytes, master_bytes, moments, k
+        layouts, n, engine.stage, param_bytes, grad_bytes, master_bytes, moments, k,
+        param_gathers=gathers,
     )
     notes = list(hlo.notes)
     if moments == 0:

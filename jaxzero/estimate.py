@@ -209,6 +209,7 @@ def comm_bytes(
     grad_bytes: float = 2.0,
     param_bytes: float | None = None,
     micro_batches: int = 1,
+    param_gathers: int = 2,
 ) -> Communication:
     """Per-device bytes on the wire per optimizer step (design doc's communication table).
 
@@ -227,6 +228,9 @@ def comm_bytes(
       grad_bytes: bytes per gradient element on the wire (the reduce dtype).
       param_bytes: bytes per parameter element gathered; defaults to ``grad_bytes``.
       micro_batches: gradient-accumulation steps per optimizer step (k).
+      param_gathers: stage-3 gathers of each param per micro-batch: 2 (forward and
+        backward, per-layer models), 1 when the whole tree is gathered once and kept
+        through the backward pass (jaxzero's coarse mode, ``per_layer=False``).
     """
     _check(psi, n, stage)
     if not isinstance(micro_batches, int) or micro_batches < 1:
@@ -247,7 +251,7 @@ def comm_bytes(
         )
     return Communication(
         grad=k * ring_bytes("reduce-scatter", g_full, n),
-        param=2 * k * ring_bytes("all-gather", p_full, n),
+        param=param_gathers * k * ring_bytes("all-gather", p_full, n),
     )
 
 

@@ -361,28 +361,21 @@ def test_odd_mlp_memory_matches_theory(stage):
         assert r.persistent_ratio == pytest.approx(excess, rel=1e-3)
 
 
-MLP_STAGE3_KEEPS_GATHER = pytest.mark.xfail(
-    strict=True,
-    reason="engine: coarse stage 3 (per_layer=False) gathers once and keeps the params "
-    "through the backward pass (XLA merges a re-gather in an unscanned program), so it moves "
-    "2Ψ, not 3Ψ; test_coarse_stage3_is_exactly_one_gather_short pins the gap",
-)
-
-
-@pytest.mark.parametrize("stage", [0, 1, 2, pytest.param(3, marks=MLP_STAGE3_KEEPS_GATHER)])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_odd_mlp_traffic_matches_theory(stage):
     r = _mlp_report(stage)
     assert 0.98 <= r.comm_ratio <= 1.05, r.table()
     assert r.traffic.grad_param == pytest.approx(r.expected.comm, rel=1e-3)
 
 
-def test_coarse_stage3_is_exactly_one_gather_short():
+def test_coarse_stage3_gathers_exactly_once():
+    """per_layer=False gathers the tree once and keeps it: one gather per reduce-scatter."""
     r = _mlp_report(3)
     f = 7 / 8
-    backward_gather = r.config["padded_params"] * 4 * f  # fp32, every leaf sharded
-    assert r.traffic.grad_param == pytest.approx(r.expected.comm - backward_gather, rel=1e-6)
+    once = r.config["padded_params"] * 4 * f  # fp32, every leaf sharded
+    assert r.traffic.grad_param == pytest.approx(2 * once, rel=1e-6)
+    assert r.traffic.grad_param == pytest.approx(r.expected.comm, rel=1e-6)
     assert r.traffic.by_kind["all-gather"] == pytest.approx(r.traffic.by_kind["reduce-scatter"])
-    assert any("gathers 0.0% of the params again" in n for n in r.notes)
     assert any("per_layer=False" in n for n in r.notes)
 
 

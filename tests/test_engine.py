@@ -144,3 +144,29 @@ def test_param_used_without_hook_is_named():
     state = engine.init(mlp_params())
     with pytest.raises(TypeError, match="'w1' is used without jaxzero.use_params"):
         engine.step(state, mlp_batches(1)[0])
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hybrid_mesh_matches_one_device(mlp_reference, stage):
+    """Shard over 4 devices, replicate over 2 groups: the batch still splits 8 ways."""
+    params, batches, (ref_losses, ref_params) = mlp_reference
+    engine = jaxzero.Engine(mlp_loss, TX, mesh=jaxzero.make_mesh(8, replicas=2), stage=stage)
+    losses, final, state = train_engine(engine, params, batches)
+    assert engine.num_shards == 4
+    assert rel_diff(losses, ref_losses) <= 1e-5 and rel_diff(final, ref_params) <= 1e-5
+
+
+def test_untied_gpt_and_eval_loss():
+    from _models import TINY_GPT
+
+    from jaxzero.models.gpt import GPT
+
+    model = GPT(TINY_GPT.__class__(**{**TINY_GPT.__dict__, "tie_embeddings": False}))
+    params = jax.tree.map(np.asarray, model.init(jax.random.key(0)))
+    batches = gpt_batches(3)
+    ref_losses, ref_params = train_reference(model.loss_fn, params, batches, TX)
+    engine = model.engine(TX, mesh=jaxzero.make_mesh(8), stage=3)
+    losses, final, state = train_engine(engine, params, batches)
+    assert "head" in final and rel_diff(final, ref_params) <= 1e-5
+    want = float(model.loss_fn(ref_params, batches[0]))
+    np.testing.assert_allclose(float(engine.eval_loss(state, batches[0])), want, rtol=1e-5)
