@@ -14,7 +14,6 @@ device against a plain single-device ``jax.jit`` step.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -42,10 +41,10 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu") and not _has_accelerator():
-        import jaxzero
+    from jaxzero.mesh import accelerator_expected, simulate_devices
 
-        jaxzero.simulate_devices(args.simulate or args.devices)
+    if args.simulate or not accelerator_expected():
+        simulate_devices(args.simulate or args.devices)
 
     import jax
     import jax.numpy as jnp
@@ -139,14 +138,6 @@ def main(argv=None) -> int:
         print(f"stage 3 at N=1 vs plain single-device jit: {results[3][0] * 1e3:.1f} ms / "
               f"{t_plain * 1e3:.1f} ms = {results[3][0] / t_plain:.3f}")
     return 0
-
-
-def _has_accelerator() -> bool:
-    """True when a GPU/TPU backend would start (checked without starting JAX's backend)."""
-    import importlib.util
-
-    return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin",
-                                                    "libtpu"))
 
 
 if __name__ == "__main__":

@@ -489,17 +489,17 @@ def parse_count(text: str) -> float:
     return float(m.group(1)) * _SUFFIX[m.group(2).lower()]
 
 
-class _ArgError(Exception):
+class ArgError(Exception):
     """An argparse error, raised instead of printing usage and exiting."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # noqa: D401 - argparse hook
-        raise _ArgError(message)
+        raise ArgError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="jaxzero estimate",
         description="Per-device memory and communication of ZeRO stages 0-3 (GB = 1e9 bytes).",
     )
@@ -555,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         est = _from_args(args)
-    except (_ArgError, ValueError) as e:
+    except (ArgError, ValueError) as e:
         print(f"jaxzero estimate: error: {e}", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help

@@ -10,13 +10,28 @@ changes nothing for them.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 
 import jax
 from jax.sharding import AxisType, Mesh
 
 DATA = "data"  # splits the batch and shards parameters, gradients and optimizer state
 REPLICA = "replica"  # (hybrid) splits the batch, replicates the state
+
+
+def accelerator_expected() -> bool:
+    """Whether JAX will find a GPU/TPU, judged without starting its backend.
+
+    Scripts use it to decide whether to simulate CPU devices, which must happen
+    before the backend starts.
+    """
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return any(p.strip() not in ("", "cpu") for p in platforms.split(","))
+    pattern = re.compile(r"^(jax[-_](cuda|rocm)\d*[-_](plugin|pjrt)|libtpu.*)$", re.I)
+    return any(pattern.match(d.metadata["Name"] or "") for d in importlib.metadata.distributions())
 
 
 def simulate_devices(n: int) -> None:

@@ -10,33 +10,15 @@ on a laptop: the collectives and per-device bytes are those a cluster would see.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import sys
 from typing import Any
 
-_ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
-
-
-def _has_accelerator() -> bool:
-    """Whether JAX could find a GPU/TPU, judged without starting JAX's backend."""
-    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
-        return False
-    return any(importlib.util.find_spec(m) is not None for m in _ACCELERATOR_PLUGINS)
-
-
-class _ArgError(Exception):
-    """An argparse error, raised instead of printing usage and exiting."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # noqa: D401 - argparse hook
-        raise _ArgError(message)
+from jaxzero.estimate import ArgError, Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="jaxzero report",
         description="Compile (not run) a GPT training step; print measured memory and "
         "communication per device beside the ZeRO formulas.",
@@ -137,17 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         _validate(args)
-    except (_ArgError, ValueError) as e:
+    except (ArgError, ValueError) as e:
         print(f"jaxzero report: error: {e}", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help
         return int(e.code or 0)
 
     from jaxzero import accounting
-    from jaxzero.mesh import simulate_devices
+    from jaxzero.mesh import accelerator_expected, simulate_devices
 
     n_sim = args.simulate_devices
-    if n_sim is None and not _has_accelerator():
+    if n_sim is None and not accelerator_expected():
         n_sim = max(8, args.devices or 0)
     reports = []
     try:
