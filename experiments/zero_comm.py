@@ -147,7 +147,7 @@ def summary(rows: list[dict]) -> str:
         "- k = micro-batches. Stages 0-1 accumulate locally and communicate once; stage 2 "
         "reduce-scatters per micro-batch (k+1) and stage 3 gathers twice and "
         "reduce-scatters once per micro-batch (3k).",
-        "- 'layouts ratio' counts leaf by leaf (padding, replicated leaves under 256 "
+        "- 'layouts ratio' counts leaf by leaf (padding, replicated leaves under 64 "
         "elements). Below 1 at stage 3: the token and position embeddings are gathered "
         "once, outside the scanned blocks, and the backward pass reuses them instead of "
         "gathering again.",

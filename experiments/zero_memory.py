@@ -173,7 +173,7 @@ def summary(examples: list[dict], rows: list[dict]) -> str:
     exact = max(abs(r["persistent_bytes"] / r["persistent_layouts"] - 1) for r in rows)
     lines += ["", f"Largest deviation from the formula: stage {worst['stage']}, N = "
               f"{worst['devices']}, ratio {worst['persistent_ratio']:.4f}; counted leaf by "
-              "leaf (padding to multiples of N, leaves under 256 elements replicated) the "
+              "leaf (padding to multiples of N, leaves under 64 elements replicated) the "
               "measured bytes match exactly "
               f"(max |measured/layouts - 1| = {exact:.1e}).",
               "The peak also holds activations, gradients and temporaries, so it shrinks less "
