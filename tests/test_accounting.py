@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero import accounting as acc
 from jaxzero import estimate as est
+from jaxzero import hlo
 
 # A GPU-style module written by hand: async collectives, iota replica groups, tuple
 # shapes, a while loop nested in a while loop, a collective in a called computation
@@ -98,8 +99,8 @@ def _by_name(collectives):
 
 
 def test_parse_type_tuples_layouts_and_comments():
-    t = acc.parse_type("((f32[8,16]{1,0:T(8,128)}, bf16[]), /*index=2*/s32[3]{0}, token[])")
-    bufs = acc.flatten_type(t)
+    t = hlo.parse_type("((f32[8,16]{1,0:T(8,128)}, bf16[]), /*index=2*/s32[3]{0}, token[])")
+    bufs = hlo.flatten_type(t)
     assert [(b.dtype, b.shape) for b in bufs] == [
         ("f32", (8, 16)), ("bf16", ()), ("s32", (3,)), ("token", ())
     ]
@@ -108,23 +109,23 @@ def test_parse_type_tuples_layouts_and_comments():
 
 
 def test_replica_group_forms():
-    assert acc.parse_replica_groups("{{0,1},{2,3}}", 4) == ((0, 1), (2, 3))
-    assert acc.parse_replica_groups("{}", 4) == ((0, 1, 2, 3),)
-    assert acc.parse_replica_groups("[1,8]<=[8]", 8) == (tuple(range(8)),)
-    assert acc.parse_replica_groups("[2,4]<=[4,2]T(1,0)", 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
-    assert acc.parse_replica_groups("[4,2]<=[8]", 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert hlo.parse_replica_groups("{{0,1},{2,3}}", 4) == ((0, 1), (2, 3))
+    assert hlo.parse_replica_groups("{}", 4) == ((0, 1, 2, 3),)
+    assert hlo.parse_replica_groups("[1,8]<=[8]", 8) == (tuple(range(8)),)
+    assert hlo.parse_replica_groups("[2,4]<=[4,2]T(1,0)", 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert hlo.parse_replica_groups("[4,2]<=[8]", 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
 
 
 def test_hand_written_module_counts_every_collective_once_with_its_loops():
-    found = acc.collectives_from_hlo(HAND_HLO)
+    found = hlo.collectives_from_hlo(HAND_HLO)
     cols = _by_name(found.collectives)
     # the -done halves are skipped; the async-wrapped reduce-scatter counts once
     assert set(cols) == {"ags", "rs", "ar", "ar2", "ars", "cps"}
     # nested loops multiply: 3 outer x 4 inner; the metadata string "body=%helper" is ignored
     assert cols["ags"].runs == 12 and cols["rs"].runs == 12
-    assert cols["ags"].kind == "all-gather" and cols["ags"].buffers == (acc.Buffer("f32", (16, 8)),)
+    assert cols["ags"].kind == "all-gather" and cols["ags"].buffers == (hlo.Buffer("f32", (16, 8)),)
     # a reduce-scatter's full buffer is its input: output x N along the scatter dimension
-    assert cols["rs"].buffers == (acc.Buffer("f32", (16, 8)),) and cols["rs"].group_size == 8
+    assert cols["rs"].buffers == (hlo.Buffer("f32", (16, 8)),) and cols["rs"].group_size == 8
     # a computation called from two call sites runs twice; transposed iota groups of 4
     assert cols["ar"].runs == 2 and cols["ar"].group_size == 4
     assert cols["ar"].replica_groups == ((0, 2, 4, 6), (1, 3, 5, 7))
@@ -134,9 +135,9 @@ def test_hand_written_module_counts_every_collective_once_with_its_loops():
     assert cols["ars"].kind == "all-reduce" and cols["ars"].group_size == 8
     assert [b.shape for b in cols["ars"].buffers] == [(), (1024,), (64, 2)]
     assert cols["cps"].kind == "collective-permute"
-    assert cols["cps"].buffers == (acc.Buffer("f32", (8, 8)),)
+    assert cols["cps"].buffers == (hlo.Buffer("f32", (8, 8)),)
 
-    tr = acc.traffic(found.collectives)
+    tr = hlo.traffic(found.collectives)
     frac = 7 / 8
     expected_big = (
         12 * 512 * frac  # all-gather, 16x8 f32
@@ -154,7 +155,7 @@ def test_hand_written_module_counts_every_collective_once_with_its_loops():
 
 def test_unknown_trip_count_is_noted():
     text = HAND_HLO.replace('"known_trip_count":{"n":"4"}', '"other":1')
-    found = acc.collectives_from_hlo(text)
+    found = hlo.collectives_from_hlo(text)
     assert _by_name(found.collectives)["ags"].runs == 3
     assert any("no known_trip_count" in n for n in found.notes)
 
@@ -196,8 +197,8 @@ def _fsdp_mlp_text(mesh, layers: int, width: int = 64) -> str:
 
 def test_scanned_collectives_scale_with_layers_not_ops(mesh8):
     width = 64
-    t4 = acc.traffic(acc.collectives_from_hlo(_fsdp_mlp_text(mesh8, 4, width)).collectives)
-    t8 = acc.traffic(acc.collectives_from_hlo(_fsdp_mlp_text(mesh8, 8, width)).collectives)
+    t4 = hlo.traffic(hlo.collectives_from_hlo(_fsdp_mlp_text(mesh8, 4, width)).collectives)
+    t8 = hlo.traffic(hlo.collectives_from_hlo(_fsdp_mlp_text(mesh8, 8, width)).collectives)
     assert t4.ops == t8.ops  # the same distinct HLO ops ...
     assert t8.grad_param == pytest.approx(2 * t4.grad_param)  # ... but twice the traffic
     # gather fwd + gather bwd + reduce-scatter per layer: 3 Ψ b (N-1)/N
@@ -218,18 +219,18 @@ def test_psum_psum_scatter_all_gather_sizes(mesh8):
     b = jnp.ones((8, 8 * 40))
     c = jnp.ones((8 * 5, 7))
     text = _compile_text(f, mesh8, (P("data"), P("data"), P("data")), (P("data"),) * 3, a, b, c)
-    cols = {c.kind: c for c in acc.collectives_from_hlo(text).collectives}
+    cols = {c.kind: c for c in hlo.collectives_from_hlo(text).collectives}
     # the CPU backend widens bf16 collectives to f32 (convert before and after); the
     # logical buffer keeps the type the program asked for
-    assert cols["all-reduce"].logical_buffers == (acc.Buffer("bf16", (3, 100)),)
+    assert cols["all-reduce"].logical_buffers == (hlo.Buffer("bf16", (3, 100)),)
     assert cols["all-reduce"].buffers[0].shape == (3, 100)
     wire_bytes = cols["all-reduce"].buffers[0].nbytes
-    assert cols["reduce-scatter"].buffers == (acc.Buffer("f32", (1, 320)),)
-    assert cols["all-gather"].buffers == (acc.Buffer("f32", (40, 7)),)
+    assert cols["reduce-scatter"].buffers == (hlo.Buffer("f32", (1, 320)),)
+    assert cols["all-gather"].buffers == (hlo.Buffer("f32", (40, 7)),)
     assert all(c.runs == 1 and c.group_size == 8 for c in cols.values())
     assert cols["all-reduce"].bytes_per_step == 2 * wire_bytes * 7 / 8
     assert not cols["all-gather"].promoted
-    tr = acc.traffic(list(cols.values()))
+    tr = hlo.traffic(list(cols.values()))
     f32_bytes = 2 * 300 * 4 * 7 / 8 + (320 * 4 + 280 * 4) * 7 / 8
     assert tr.grad_param_logical == pytest.approx(f32_bytes - 2 * 300 * 2 * 7 / 8)
 
@@ -247,7 +248,7 @@ def test_nested_scan_multiplies_trip_counts(mesh8):
     text = _compile_text(
         f, mesh8, (P(None, "data"), P("data")), P(), jnp.ones((5, 64, 64)), jnp.ones((8, 64))
     )
-    runs = {c.kind: c.runs for c in acc.collectives_from_hlo(text).collectives}
+    runs = {c.kind: c.runs for c in hlo.collectives_from_hlo(text).collectives}
     assert runs == {"all-gather": 15, "all-reduce": 1}
 
 
@@ -259,10 +260,10 @@ def test_two_axis_mesh_groups():
 
     spec = P(("r", "d"))
     text = _compile_text(f, mesh, spec, (spec, spec), jnp.ones((64, 128)))
-    cols = {c.kind: c for c in acc.collectives_from_hlo(text).collectives}
+    cols = {c.kind: c for c in hlo.collectives_from_hlo(text).collectives}
     assert cols["all-reduce"].group_size == 2 and len(cols["all-reduce"].replica_groups) == 4
     assert cols["reduce-scatter"].group_size == 4
-    assert cols["reduce-scatter"].buffers == (acc.Buffer("f32", (8, 128)),)
+    assert cols["reduce-scatter"].buffers == (hlo.Buffer("f32", (8, 128)),)
 
 
 def test_compiled_memory_peak(mesh8):
