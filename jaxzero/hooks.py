@@ -6,8 +6,8 @@ turns them into the arrays the layer computes with, and its backward pass reduce
 the layer's gradient into the slot at once:
 
 * stage 3: the slice is all-gathered right before use; the backward reduce-scatters
-  the cotangent. The gathered array is named :data:`GATHERED` so the engine's remat
-  policy re-gathers it for the backward pass instead of keeping it alive.
+  the cotangent. Wrap the layer in :func:`remat_layer` so the backward pass gathers
+  again instead of keeping every layer's gathered params alive.
 * stage 2: the params are already whole; the backward reduce-scatters the layer's
   gradient as soon as it exists, so the full gradient never exists at once.
 * stages 0 and 1: leaves are plain arrays and ``use_params`` is the identity.
