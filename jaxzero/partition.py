@@ -144,7 +144,7 @@ def leaf_layout(
 
     Example:
       >>> leaf_layout("w", (37, 53), 8).padded_shape
-      (40, 53)
+      (37, 56)
     """
     shape = tuple(int(s) for s in shape)
     for pattern, rule in rules:
