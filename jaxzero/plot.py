@@ -9,7 +9,6 @@ tokens, so runs with different batch sizes compare fairly too.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from jaxzero.estimate import ArgError, Parser
 from jaxzero.metrics import METRICS_FILE, read_jsonl
 
 CONFIG_FILES = ("config.yaml", "config.json")
@@ -126,7 +126,7 @@ def default_output(run_dirs: list[str]) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``jaxzero plot``; returns the exit status."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="jaxzero plot",
         description="Plot train/validation loss of runs written by "
         "'jaxzero train', overlaid and labelled by ZeRO stage and device count.",
@@ -140,13 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", help="figure title")
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-    try:
         runs = [load_run(d) for d in args.run_dirs]
-    except PlotError as e:
+    except (ArgError, PlotError) as e:
         print(f"jaxzero plot: error: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
     out = plot_runs(
         runs, Path(args.output) if args.output else default_output(args.run_dirs), args.title
     )

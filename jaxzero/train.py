@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import math
 import os
 import re
@@ -29,6 +28,7 @@ from jaxzero import data as data_lib
 from jaxzero import metrics as metrics_lib
 from jaxzero.config import Config, ConfigError
 from jaxzero.data import DataError
+from jaxzero.estimate import ArgError, Parser
 
 DEFAULT_SIMULATED_DEVICES = 8
 RESOLVED_CONFIG = "config.yaml"
@@ -61,7 +61,7 @@ class Diverged(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="jaxzero train",
         description="Train a GPT with ZeRO sharding. Defaults: byte-level GPT on this Python's "
         "stdlib sources, stage 3, 8 simulated CPU devices when only a CPU is present.",
@@ -99,20 +99,13 @@ def _configured_cpu_devices() -> int:
     return max(int(match.group(1)) if match else 1, jax.config.jax_num_cpu_devices)
 
 
-def _accelerator_expected() -> bool:
-    """Whether JAX will find a GPU/TPU, judged without starting its backend."""
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms:
-        return any(p.strip() not in ("", "cpu") for p in platforms.split(","))
-    pattern = re.compile(r"^(jax[-_](cuda|rocm)\d*[-_](plugin|pjrt)|libtpu.*)$", re.I)
-    return any(pattern.match(d.metadata["Name"] or "") for d in importlib.metadata.distributions())
-
-
 def devices_to_simulate(parallel: config_lib.ParallelConfig) -> int | None:
     """How many CPU devices to simulate (None: leave the backend alone)."""
     if parallel.simulate_devices is not None:
         return parallel.simulate_devices
-    if _accelerator_expected() or _configured_cpu_devices() > 1:
+    from jaxzero.mesh import accelerator_expected
+
+    if accelerator_expected() or _configured_cpu_devices() > 1:
         return None
     return parallel.devices or DEFAULT_SIMULATED_DEVICES
 
@@ -356,17 +349,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    except SystemExit as e:  # --help, or argparse's own one-line usage error
-        return int(e.code or 0)
-    try:
         cfg = config_from_args(args)
         if args.print_config:
             print(config_lib.dump_yaml(cfg), end="")
             return 0
         train(cfg, started)
-    except (ConfigError, DataError) as e:
+    except (ArgError, ConfigError, DataError) as e:
         print(f"jaxzero train: error: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
     except Diverged as e:
         print(f"jaxzero train: {e}", file=sys.stderr)
         return 1

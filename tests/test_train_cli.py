@@ -102,6 +102,8 @@ def _error_of(argv, capsys) -> str:
         (["--set", "model.dmodel=8"], "unknown config key 'model.dmodel'"),
         (["--set", "train.steps=many"], "train.steps: expected int"),
         (["--set", "optimizer.lr=[1]"], "optimizer.lr: expected float"),
+        (["--stage", "abc"], "argument --stage: invalid int value"),
+        (["--stage", "5"], "parallel.stage: expected one of [0, 1, 2, 3]"),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(tmp_path, capsys, extra, expected):
