@@ -6,8 +6,19 @@ only dispatches, so ``jaxzero estimate`` never pays for importing the trainer.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
+
+
+class ArgError(Exception):
+    """An argparse error, raised instead of printing usage and exiting."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # noqa: D401 - argparse hook
+        raise ArgError(message)
+
 
 COMMANDS = {
     "train": ("jaxzero.train", "train a GPT on text (default: Python's own sources)"),

@@ -23,6 +23,8 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 
+from jaxzero.cli import ArgError, Parser
+
 GB = 1e9
 STAGES = (0, 1, 2, 3)
 STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
@@ -487,15 +489,6 @@ def parse_count(text: str) -> float:
     if not m:
         raise ValueError(f"cannot read {text!r} as a number (examples: 7.5e9, 7.5B, 350M)")
     return float(m.group(1)) * _SUFFIX[m.group(2).lower()]
-
-
-class ArgError(Exception):
-    """An argparse error, raised instead of printing usage and exiting."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # noqa: D401 - argparse hook
-        raise ArgError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:

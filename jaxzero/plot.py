@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from jaxzero.estimate import ArgError, Parser
+from jaxzero.cli import ArgError, Parser
 from jaxzero.metrics import METRICS_FILE, read_jsonl
 
 CONFIG_FILES = ("config.yaml", "config.json")

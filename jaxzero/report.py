@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from jaxzero.estimate import ArgError, Parser
+from jaxzero.cli import ArgError, Parser
 
 
 def build_parser() -> argparse.ArgumentParser:

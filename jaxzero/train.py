@@ -26,9 +26,9 @@ from typing import Any
 from jaxzero import config as config_lib
 from jaxzero import data as data_lib
 from jaxzero import metrics as metrics_lib
+from jaxzero.cli import ArgError, Parser
 from jaxzero.config import Config, ConfigError
 from jaxzero.data import DataError
-from jaxzero.estimate import ArgError, Parser
 
 DEFAULT_SIMULATED_DEVICES = 8
 RESOLVED_CONFIG = "config.yaml"
