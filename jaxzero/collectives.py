@@ -69,6 +69,58 @@ def local_slice(x: jax.Array, layout: LeafLayout) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(pad(x, layout), start, chunk, axis=layout.dim)
 
 
+# --- packed: one collective for many leaves (a layer's params) -----------------------
+#
+# Each sharded leaf is viewed as N rows (its sharded dim moved first, padded), the rows
+# of all leaves are concatenated, and a single collective moves them: one all-gather
+# or reduce-scatter per layer instead of one per leaf.
+
+
+def _local_dim(lay: LeafLayout, offset: int) -> int:
+    return lay.dim - offset
+
+
+def gather_packed(values: Sequence[jax.Array], layouts: Sequence[LeafLayout],
+                  offsets: Sequence[int]) -> list[jax.Array]:
+    """:func:`gather` of several sharded leaves with one all-gather."""
+    rows = [jnp.moveaxis(v, _local_dim(lay, o), 0).reshape(1, -1)
+            for v, lay, o in zip(values, layouts, offsets, strict=True)]
+    full = jax.lax.all_gather(jnp.concatenate(rows, axis=1), DATA, axis=0, tiled=True)
+    out, start = [], 0
+    for v, lay, o in zip(values, layouts, offsets, strict=True):
+        d, width = _local_dim(lay, o), v.size
+        moved = jnp.moveaxis(v, d, 0).shape
+        block = full[:, start:start + width].reshape(-1, *moved[1:])
+        block = jax.lax.slice_in_dim(block, 0, lay.shape[lay.dim], axis=0)
+        out.append(jnp.moveaxis(block, 0, d))
+        start += width
+    return out
+
+
+def reduce_scatter_packed(grads: Sequence[jax.Array], layouts: Sequence[LeafLayout],
+                          offsets: Sequence[int], extra_axes: Sequence[str] = ()
+                          ) -> list[jax.Array]:
+    """:func:`reduce_scatter` of several full gradients with one reduce-scatter."""
+    rows, shapes = [], []
+    for g, lay, o in zip(grads, layouts, offsets, strict=True):
+        d = _local_dim(lay, o)
+        widths = [(0, 0)] * g.ndim
+        widths[d] = (0, lay.padded_shape[lay.dim] - lay.shape[lay.dim])
+        moved = jnp.moveaxis(jnp.pad(g, widths) if widths[d][1] else g, d, 0)
+        shapes.append((moved.shape[0] // lay.num_shards, *moved.shape[1:]))
+        rows.append(moved.reshape(lay.num_shards, -1))
+    packed = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), DATA, scatter_dimension=0,
+                                  tiled=True)
+    if extra_axes:
+        packed = jax.lax.psum(packed, tuple(extra_axes))
+    out, start = [], 0
+    for r, shape, lay, o in zip(rows, shapes, layouts, offsets, strict=True):
+        piece = packed[0, start:start + r.shape[1]].reshape(shape)
+        out.append(jnp.moveaxis(piece, 0, _local_dim(lay, o)))
+        start += r.shape[1]
+    return out
+
+
 # --- references: lists of per-device numpy arrays in, lists out -----------------------
 
 

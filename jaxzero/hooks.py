@@ -76,50 +76,75 @@ class Stored:
         self._misuse()
 
 
-def _apply(op: UseOp, value: jax.Array) -> jax.Array:
-    return collectives.gather(value, op.layout, op.offset) if op.gather else value
+def _forward(ops: tuple[UseOp, ...], values: tuple) -> tuple:
+    """Whole working arrays: one packed all-gather of the sharded leaves (stage 3)."""
+    out = list(values)
+    idx = [i for i, op in enumerate(ops) if op.gather and op.layout.dim is not None]
+    if idx:
+        full = collectives.gather_packed([values[i] for i in idx], [ops[i].layout for i in idx],
+                                         [ops[i].offset for i in idx])
+        for i, x in zip(idx, full, strict=True):
+            out[i] = x
+    return tuple(out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _use(op: UseOp, value: jax.Array, slot: jax.Array) -> jax.Array:
-    del slot  # only its gradient matters
-    return _apply(op, value)
+def _use(ops: tuple[UseOp, ...], values: tuple, slots: tuple) -> tuple:
+    del slots  # only their gradients matter
+    return _forward(ops, values)
 
 
-def _use_fwd(op, value, slot):
-    return _apply(op, value), None
+def _use_fwd(ops, values, slots):
+    return _forward(ops, values), None
 
 
-def _use_bwd(op, _, g):
-    g = g.astype(op.reduce_dtype) * jnp.asarray(op.scale, op.reduce_dtype)
-    g = collectives.reduce_scatter(g, op.layout, op.extra_axes, op.offset)
-    return None, g.astype(jnp.float32)
+def _use_bwd(ops, _, cotangents):
+    """Reduce the layer's gradients into the slots: one packed reduce-scatter."""
+    op = ops[0]
+    gs = [g.astype(op.reduce_dtype) * jnp.asarray(op.scale, op.reduce_dtype) for g in cotangents]
+    sharded = [i for i, o in enumerate(ops) if o.layout.dim is not None]
+    whole = [i for i, o in enumerate(ops) if o.layout.dim is None]
+    out = list(gs)
+    if sharded:
+        red = collectives.reduce_scatter_packed([gs[i] for i in sharded],
+                                                [ops[i].layout for i in sharded],
+                                                [ops[i].offset for i in sharded], op.extra_axes)
+        for i, g in zip(sharded, red, strict=True):
+            out[i] = g
+    if whole:
+        red = collectives.all_reduce([gs[i] for i in whole], op.extra_axes)
+        for i, g in zip(whole, red, strict=True):
+            out[i] = g
+    return tuple(None for _ in ops), tuple(g.astype(jnp.float32) for g in out)
 
 
 _use.defvjp(_use_fwd, _use_bwd)
 
 
-def _use_leaf(x: Any) -> Any:
-    if not isinstance(x, Stored):
-        return x
+def _op_of(x: Stored) -> UseOp:
     op = x.op
     offset = len(op.layout.shape) - x.value.ndim
-    if offset:
-        if op.layout.dim is not None and op.layout.dim < offset:
-            raise ValueError(
-                f"param {op.layout.path!r} is sharded on dim {op.layout.dim}, which was "
-                "indexed away before use_params (a scan over stacked layers?). Declare "
-                "stacked params with Engine(stacked=REGEX) so their layer dim stays whole."
-            )
-        op = dataclasses.replace(op, offset=offset)
-    out = _use(op, x.value, x.slot)
-    return checkpoint_name(out, GATHERED) if op.gather else out
+    if not offset:
+        return op
+    if op.layout.dim is not None and op.layout.dim < offset:
+        raise ValueError(
+            f"param {op.layout.path!r} is sharded on dim {op.layout.dim}, which was "
+            "indexed away before use_params (a scan over stacked layers?). Declare "
+            "stacked params with Engine(stacked=REGEX) so their layer dim stays whole."
+        )
+    return dataclasses.replace(op, offset=offset)
+
+
+def _is_stored(x: Any) -> bool:
+    return isinstance(x, Stored)
 
 
 def use_params(tree: Any) -> Any:
     """Mark where a layer uses its params; returns them whole, ready to compute with.
 
     Identity on plain arrays, so a model that calls it runs unchanged outside jaxzero.
+    All params passed in one call move in one collective each way (call it once per
+    layer, with the layer's whole params tree).
 
     Args:
       tree: a layer's params (any pytree; ``Stored`` leaves come from the engine).
@@ -132,14 +157,22 @@ def use_params(tree: Any) -> Any:
       >>> use_params({"w": jnp.ones(3)})["w"].shape
       (3,)
     """
-    return jax.tree.map(_use_leaf, tree, is_leaf=lambda x: isinstance(x, Stored))
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_stored)
+    idx = [i for i, x in enumerate(leaves) if _is_stored(x)]
+    if not idx:
+        return tree
+    ops = tuple(_op_of(leaves[i]) for i in idx)
+    outs = _use(ops, tuple(leaves[i].value for i in idx), tuple(leaves[i].slot for i in idx))
+    for i, op, x in zip(idx, ops, outs, strict=True):
+        leaves[i] = checkpoint_name(x, GATHERED) if op.gather else x
+    return jax.tree.unflatten(treedef, leaves)
 
 
-# The gather inlines into all_gather (+ a slice dropping padding); views of it are cheap.
+# The gather inlines into concatenate + all_gather + slices; views of it are cheap.
 # Not saving any of them leaves only the stored slice as the residual, so the backward
 # pass gathers again.
-_REGATHER = {"all_gather", "slice", "dynamic_slice", "reshape", "transpose", "squeeze",
-             "broadcast_in_dim", "convert_element_type", "expand_dims"}
+_REGATHER = {"all_gather", "concatenate", "slice", "dynamic_slice", "reshape", "transpose",
+             "squeeze", "broadcast_in_dim", "convert_element_type", "expand_dims"}
 
 
 def regather_policy(base: Callable[..., bool] | None = None) -> Callable[..., bool]:

@@ -46,3 +46,31 @@ def test_all_reduce_and_local_slice():
     full = [grads[0]] * N
     slices = _per_device(lambda x: collectives.local_slice(x, lay), full, (), ())
     np.testing.assert_array_equal(collectives.reference_gather(slices, lay)[0], grads[0])
+
+
+def test_packed_collectives_match_per_leaf():
+    """One all-gather / reduce-scatter for a layer equals one per leaf."""
+    lays = [leaf_layout("a", (37, 53), N), leaf_layout("b", (16,), N, min_shard_size=1),
+            leaf_layout("c", (5, 7, 9), N, min_shard_size=1)]
+    rng = np.random.default_rng(2)
+    grads = [[rng.standard_normal(lay.shape).astype(np.float32) for lay in lays]
+             for _ in range(N)]
+    mesh = jaxzero.make_mesh(N)
+
+    def run(fn, per_device, specs_in, specs_out):
+        f = jax.shard_map(lambda *xs: [y[None] for y in fn([x[0] for x in xs])], mesh=mesh,
+                          in_specs=tuple(P("data") for _ in specs_in),
+                          out_specs=[P("data") for _ in specs_out], check_vma=False)
+        stacked = [np.stack([d[i] for d in per_device]) for i in range(len(specs_in))]
+        return [np.asarray(o) for o in jax.jit(f)(*stacked)]
+
+    packed = run(lambda gs: collectives.reduce_scatter_packed(gs, lays, [0] * 3), grads, lays,
+                 lays)
+    for i, lay in enumerate(lays):
+        want = collectives.reference_reduce_scatter([g[i] for g in grads], lay)
+        np.testing.assert_allclose(packed[i], np.stack(want), rtol=1e-5, atol=1e-5)
+    shards = [[packed[i][d] for i in range(3)] for d in range(N)]
+    gathered = run(lambda vs: collectives.gather_packed(vs, lays, [0] * 3), shards, lays, lays)
+    for i, lay in enumerate(lays):
+        want = collectives.reference_gather([s[i] for s in shards], lay)
+        np.testing.assert_allclose(gathered[i], np.stack(want), rtol=1e-6)
