@@ -15,7 +15,6 @@ Writes experiments/results/zero_comm.{csv,png,md}. A few minutes on 2 CPU cores:
 from __future__ import annotations
 
 import argparse
-import csv
 import pathlib
 import sys
 import time
@@ -29,6 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from results_io import read_csv, write_csv  # noqa: E402
 
 import jaxzero  # noqa: E402
 from jaxzero import accounting  # noqa: E402
@@ -66,31 +66,6 @@ def measure(stage: int, precision: str, micro_batches: int) -> dict:
         "collective_ops": r.traffic.ops, "collective_runs": r.traffic.runs,
         **{f"{k}_bytes": v for k, v in sorted(r.traffic.by_kind.items())},
     }
-
-
-def read_csv(path: pathlib.Path) -> list[dict]:
-    """Rows written by :func:`write_csv`, numbers as numbers (for ``--replot``)."""
-
-    def num(v: str):
-        for cast in (int, float):
-            try:
-                return cast(v)
-            except ValueError:
-                pass
-        return v
-
-    with path.open() as f:
-        return [{k: num(v) for k, v in row.items()} for row in csv.DictReader(f)]
-
-
-def write_csv(path: pathlib.Path, rows: list[dict]) -> None:
-    fields = []
-    for r in rows:
-        fields += [k for k in r if k not in fields]
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, restval=0)
-        w.writeheader()
-        w.writerows(rows)
 
 
 def plot(rows: list[dict], path: pathlib.Path) -> None:

@@ -14,7 +14,6 @@ zero_memory.png and zero_memory.md. Runs in a few minutes on 2 CPU cores:
 from __future__ import annotations
 
 import argparse
-import csv
 import pathlib
 import sys
 import time
@@ -27,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from results_io import read_csv, write_csv  # noqa: E402
 
 import jaxzero  # noqa: E402
 from jaxzero import accounting  # noqa: E402
@@ -82,28 +82,6 @@ def measure(stage: int, n: int) -> dict:
         "temp_bytes": r.compiled.temp, "alias_bytes": r.compiled.alias,
         "peak_bytes": r.compiled.peak,
     }
-
-
-def read_csv(path: pathlib.Path) -> list[dict]:
-    """Rows written by :func:`write_csv`, numbers as numbers (for ``--replot``)."""
-
-    def num(v: str):
-        for cast in (int, float):
-            try:
-                return cast(v)
-            except ValueError:
-                pass
-        return v
-
-    with path.open() as f:
-        return [{k: num(v) for k, v in row.items()} for row in csv.DictReader(f)]
-
-
-def write_csv(path: pathlib.Path, rows: list[dict]) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
 
 
 def plot(rows: list[dict], path: pathlib.Path) -> None:
