@@ -24,8 +24,10 @@ from jaxzero.partition import Rule, is_layout, layouts_for, pad, unpad
 from jaxzero.state import (
     TrainState,
     master_sharded,
+    master_specs,
     params_sharded,
     state_specs,
+    stored_shapes,
 )
 
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -220,9 +222,9 @@ class Engine:
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
                               params)
         self._set_layouts(shapes)
-        master_sh = jax.tree.map(
-            lambda lay: NamedSharding(self.mesh, lay.spec() if master_sharded(self.stage)
-                                      else P()), self.layouts, is_leaf=is_layout)
+        master_sh = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec),
+                                 master_specs(self.stage, self.layouts),
+                                 is_leaf=lambda x: isinstance(x, P))
 
         def put(x, lay, sh):
             if isinstance(x, jax.Array):
@@ -259,10 +261,7 @@ class Engine:
         step (:meth:`compile`) for models too large to create here.
         """
         self._set_layouts(params_shapes)
-        master = jax.tree.map(
-            lambda lay: jax.ShapeDtypeStruct(
-                lay.padded_shape if master_sharded(self.stage) else lay.shape, jnp.float32),
-            self.layouts, is_leaf=is_layout)
+        master = stored_shapes(self.layouts, master_sharded(self.stage), jnp.float32)
         shapes = jax.eval_shape(self._state_from_padded, master)
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, self.state_shardings)

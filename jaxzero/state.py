@@ -86,11 +86,11 @@ def state_specs(stage: int, layouts: Any, tx: optax.GradientTransformation, mixe
     return TrainState(
         step=P(),
         params=_specs(layouts, params_sharded(stage)),
-        master=_specs(layouts, master_sharded(stage)) if mixed else None,
+        master=master_specs(stage, layouts) if mixed else None,
         opt_state=opt_state_specs(tx, layouts, master_sharded(stage)),
     )
 
 
-def grad_specs(stage: int, layouts: Any) -> Any:
-    """Gradients after reduction: replicated in stage 0, sharded from stage 1."""
+def master_specs(stage: int, layouts: Any) -> Any:
+    """fp32 master params (and reduced gradients): replicated in stage 0, then sharded."""
     return _specs(layouts, master_sharded(stage))

@@ -169,8 +169,8 @@ class GPT:
         s = self.config.seq_len
         params = jax.tree.map(jnp.asarray, params)
 
-        @jax.jit
-        def next_token(window_1xS, pos, key):
+        @jax.jit  # params are an argument, not constants baked into the program
+        def next_token(params, window_1xS, pos, key):
             logits = self.apply(params, window_1xS)[0, pos] / max(temperature, 1e-6)
             return jax.random.categorical(key, logits)
 
@@ -180,5 +180,6 @@ class GPT:
             window = np.zeros((1, s), np.int32)
             window[0, : len(ctx)] = ctx
             rng, key = jax.random.split(rng)
-            tokens.append(int(next_token(window, len(ctx) - 1, key)))
+            pos = np.int32(len(ctx) - 1)  # traced, so one compilation serves every position
+            tokens.append(int(next_token(params, window, pos, key)))
         return np.asarray(tokens, np.int32)[None]
