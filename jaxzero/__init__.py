@@ -7,7 +7,7 @@
     state, metrics = engine.step(state, batch)
 """
 
-from jaxzero.engine import Engine, check_elementwise
+from jaxzero.engine import Engine
 from jaxzero.hooks import use_params
 from jaxzero.mesh import make_mesh, simulate_devices
 from jaxzero.partition import LeafLayout, layouts_for
@@ -17,7 +17,6 @@ __all__ = [
     "Engine",
     "LeafLayout",
     "TrainState",
-    "check_elementwise",
     "layouts_for",
     "make_mesh",
     "simulate_devices",

@@ -92,30 +92,6 @@ def device0_bytes(tree: Any, device: Any = None) -> int:
     return total
 
 
-def count_moments(opt_state: Any, params: Any) -> int:
-    """How many params-shaped pytrees the optimizer state holds (Adam: mu and nu -> 2).
-
-    A structural fact about the optimizer, used for the theory's K; not a byte count.
-    """
-    import jax
-
-    target = jax.tree.structure(params)
-    found = 0
-
-    def visit(x: Any) -> bool:
-        nonlocal found
-        try:
-            if jax.tree.structure(x) == target and jax.tree.leaves(x):
-                found += 1
-                return True
-        except Exception:  # noqa: BLE001 - exotic nodes simply are not moments
-            return False
-        return False
-
-    jax.tree.leaves(opt_state, is_leaf=visit)
-    return found
-
-
 @dataclass
 class Theory:
     """The design doc's figures for this engine's Ψ, N, dtypes and stage (bytes/device)."""
@@ -129,7 +105,7 @@ class Theory:
     comm_grad: float
     comm_param: float
     comm: float
-    moments: int
+    optimizer_per_param: float  # bytes of optimizer state per param (Adam: 8)
 
 
 def theory(
@@ -139,9 +115,8 @@ def theory(
     param_bytes: float,
     grad_bytes: float,
     master_bytes: float,
-    moments: int,
+    optimizer_per_param: float,
     micro_batches: int = 1,
-    moment_bytes: float = 4.0,
     param_gathers: int = 2,
 ) -> Theory:
     """Model-state memory and communication from :mod:`jaxzero.estimate`'s formulas.
@@ -153,21 +128,20 @@ def theory(
       param_bytes: working-param element size (also what stage 1-3 all-gather).
       grad_bytes: element size of gradients on the wire (the reduce dtype).
       master_bytes: 4 with an fp32 master copy, else 0.
-      moments: params-shaped optimizer moments (Adam: 2).
+      optimizer_per_param: optimizer-state bytes per param (fp32 Adam: 8).
       micro_batches: gradient-accumulation steps per optimizer step.
-      moment_bytes: bytes per moment element (fp32).
       param_gathers: stage-3 gathers per param and micro-batch (see ``est.comm_bytes``).
     """
     prec = est.Precision(
         param=param_bytes, grad=param_bytes, master=master_bytes,
-        optimizer=moments * moment_bytes,
+        optimizer=optimizer_per_param,
     )
     ms = est.model_state_bytes(psi, n, stage, prec)
     cm = est.comm_bytes(psi, n, stage, grad_bytes, param_bytes, micro_batches, param_gathers)
     return Theory(
         params=ms.params, master=ms.master, optimizer=ms.optimizer, grads=ms.grads,
         persistent=ms.persistent, model_states=ms.total, comm_grad=cm.grad,
-        comm_param=cm.param, comm=cm.total, moments=moments,
+        comm_param=cm.param, comm=cm.total, optimizer_per_param=optimizer_per_param,
     )
 
 
@@ -188,6 +162,13 @@ class LayoutExpectation:
     replicated_params: int
 
 
+def _stored_per_device(lay: Any, n: int, sharded: bool) -> float:
+    """Elements one device stores of a leaf: its padded slice when sharded, else all."""
+    if lay.dim is None or not sharded:
+        return math.prod(lay.shape)
+    return math.prod(lay.padded_shape) / n
+
+
 def layout_expectation(
     layouts: list[Any],
     n: int,
@@ -195,37 +176,36 @@ def layout_expectation(
     param_bytes: float,
     grad_bytes: float,
     master_bytes: float,
-    moments: int,
+    optimizer: list[tuple[Any, int]] = (),
     micro_batches: int = 1,
-    moment_bytes: float = 4.0,
     param_gathers: int = 2,
 ) -> LayoutExpectation:
     """Leaf-by-leaf persistent bytes and traffic for the engine's layouts.
 
     Args:
       layouts: objects with ``shape``, ``dim`` (None: replicated) and ``padded_shape``.
-      n, stage, param_bytes, grad_bytes, master_bytes, moments, micro_batches,
-        moment_bytes, param_gathers: as for :func:`theory`.
+      n, stage, param_bytes, grad_bytes, master_bytes, micro_batches, param_gathers:
+        as for :func:`theory`.
+      optimizer: ``(layout, itemsize)`` of every optimizer-state leaf (sharded with
+        the master from stage 1, by its own layout).
     """
     frac = (n - 1) / n if n > 1 else 0.0
     k = micro_batches
-    persistent = comm = 0.0
+    persistent = sum(_stored_per_device(lay, n, stage >= 1) * size for lay, size in optimizer)
+    comm = 0.0
     padded_total = replicated = 0
     for lay in layouts:
         size = math.prod(lay.shape)
+        persistent += (_stored_per_device(lay, n, stage == 3) * param_bytes
+                       + _stored_per_device(lay, n, stage >= 1) * master_bytes)
         if lay.dim is None:
             replicated += size
             padded_total += size
-            persistent += size * (param_bytes + master_bytes + moments * moment_bytes)
             # stage 0 and 1 reduce once per step, stages 2-3 once per micro-batch (hook)
             comm += (k if stage >= 2 else 1) * 2 * size * grad_bytes * frac
             continue
         padded = math.prod(lay.padded_shape)
         padded_total += padded
-        shard = padded / n
-        params = shard if stage == 3 else size
-        state = shard if stage >= 1 else size
-        persistent += params * param_bytes + state * (master_bytes + moments * moment_bytes)
         if stage == 0:
             comm += 2 * size * grad_bytes * frac
         elif stage == 1:
@@ -268,7 +248,7 @@ class Report:
 
     @property
     def persistent_ratio(self) -> float:
-        """Measured persistent bytes / theory (params + master + moments)."""
+        """Measured persistent bytes / theory (params + master + optimizer state)."""
         return self.persistent["total"] / self.theory.persistent
 
     @property
@@ -326,8 +306,8 @@ class Report:
             f"(compute {c['compute_dtype']}, gradient reduce {c['reduce_dtype']}), "
             f"{c['micro_batches']} micro-batch(es)",
             f"Ψ = {c['num_params']:,} (stored {e.padded_params:,} with padding; "
-            f"{e.replicated_params:,} in replicated small leaves); {t.moments} optimizer "
-            "moment(s) per param",
+            f"{e.replicated_params:,} in replicated small leaves); optimizer state "
+            f"{t.optimizer_per_param:.2f} bytes per param",
             "",
             "persistent memory per device (MB)",
             head,
@@ -455,19 +435,19 @@ def report(
     reduce_dtype = engine.reduce_dtype or engine.compute_dtype
     param_bytes, grad_bytes = _itemsize(engine.compute_dtype), _itemsize(reduce_dtype)
     master_bytes = 4.0 if state.master is not None else 0.0
-    moments = count_moments(state.opt_state, state.params)
+    opt_lays = jax.tree.leaves(engine.opt_layouts, is_leaf=is_layout)
+    opt_sizes = [x.dtype.itemsize for x in jax.tree.leaves(state.opt_state)]
+    per_param = sum(lay.size * b for lay, b in zip(opt_lays, opt_sizes, strict=True)) / psi
     n, k = engine.num_shards, engine.micro_batches
     gathers = 2 if getattr(engine, "per_layer", True) else 1  # coarse stage 3 gathers once
-    th = theory(psi, n, engine.stage, param_bytes, grad_bytes, master_bytes, moments, k,
+    th = theory(psi, n, engine.stage, param_bytes, grad_bytes, master_bytes, per_param, k,
                 param_gathers=gathers)
     layouts = jax.tree.leaves(engine.layouts, is_leaf=is_layout)
     ex = layout_expectation(
-        layouts, n, engine.stage, param_bytes, grad_bytes, master_bytes, moments, k,
-        param_gathers=gathers,
+        layouts, n, engine.stage, param_bytes, grad_bytes, master_bytes,
+        list(zip(opt_lays, opt_sizes, strict=True)), k, param_gathers=gathers,
     )
     notes = list(hlo.notes)
-    if moments == 0:
-        notes.append("no params-shaped moments found in the optimizer state; theory assumes none")
     if ex.padded_params != psi:
         notes.append(
             f"padding to multiples of N stores {ex.padded_params - psi:,} extra elements "

@@ -25,6 +25,7 @@ from jaxzero.state import (
     TrainState,
     master_sharded,
     master_specs,
+    opt_layouts,
     params_sharded,
     state_specs,
     stored_shapes,
@@ -41,39 +42,15 @@ def _dtype(name: Any, what: str) -> Any:
     raise ValueError(f"unknown {what} {name!r}: use 'fp32' or 'bf16'")
 
 
-def check_elementwise(tx: optax.GradientTransformation) -> bool:
-    """Whether ``tx`` updates each element independently (two steps on halves == whole).
-
-    Stages 1–3 run the optimizer on each device's slice; a transformation that
-    looks across elements (``clip_by_global_norm``, LAMB, factored Adafactor)
-    would silently compute something else.
-    """
-    rng = np.random.default_rng(0)
-    whole = {"a": rng.standard_normal(16).astype(np.float32)}
-    grads = [{"a": rng.standard_normal(16).astype(np.float32)} for _ in range(2)]
-
-    def run(sl):
-        p = {"a": jnp.asarray(whole["a"][sl])}
-        s = tx.init(p)
-        for g in grads:
-            u, s = tx.update({"a": jnp.asarray(g["a"][sl])}, s, p)
-            p = optax.apply_updates(p, u)
-        return np.asarray(p["a"])
-
-    try:
-        halves = np.concatenate([run(slice(0, 8)), run(slice(8, 16))])
-        return bool(np.allclose(run(slice(None)), halves, rtol=1e-5, atol=1e-6))
-    except Exception:  # an optimizer that cannot even run on a slice is not elementwise
-        return False
-
-
 class Engine:
     """Trains ``loss_fn`` with ``optimizer`` at a ZeRO ``stage`` over ``mesh``.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss of a batch.
-      optimizer: any elementwise optax transformation (AdamW, SGD, Lion, schedules,
-        masks); use ``max_grad_norm`` for clipping, which needs the global norm.
+      optimizer: any optax transformation (default AdamW). It sees logical shapes
+        and runs on the sharded state in the global view, so elementwise ones stay
+        local and the rest (clipping, LAMB, Adafactor, Muon) get the communication
+        they need. ``max_grad_norm`` clips inside the step at no extra cost.
       mesh: from :func:`jaxzero.make_mesh` (default: all devices).
       stage: 0 (data parallel), 1, 2 or 3.
       precision: ``"fp32"``, or ``"bf16"`` (bf16 params, activations and gradient
@@ -113,7 +90,6 @@ class Engine:
         rules: Sequence[Rule] = (),
         stacked: str | None = None,
         min_shard_size: int = 64,
-        check_optimizer: bool = True,
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -137,15 +113,6 @@ class Engine:
         self.num_shards = num_shards(self.mesh)
         self.batch_devices = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))
         self.batch_sharding = NamedSharding(self.mesh, P(batch_axes(self.mesh)))
-        if check_optimizer and stage >= 1 and self.num_shards > 1 and not check_elementwise(
-            optimizer
-        ):
-            raise ValueError(
-                f"stage {stage} runs the optimizer on each device's slice, but this optimizer "
-                "is not elementwise (e.g. it contains clip_by_global_norm or LAMB). Remove "
-                "the cross-element part and use Engine(max_grad_norm=...) for clipping, use "
-                "stage=0, or pass check_optimizer=False if you know better."
-            )
         self.layouts: Any = None  # set by init
         self._batch_treedef = None
 
@@ -184,7 +151,8 @@ class Engine:
             shapes, self.num_shards, rules=self.rules, stacked=self.stacked,
             min_shard_size=self.min_shard_size,
         )
-        self.specs = state_specs(self.stage, self.layouts, self.tx, self.mixed)
+        self.opt_layouts, _ = opt_layouts(self.tx, self.layouts, self.min_shard_size)
+        self.specs = state_specs(self.stage, self.layouts, self.opt_layouts, self.mixed)
         self.state_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs,
                                             is_leaf=lambda x: isinstance(x, P))
         self._build_jits()
@@ -203,11 +171,14 @@ class Engine:
         else:
             params = master32
         params = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
+        logical = jax.tree.map(lambda m, lay: unpad(m, lay), master32, lays)
+        opt_state = jax.tree.map(lambda lay, x: self._master_layout(x, lay), self.opt_layouts,
+                                 self.tx.init(logical), is_leaf=is_layout)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
             master=master32 if self.mixed else None,
-            opt_state=self.tx.init(master32),
+            opt_state=opt_state,
         )
 
     def _master_layout(self, x: Any, lay) -> Any:
@@ -233,8 +204,11 @@ class Engine:
             return jax.device_put(self._master_layout(np.asarray(x, np.float32), lay), sh)
 
         master32 = jax.tree.map(put, params, self.layouts, master_sh)
+        # the fp32 copy becomes the master (or the stage-3 params) unless stages 1-2
+        # keep none: then nothing in the state has its sharded shape to reuse it for
+        temporary = not self.mixed and self.stage in (1, 2)
         build = jax.jit(self._state_from_padded, out_shardings=self.state_shardings,
-                        donate_argnums=0)
+                        donate_argnums=() if temporary else 0)
         return build(master32)
 
     def init_from(self, init_fn: Callable[..., Any], *args: Any) -> TrainState:
@@ -271,10 +245,9 @@ class Engine:
     def _build_jits(self) -> None:
         cfg, lays, mesh = self._config(), self.layouts, self.mesh
         bspec = P(batch_axes(mesh))
-        body = functools.partial(step_lib.train_step, cfg, lays, self.loss_fn, self.tx)
-        sharded = jax.shard_map(body, mesh=mesh, in_specs=(self.specs, bspec),
-                                out_specs=(self.specs, P()), check_vma=False)
-        self._step = jax.jit(sharded, in_shardings=(self.state_shardings, self.batch_sharding),
+        step = step_lib.make_train_step(cfg, mesh, lays, self.opt_layouts, self.specs,
+                                        self.loss_fn, self.tx)
+        self._step = jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=(self.state_shardings,
                                             NamedSharding(mesh, P())),
                              donate_argnums=0)

@@ -11,7 +11,10 @@ stage  working params           fp32 master (bf16 only)  optimizer state
 =====  =======================  ======================  ==================
 
 Gradients live only inside the step (see ``step.py``). Sharded leaves are stored
-padded (``LeafLayout.padded_shape``); replicated working params keep their shape.
+padded (``LeafLayout.padded_shape``); replicated leaves keep their shape. The
+optimizer only ever sees logical (unpadded) shapes: the step strips the padding
+before ``tx.update`` and restores it after, so the stored layout cannot change
+what any optimizer computes.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.partition import LeafLayout, is_layout
+from jaxzero.partition import is_layout, leaf_layout, path_str
 
 
 @jax.tree_util.register_dataclass
@@ -37,7 +40,8 @@ class TrainState:
       params: working params in the compute dtype (bf16 or fp32).
       master: fp32 master params in bf16 training; ``None`` in fp32 training,
         where the working params are the master copy.
-      opt_state: the optax state, param-shaped leaves laid out like the master.
+      opt_state: the optax state; param-shaped leaves laid out like the master, the
+        rest by their own shapes (:func:`opt_layouts`).
     """
 
     step: jax.Array
@@ -55,6 +59,12 @@ def master_sharded(stage: int) -> bool:
     return stage >= 1
 
 
+def logical_shapes(layouts: Any, dtype: Any = jnp.float32) -> Any:
+    """``ShapeDtypeStruct`` of every param at its logical (unpadded) shape."""
+    return jax.tree.map(lambda lay: jax.ShapeDtypeStruct(lay.shape, dtype), layouts,
+                        is_leaf=is_layout)
+
+
 def stored_shapes(layouts: Any, sharded: bool, dtype: Any) -> Any:
     """``ShapeDtypeStruct`` of every leaf as stored: padded when sharded."""
     return jax.tree.map(
@@ -64,30 +74,47 @@ def stored_shapes(layouts: Any, sharded: bool, dtype: Any) -> Any:
     )
 
 
+def opt_layouts(tx: optax.GradientTransformation, layouts: Any, min_shard_size: int = 64
+                ) -> tuple[Any, Any]:
+    """A layout for every optimizer-state leaf, decided by the leaf's own shape.
+
+    The state is built from the logical params, so its leaves have the shapes the
+    optimizer means. A leaf under a param's path with that param's shape (Adam's
+    moments, Lion's momentum, also inside ``masked`` and ``multi_transform``)
+    shares the param's layout, so an elementwise update stays on its device. Any
+    other leaf (factored second moments, projections, counts) gets the default
+    layout of its own shape: sharded along its best dimension, or replicated when
+    small. ``MaskedNode`` and empty states have no leaves and need none.
+
+    Returns:
+      ``(layouts, shapes)``: trees with the optimizer state's structure, of
+      :class:`LeafLayout` and of logical ``ShapeDtypeStruct``.
+    """
+    by_path = {lay.path: lay for lay in jax.tree.leaves(layouts, is_leaf=is_layout)}
+    n = next(iter(by_path.values())).num_shards if by_path else 1
+    shapes = jax.eval_shape(tx.init, logical_shapes(layouts))
+
+    def one(path, leaf):
+        for i in range(len(path)):  # longest suffix first: "1/mu/blocks/w" -> "blocks/w"
+            lay = by_path.get(path_str(path[i:]))
+            if lay is not None and lay.shape == tuple(leaf.shape):
+                return lay
+        return leaf_layout(path_str(path), leaf.shape, n, min_shard_size=min_shard_size)
+
+    return jax.tree_util.tree_map_with_path(one, shapes), shapes
+
+
 def _specs(layouts: Any, sharded: bool) -> Any:
     return jax.tree.map(lambda lay: lay.spec() if sharded else P(), layouts, is_leaf=is_layout)
 
 
-def opt_state_specs(tx: optax.GradientTransformation, layouts: Any, sharded: bool) -> Any:
-    """Param-shaped optimizer leaves follow the master layout; the rest is replicated."""
-    shapes = jax.eval_shape(tx.init, stored_shapes(layouts, sharded, jnp.float32))
-    return optax.tree_map_params(
-        tx,
-        lambda _, lay: lay.spec() if sharded else P(),
-        shapes,
-        layouts,
-        transform_non_params=lambda _: P(),
-        is_leaf=lambda x: isinstance(x, LeafLayout | jax.ShapeDtypeStruct),
-    )
-
-
-def state_specs(stage: int, layouts: Any, tx: optax.GradientTransformation, mixed: bool):
+def state_specs(stage: int, layouts: Any, opt_lays: Any, mixed: bool) -> TrainState:
     """PartitionSpecs of every leaf of the TrainState (same structure)."""
     return TrainState(
         step=P(),
         params=_specs(layouts, params_sharded(stage)),
         master=master_specs(stage, layouts) if mixed else None,
-        opt_state=opt_state_specs(tx, layouts, master_sharded(stage)),
+        opt_state=_specs(opt_lays, master_sharded(stage)),
     )
 
 

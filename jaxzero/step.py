@@ -1,15 +1,22 @@
-"""The training step as one device sees it, run inside ``shard_map``.
+"""The training step: explicit collectives per device, the optimizer in the global view.
 
-Every collective is written here or in ``hooks.py``; nothing is left to the
-compiler's sharding propagation. Per stage, one step does:
+Every gradient and parameter collective is written here or in ``hooks.py``,
+inside ``shard_map``; nothing of ZeRO is left to the compiler's sharding
+propagation. Per stage, one step does:
 
 * stage 0: local gradients → ``psum`` (all-reduce) → replicated update.
-* stage 1: local gradients → ``psum_scatter`` → update of this device's slice of the
+* stage 1: local gradients → ``psum_scatter`` → update of each device's slice of the
   master params and optimizer state → ``all_gather`` of the new working params.
 * stage 2: as stage 1, but each layer's gradient is reduce-scattered during the
   backward pass (``hooks.use_params``), so the full gradient never exists at once.
 * stage 3: params stay sharded; each layer all-gathers its params before use,
   again in the backward pass (remat policy), and reduce-scatters its gradient.
+
+The optimizer update sits between the two ``shard_map`` calls, on the sharded
+arrays in the global view (:func:`optimizer_update`). An elementwise optimizer
+compiles to purely local code there; one that looks across elements (a global
+norm, factored statistics, Newton–Schulz) gets exactly the communication it
+needs from XLA, so no optimizer can silently compute something else on a slice.
 
 With ``k`` micro-batches, stages 0–1 accumulate full local gradients and
 communicate once per step; stages 2–3 reduce-scatter (and stage 3 gathers) once
@@ -19,18 +26,22 @@ per micro-batch, accumulating only this device's gradient slice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxzero import collectives
+from jaxzero.hook_check import check_uses
 from jaxzero.hooks import Stored, UseOp, use_params
 from jaxzero.mesh import DATA
-from jaxzero.partition import LeafLayout, is_layout
-from jaxzero.state import TrainState
+from jaxzero.partition import LeafLayout, is_layout, pad, unpad
+from jaxzero.state import TrainState, master_sharded, master_specs
 
 LossFn = Callable[[Any, Any], jax.Array]
 
@@ -72,6 +83,13 @@ def model_view(cfg: StepConfig, layouts: Any, params: Any, slots: Any) -> Any:
     return stored if cfg.per_layer else use_params(stored)
 
 
+def _loss(cfg: StepConfig, loss_fn: LossFn, view: Any, batch: Any) -> jax.Array:
+    """``loss_fn(view, batch)``; per-layer models are first checked to use ``use_params``."""
+    if cfg.per_layer and cfg.stage >= 2:
+        check_uses(loss_fn, view, batch)
+    return loss_fn(view, batch)
+
+
 def _slots(layouts: Any, sharded: bool) -> Any:
     """Zero gradient slots shaped like this device's slice of each leaf."""
     return _map(lambda lay: jnp.zeros(lay.shard_shape if sharded else lay.shape, jnp.float32),
@@ -89,7 +107,7 @@ def local_gradients(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any,
 
     def loss_of(diff, mb):
         view = model_view(cfg, layouts, params, diff) if hooked else diff
-        loss = loss_fn(view, mb)
+        loss = _loss(cfg, loss_fn, view, mb)
         if jnp.shape(loss) != ():
             raise TypeError(f"loss_fn must return a scalar, got shape {jnp.shape(loss)}")
         return loss.astype(jnp.float32)
@@ -149,42 +167,84 @@ def clip(grads: Any, norm: jax.Array, max_norm: float | None) -> Any:
     return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, g * (max_norm / norm)), grads)
 
 
-def master_view(cfg: StepConfig, layouts: Any, state: TrainState) -> Any:
-    """The fp32 params this device updates: its slice from stage 1, all of them in 0."""
-    if cfg.mixed:
-        return state.master
-    if cfg.stage in (1, 2):
-        return _map(lambda lay, p: collectives.local_slice(p, lay), layouts, state.params)
-    return state.params
+def gradient_step(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any):
+    """Per device: mean loss, reduced (and clipped) gradients, and their global norm.
 
-
-def working_params(cfg: StepConfig, layouts: Any, master: Any) -> Any:
-    """New working params from the updated master: all-gathered in stages 1–2."""
-    cast = lambda m: m.astype(cfg.compute_dtype)
-    if cfg.stage in (1, 2):
-        return _map(lambda lay, m: collectives.gather(cast(m), lay), layouts, master)
-    return jax.tree.map(cast, master)
-
-
-def train_step(cfg: StepConfig, layouts: Any, loss_fn: LossFn, tx: optax.GradientTransformation,
-               state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer step on this device's part of the global batch."""
-    loss, grads = local_gradients(cfg, layouts, loss_fn, state.params, batch)
+    The gradients come out as the master params are stored: whole in stage 0,
+    this device's padded slice from stage 1.
+    """
+    loss, grads = local_gradients(cfg, layouts, loss_fn, params, batch)
     if cfg.stage <= 1:
         grads = reduce_gradients(cfg, layouts, grads)
     norm = global_norm(cfg, layouts, grads)
     grads = clip(grads, norm, cfg.max_grad_norm)
-    master = master_view(cfg, layouts, state)
-    updates, opt_state = tx.update(grads, state.opt_state, master)
-    master = optax.apply_updates(master, updates)
-    new = TrainState(
-        step=state.step + 1,
-        params=working_params(cfg, layouts, master),
-        master=master if cfg.mixed else None,
-        opt_state=opt_state,
-    )
-    loss = jax.lax.pmean(loss, cfg.batch_axes)
-    return new, {"loss": loss, "grad_norm": norm}
+    return jax.lax.pmean(loss, cfg.batch_axes), grads, norm
+
+
+def gather_params(layouts: Any, params: Any) -> Any:
+    """Per device: all-gather the updated working params (stages 1–2)."""
+    return _map(lambda lay, p: collectives.gather(p, lay), layouts, params)
+
+
+def _logical(layouts: Any, tree: Any) -> Any:
+    return _map(lambda lay, x: unpad(x, lay) if x.shape != lay.shape else x, layouts, tree)
+
+
+def _stored(layouts: Any, tree: Any, sharded: bool) -> Any:
+    return _map(lambda lay, x: pad(x, lay) if sharded else x, layouts, tree)
+
+
+def optimizer_update(tx: optax.GradientTransformation, layouts: Any, opt_lays: Any,
+                     sharded: bool, grads: Any, opt_state: Any, master: Any):
+    """``tx.update`` in the global view, on logical shapes; returns stored master and state.
+
+    This runs outside ``shard_map`` on sharded global arrays, so XLA's partitioner
+    adds exactly the communication the optimizer needs: none for an elementwise
+    one (AdamW, Lion, SGD, masks), a scalar all-reduce for a global norm, whatever
+    a factored or matrix optimizer (Adafactor, Muon) reads across a leaf. Padding
+    is stripped first, so it never enters a norm, a mean or a shape-dependent rule.
+    """
+    g, s, m = _logical(layouts, grads), _logical(opt_lays, opt_state), _logical(layouts, master)
+    updates, s = tx.update(g, s, m)
+    m = optax.apply_updates(m, updates)
+    return _stored(layouts, m, sharded), _stored(opt_lays, s, sharded)
+
+
+def make_train_step(cfg: StepConfig, mesh: Mesh, layouts: Any, opt_lays: Any, specs: TrainState,
+                    loss_fn: LossFn, tx: optax.GradientTransformation) -> Callable:
+    """The global train step: explicit collectives in ``shard_map``, the update around them.
+
+    ``train_step(state, batch) -> (state, {"loss", "grad_norm"})``, to be jitted with
+    the state's shardings. Gradients are reduced (and stage 3 params gathered) by
+    :func:`gradient_step` inside ``shard_map``; the optimizer updates the sharded
+    master in the global view (:func:`optimizer_update`); stages 1–2 all-gather the
+    new working params inside ``shard_map`` again.
+    """
+    sharded = master_sharded(cfg.stage)
+    grad_specs = master_specs(cfg.stage, layouts)
+    grads_of = jax.shard_map(functools.partial(gradient_step, cfg, layouts, loss_fn), mesh=mesh,
+                             in_specs=(specs.params, P(cfg.batch_axes)),
+                             out_specs=(P(), grad_specs, P()), check_vma=False)
+    gather = jax.shard_map(functools.partial(gather_params, layouts), mesh=mesh,
+                           in_specs=(grad_specs,), out_specs=specs.params, check_vma=False)
+    place = lambda tree: jax.tree.map(
+        lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
+        tree, grad_specs)
+
+    def train_step(state: TrainState, batch: Any):
+        loss, grads, norm = grads_of(state.params, batch)
+        master = state.master if cfg.mixed else state.params
+        master, opt_state = optimizer_update(tx, layouts, opt_lays, sharded, grads,
+                                             state.opt_state, master)
+        master = place(master)
+        params = jax.tree.map(lambda m: m.astype(cfg.compute_dtype), master)
+        if cfg.stage in (1, 2):
+            params = gather(params)
+        new = TrainState(step=state.step + 1, params=params,
+                         master=master if cfg.mixed else None, opt_state=opt_state)
+        return new, {"loss": loss, "grad_norm": norm}
+
+    return train_step
 
 
 def eval_loss(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any):
@@ -192,4 +252,4 @@ def eval_loss(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch
     view = params
     if cfg.stage >= 2:
         view = model_view(cfg, layouts, params, _slots(layouts, cfg.stage == 3))
-    return jax.lax.pmean(loss_fn(view, batch).astype(jnp.float32), cfg.batch_axes)
+    return jax.lax.pmean(_loss(cfg, loss_fn, view, batch).astype(jnp.float32), cfg.batch_axes)
