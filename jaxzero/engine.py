@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero import step as step_lib
 from jaxzero.mesh import batch_axes, make_mesh, num_shards
-from jaxzero.partition import Rule, is_layout, layouts_for, pad, unpad
+from jaxzero.partition import Rule, is_layout, layouts_for, pad, path_str, unpad
 from jaxzero.state import (
     TrainState,
     master_sharded,
@@ -141,12 +142,23 @@ class Engine:
         )
 
     def _set_layouts(self, shapes: Any) -> None:
+        converted = []
         for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
                 raise TypeError(
                     f"param {jax.tree_util.keystr(path)} has dtype {leaf.dtype}; jaxzero trains "
                     "floating-point params only (keep constants out of the params tree)"
                 )
+            if leaf.dtype not in (jnp.float32, self.compute_dtype):
+                converted.append(f"{path_str(path)} ({jnp.dtype(leaf.dtype).name})")
+        if converted:
+            warnings.warn(
+                f"{len(converted)} param(s) converted: {', '.join(converted[:4])}"
+                f"{' ...' if len(converted) > 4 else ''}. The engine keeps fp32 master params "
+                f"and computes in {jnp.dtype(self.compute_dtype).name} "
+                f"(precision={self.precision!r}); pass float32 params to silence this.",
+                stacklevel=3,
+            )
         self.layouts = layouts_for(
             shapes, self.num_shards, rules=self.rules, stacked=self.stacked,
             min_shard_size=self.min_shard_size,
@@ -190,8 +202,8 @@ class Engine:
         Host (numpy) leaves are padded on the host and sent slice by slice, so a
         stage-3 model is never whole on one device.
         """
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
-                              params)
+        dtype = lambda x: x.dtype if hasattr(x, "dtype") else np.result_type(x)  # float64 too
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype(x)), params)
         self._set_layouts(shapes)
         master_sh = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec),
                                  master_specs(self.stage, self.layouts),
@@ -265,7 +277,7 @@ class Engine:
                 f"batch structure changed: expected {self._batch_treedef}, got {treedef}. "
                 "Every step must receive the same pytree of arrays."
             )
-        sizes = {jax.tree_util.keystr(p): (x.shape[0] if len(x.shape) else None)
+        sizes = {jax.tree_util.keystr(p): (np.shape(x)[0] if np.ndim(x) else None)
                  for p, x in jax.tree_util.tree_leaves_with_path(batch)}
         if len(set(sizes.values())) != 1 or None in sizes.values():
             raise ValueError(
@@ -281,17 +293,24 @@ class Engine:
         self._batch_treedef = treedef
 
     def shard_batch(self, batch: Any) -> Any:
-        """Host arrays → global arrays split over the batch axes.
+        """Host arrays, or arrays on any device(s) → global arrays split over the batch axes.
 
         With several processes, each passes only the rows its devices hold (its
         contiguous share of the global batch, in process order).
         """
+        sh = self.batch_sharding
+
         def one(x):
-            if isinstance(x, jax.Array) and not jax.process_count() > 1:
-                return jax.device_put(x, self.batch_sharding)
+            if isinstance(x, jax.Array):
+                if x.sharding.is_equivalent_to(sh, x.ndim):
+                    return x
+                if not x.is_fully_addressable:  # a global array laid out differently
+                    return jax.jit(lambda a: a, out_shardings=sh)(x)
+                if jax.process_count() == 1:  # e.g. committed to one device
+                    return jax.device_put(x, sh)
             if jax.process_count() == 1:
-                return jax.device_put(np.asarray(x), self.batch_sharding)
-            return jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x))
+                return jax.device_put(np.asarray(x), sh)
+            return jax.make_array_from_process_local_data(sh, np.asarray(x))
 
         return jax.tree.map(one, batch)
 
@@ -301,7 +320,10 @@ class Engine:
             sh = self.batch_sharding
             batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                  batch)
-        elif not all(isinstance(x, jax.Array) for x in leaves):
+        elif jax.process_count() == 1:  # check the global batch before placing it
+            self._check_batch(batch)
+            return self.shard_batch(batch)
+        else:  # each process holds only its rows: check the assembled global batch
             batch = self.shard_batch(batch)
         self._check_batch(batch)
         return batch

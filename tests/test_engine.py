@@ -163,3 +163,31 @@ def test_untied_gpt_and_eval_loss():
     assert "head" in final and rel_diff(final, ref_params) <= 1e-5
     want = float(model.loss_fn(ref_params, batches[0]))
     np.testing.assert_allclose(float(engine.eval_loss(state, batches[0])), want, rtol=1e-5)
+
+
+def test_batch_on_one_device_is_resharded(mlp_reference):
+    params, batches, _ = mlp_reference
+    engine = jaxzero.Engine(mlp_loss, TX, mesh=jaxzero.make_mesh(8), stage=3)
+    state = engine.init(params)
+    on_one = jax.device_put(batches[0], jax.devices()[3])
+    state, m1 = engine.step(state, on_one)
+    with pytest.raises(ValueError, match="global batch 12 is not divisible by 8 devices"):
+        engine.step(state, jax.tree.map(lambda x: x[:12], on_one))
+    assert np.isfinite(float(m1["loss"]))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_init_warns_only_about_converted_params(stage):
+    import warnings
+
+    params = mlp_params()
+    engine = jaxzero.Engine(mlp_loss, TX, mesh=jaxzero.make_mesh(8), stage=stage)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no donated-buffer warning, nothing else
+        engine.init(params)
+    params["w1"] = params["w1"].astype(np.float64)
+    params["b2"] = params["b2"].astype(np.float16)
+    with pytest.warns(UserWarning, match=r"2 param\(s\) converted: b2 \(float16\), w1 "
+                                         r"\(float64\)"):
+        state = engine.init(params)
+    assert state.params["w1"].dtype == np.float32
