@@ -7,6 +7,7 @@
     state, metrics = engine.step(state, batch)
 """
 
+from jaxzero.checkpoint import CheckpointError, CheckpointManager
 from jaxzero.engine import Engine
 from jaxzero.hooks import use_params
 from jaxzero.mesh import make_mesh, simulate_devices
@@ -14,6 +15,8 @@ from jaxzero.partition import LeafLayout, layouts_for
 from jaxzero.state import TrainState
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointManager",
     "Engine",
     "LeafLayout",
     "TrainState",

@@ -175,23 +175,35 @@ class Engine:
 
     # --- state creation --------------------------------------------------------------
 
-    def _state_from_padded(self, master32: Any) -> TrainState:
-        """Build the state from fp32 master params in their stored layout (traced)."""
+    def _state_from_padded(self, master32: Any, opt_state: Any = None, step: Any = 0
+                           ) -> TrainState:
+        """The state from fp32 master params in their stored layout (traced).
+
+        ``opt_state`` (stored layout) defaults to a fresh ``tx.init``.
+        """
         lays = self.layouts
         if master_sharded(self.stage) and not params_sharded(self.stage):
             params = jax.tree.map(lambda m, lay: unpad(m, lay), master32, lays)
         else:
             params = master32
         params = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
-        logical = jax.tree.map(lambda m, lay: unpad(m, lay), master32, lays)
-        opt_state = jax.tree.map(lambda lay, x: self._master_layout(x, lay), self.opt_layouts,
-                                 self.tx.init(logical), is_leaf=is_layout)
+        if opt_state is None:
+            logical = jax.tree.map(lambda m, lay: unpad(m, lay), master32, lays)
+            opt_state = jax.tree.map(lambda lay, x: self._master_layout(x, lay),
+                                     self.opt_layouts, self.tx.init(logical), is_leaf=is_layout)
         return TrainState(
-            step=jnp.zeros((), jnp.int32),
+            step=jnp.asarray(step, jnp.int32),
             params=params,
             master=master32 if self.mixed else None,
             opt_state=opt_state,
         )
+
+    def state_from(self, master32: Any, opt_state: Any, step: int) -> TrainState:
+        """A state from restored parts: fp32 master params and optimizer state, each
+        already in this engine's stored layout and sharding (``CheckpointManager``)."""
+        self._require_init()
+        build = jax.jit(self._state_from_padded, out_shardings=self.state_shardings)
+        return build(master32, opt_state, step)
 
     def _master_layout(self, x: Any, lay) -> Any:
         return pad(x, lay) if master_sharded(self.stage) else x

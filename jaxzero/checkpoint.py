@@ -1,0 +1,348 @@
+"""Checkpoints on orbax: sharded, asynchronous, crash-safe, restorable into any stage and N.
+
+A checkpoint is one orbax step directory with three items:
+
+* ``state``: every leaf of the :class:`~jaxzero.state.TrainState` under a readable
+  name (``params/blocks/fc/kernel``, ``master/...``, ``opt_state/0/mu/...``,
+  ``step``), written shard by shard by the process that owns each shard.
+* ``meta``: JSON: jaxzero version, stage, N, precision, and every leaf's logical
+  shape, stored shape and dtype.
+* ``extra``: JSON the caller adds (the data-loader position, the resolved config).
+
+**Stored form.** Leaves are written as the engine stores them: sharded leaves keep
+the zero padding of the saving layout (the step keeps padding exactly zero, so
+it carries no information), and ``meta`` records the logical shape. A restore
+reads each leaf straight into the target engine's sharding and stored shape,
+zero-filling or dropping the padding difference (orbax's ``global_shape`` with
+``strict=False``), so a leaf padded for N=8 restores for N=3 or N=1 and no leaf
+is ever whole on one device when the target shards it.
+
+**Safety.** orbax writes into a temporary directory and renames it when every
+process has finished; an interrupted save is never listed and is removed the
+next time a manager opens the directory. Saves are asynchronous (the arrays are
+copied to host memory, then written in the background) and at most one is in
+flight.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxzero.partition import is_layout, path_str
+from jaxzero.state import TrainState, master_sharded
+
+FORMAT = 1
+FIELDS = ("step", "params", "master", "opt_state")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupt, or of another model."""
+
+
+def leaf_names(state: TrainState) -> dict[str, Any]:
+    """``{"params/a/b": leaf, ...}`` for every leaf of a train state (any leaf type)."""
+    out = {}
+    for field in FIELDS:
+        for path, x in jax.tree_util.tree_leaves_with_path(getattr(state, field)):
+            out["/".join(p for p in (field, path_str(path)) if p)] = x
+    return out
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"a/b": x}`` → ``{"a": {"b": x}}`` (orbax names files by the nesting)."""
+    out: dict[str, Any] = {}
+    for name, x in flat.items():
+        *parents, last = name.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = x
+    return out
+
+
+def _flatten(nested: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in nested.items():
+        name = f"{prefix}/{k}" if prefix else k
+        out.update(_flatten(v, name) if isinstance(v, dict) else {name: v})
+    return out
+
+
+def _param_paths(tree: Any) -> list[list[Any]]:
+    """Each param's key path as JSON: ``[["k", "blocks"], ["i", 0], ...]``."""
+    def key(k):
+        if hasattr(k, "idx"):
+            return ["i", int(k.idx)]
+        return ["k", str(getattr(k, "key", getattr(k, "name", k)))]
+
+    return [[key(k) for k in path] for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _params_from_meta(meta: dict[str, Any]) -> Any:
+    """The params tree (dicts and lists) of ``ShapeDtypeStruct`` recorded in ``meta``."""
+    root: dict[str, Any] = {}
+    for entry in meta["param_tree"]:
+        node, path = root, entry["path"]
+        for i, (_, k) in enumerate(path):
+            last = i == len(path) - 1
+            leaf = jax.ShapeDtypeStruct(tuple(entry["shape"]), jnp.dtype(entry["dtype"]))
+            node = node.setdefault(k, leaf if last else {})
+
+    def listify(node):
+        if not isinstance(node, dict):
+            return node
+        kids = {k: listify(v) for k, v in node.items()}
+        if kids and all(isinstance(k, int) for k in kids):
+            return [kids[i] for i in sorted(kids)]
+        return kids
+
+    return listify(root)
+
+
+def metadata(engine: Any, state: TrainState) -> dict[str, Any]:
+    """What a checkpoint says about itself: enough to rebuild shapes and check a target."""
+    from jaxzero import __version__
+
+    lays = leaf_names(TrainState(None, engine.layouts, None, engine.opt_layouts))
+    leaves = {}
+    for name, x in leaf_names(state).items():
+        field, _, rest = name.partition("/")
+        lay = lays.get(f"params/{rest}" if field == "master" else name)
+        leaves[name] = {"stored_shape": list(x.shape), "dtype": str(x.dtype),
+                        "shape": list(lay.shape) if lay is not None else list(x.shape)}
+    param_tree = [
+        {"path": p, "shape": list(lay.shape), "dtype": "float32"}
+        for p, lay in zip(_param_paths(engine.layouts),
+                          jax.tree.leaves(engine.layouts, is_leaf=is_layout), strict=True)
+    ]
+    return {
+        "format": FORMAT,
+        "jaxzero_version": __version__,
+        "step": int(jax.device_get(state.step)),
+        "stage": engine.stage,
+        "num_shards": engine.num_shards,
+        "devices": int(engine.mesh.devices.size),
+        "processes": jax.process_count(),
+        "precision": engine.precision,
+        "num_params": int(engine.num_params),
+        "param_tree": param_tree,
+        "leaves": leaves,
+    }
+
+
+class CheckpointManager:
+    """Save and restore train states under ``directory`` (one sub-directory per step).
+
+    Args:
+      directory: where checkpoints live (created on the first save).
+      keep_last: how many recent checkpoints to keep (None: all).
+      keep_every: also keep every checkpoint whose step is a multiple of this.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, optax, jaxzero
+      >>> engine = jaxzero.Engine(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2),
+      ...                         optax.adam(1e-2), mesh=jaxzero.make_mesh(1))
+      >>> state = engine.init({"w": jnp.ones((4, 2))})
+      >>> ckpt = jaxzero.CheckpointManager(tempfile.mkdtemp())
+      >>> ckpt.save(engine, state, extra={"note": "first"})
+      >>> ckpt.wait(); ckpt.latest_step()
+      0
+      >>> state, extra = ckpt.restore(jaxzero.Engine(engine.loss_fn, optax.adam(1e-2),
+      ...                                            mesh=jaxzero.make_mesh(1)))
+      >>> extra["note"]
+      'first'
+    """
+
+    def __init__(self, directory: str | Path, keep_last: int | None = 3,
+                 keep_every: int | None = None):
+        import orbax.checkpoint as ocp
+
+        self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.directory} is a file")
+        for name, v in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise CheckpointError(f"{name} must be a positive integer or None, got {v!r}")
+        self._ocp = ocp
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep_last, keep_period=keep_every, create=False,
+            cleanup_tmp_directories=True, enable_async_checkpointing=True,
+        )
+        self._options = options
+        self._manager = None
+        if self.directory.is_dir():
+            self._open()
+
+    def _open(self):
+        if self._manager is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._manager = self._ocp.CheckpointManager(
+                self.directory, options=self._options, item_names=("state", "meta", "extra"))
+        return self._manager
+
+    # --- saving -------------------------------------------------------------------------
+
+    def save(self, engine: Any, state: TrainState, extra: dict[str, Any] | None = None,
+             force: bool = False) -> None:
+        """Start writing ``state`` at its step; returns once the arrays are on the host.
+
+        The state may be donated to the next ``engine.step`` right away. Waits
+        for a save still in flight first, so at most one is.
+        """
+        ocp = self._ocp
+        meta = metadata(engine, state)
+        items = {name: x for name, x in leaf_names(state).items()}
+        args = ocp.args.Composite(
+            state=ocp.args.PyTreeSave(_nest(items)),
+            meta=ocp.args.JsonSave(meta),
+            extra=ocp.args.JsonSave(extra or {}),
+        )
+        self._open().save(meta["step"], args=args, force=force)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete on disk."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
+            self._manager = None
+
+    # --- reading ------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Steps of the complete checkpoints, oldest first."""
+        if self._manager is None:
+            return []
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The ``meta`` JSON of a checkpoint (latest by default)."""
+        step = self._step(step)
+        path = self.directory / str(step) / "meta" / "metadata"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} has no readable metadata ({e}); "
+                "it is not a jaxzero checkpoint or it is damaged") from None
+
+    def _step(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointError(
+                f"no complete checkpoint in {self.directory}"
+                + ("" if self.directory.is_dir() else " (the directory does not exist)"))
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint of step {step} in {self.directory}; "
+                                  f"there are {steps}")
+        return step
+
+    def restore(self, engine: Any, step: int | None = None) -> tuple[TrainState, dict]:
+        """The state of checkpoint ``step`` (latest by default) in ``engine``'s layout.
+
+        ``engine`` may be uninitialised: its param shapes then come from the
+        checkpoint. Its stage, mesh, N and precision may differ from the saving
+        run's; its model and optimizer may not.
+
+        Returns:
+          ``(state, extra)``.
+        """
+        ocp = self._ocp
+        step = self._step(step)
+        meta = self.metadata(step)
+        saved = meta["leaves"]
+        shapes = _params_from_meta(meta)
+        if engine.layouts is None:
+            target = engine.abstract_state(shapes)
+        else:
+            _check_same_params(engine, meta)
+            target = engine.abstract_state(jax.tree.map(
+                lambda lay: jax.ShapeDtypeStruct(lay.shape, jnp.float32), engine.layouts,
+                is_leaf=is_layout))
+
+        # fp32 truth: the master when the run kept one, else the (fp32) params
+        src = "master" if any(n.startswith("master/") for n in saved) else "params"
+        sharded = master_sharded(engine.stage)
+        master_sh = jax.tree.map(lambda s: jax.sharding.NamedSharding(engine.mesh, s),
+                                 _master_specs(engine), is_leaf=_is_spec)
+        want: dict[str, tuple[tuple[int, ...], Any, Any]] = {}
+        for name, lay, sh in zip(leaf_names(TrainState(None, engine.layouts, None, None)),
+                                 jax.tree.leaves(engine.layouts, is_leaf=is_layout),
+                                 jax.tree.leaves(master_sh), strict=True):
+            shape = lay.padded_shape if sharded else lay.shape
+            want[src + name[len("params"):]] = (shape, jnp.float32, sh)
+        for name, x in leaf_names(TrainState(target.step, None, None, target.opt_state)).items():
+            want[name] = (x.shape, x.dtype, x.sharding)
+        missing = [n for n in want if n not in saved]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} does not hold {missing[:3]}"
+                f"{' ...' if len(missing) > 3 else ''}: it was saved with a different "
+                "optimizer or model")
+        item = _nest({n: jax.ShapeDtypeStruct(s, d, sharding=sh)
+                      for n, (s, d, sh) in want.items()})
+        restore_args = _nest({n: ocp.ArrayRestoreArgs(sharding=sh, global_shape=tuple(s),
+                                                      dtype=d, strict=False)
+                              for n, (s, d, sh) in want.items()})
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item, restore_args=restore_args,
+                                             partial_restore=True),
+                extra=ocp.args.JsonRestore()))
+        except Exception as e:  # orbax/tensorstore raise many types for damaged files
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} could not be read "
+                f"({type(e).__name__}: {first}); it is damaged or incomplete. Older "
+                f"checkpoints: {[s for s in self.all_steps() if s != step] or 'none'}"
+            ) from None
+        flat = _flatten(out["state"])
+        master = jax.tree.unflatten(
+            jax.tree.structure(engine.layouts, is_leaf=is_layout),
+            [flat[src + n[len("params"):]]
+             for n in leaf_names(TrainState(None, engine.layouts, None, None))])
+        opt_leaves = [flat[n] for n in
+                      leaf_names(TrainState(None, None, None, target.opt_state))]
+        opt_state = jax.tree.unflatten(jax.tree.structure(target.opt_state), opt_leaves)
+        state = engine.state_from(master, opt_state, int(np.asarray(flat["step"])))
+        return state, dict(out["extra"] or {})
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, jax.sharding.PartitionSpec)
+
+
+def _master_specs(engine: Any) -> Any:
+    from jaxzero.state import master_specs
+
+    return master_specs(engine.stage, engine.layouts)
+
+
+def _check_same_params(engine: Any, meta: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another model, naming the first leaf that differs."""
+    mine = {"/".join(str(k) for _, k in p): lay.shape for p, lay in zip(
+        _param_paths(engine.layouts), jax.tree.leaves(engine.layouts, is_leaf=is_layout),
+        strict=True)}
+    theirs = {"/".join(str(k) for _, k in e["path"]): tuple(e["shape"])
+              for e in meta["param_tree"]}
+    for name in sorted(set(mine) | set(theirs)):
+        if mine.get(name) != theirs.get(name):
+            raise CheckpointError(
+                f"the checkpoint is of a different model: param {name!r} is "
+                f"{theirs.get(name, 'absent')} there and {mine.get(name, 'absent')} here")
