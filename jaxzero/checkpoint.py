@@ -290,11 +290,13 @@ class CheckpointManager:
         for name, x in leaf_names(TrainState(target.step, None, None, target.opt_state)).items():
             want[name] = (x.shape, x.dtype, x.sharding)
         missing = [n for n in want if n not in saved]
-        if missing:
+        unknown = [n for n in saved if n.startswith("opt_state") and n not in want]
+        if missing or unknown:
+            what = (f"does not hold {missing[:3]}" if missing
+                    else f"holds optimizer state {unknown[:3]} this optimizer does not have")
             raise CheckpointError(
-                f"checkpoint {self.directory / str(step)} does not hold {missing[:3]}"
-                f"{' ...' if len(missing) > 3 else ''}: it was saved with a different "
-                "optimizer or model")
+                f"checkpoint {self.directory / str(step)} {what}: it was saved with a "
+                "different optimizer or model")
         item = _nest({n: jax.ShapeDtypeStruct(s, d, sharding=sh)
                       for n, (s, d, sh) in want.items()})
         restore_args = _nest({n: ocp.ArrayRestoreArgs(sharding=sh, global_shape=tuple(s),

@@ -89,10 +89,12 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Checkpoint cadence (consumed by the checkpointing issue; ``every=0`` keeps it off)."""
+    """Checkpoint cadence and retention (``every=0``: only on SIGTERM/SIGINT)."""
 
     dir: str | None = None  # None: RUN_DIR/checkpoints
-    every: int = 0
+    every: int = 0  # save every K steps and at the end
+    keep_last: int = 3  # recent checkpoints kept
+    keep_every: int | None = None  # also keep steps that are multiples of this
 
 
 @dataclass(frozen=True)
@@ -364,6 +366,10 @@ def validate(config: Config) -> Config:
         )
     if lg.sample_tokens < 0 or config.checkpoint.every < 0:
         raise ConfigError("logging.sample_tokens and checkpoint.every must be >= 0")
+    ck = config.checkpoint
+    if ck.keep_last < 1 or (ck.keep_every is not None and ck.keep_every < 1):
+        raise ConfigError("checkpoint.keep_last must be >= 1 and checkpoint.keep_every >= 1 "
+                          "or null")
     return config
 
 

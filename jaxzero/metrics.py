@@ -107,10 +107,13 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
 # --------------------------------------------------------------------------- run directory
 
 
-def prepare_run_dir(cfg: Config, is_main: bool) -> Path:
-    """``ROOT/NAME``, created on process 0; refuses to mix two runs' metrics."""
+def prepare_run_dir(cfg: Config, is_main: bool, resume: bool = False) -> Path:
+    """``ROOT/NAME``, created on process 0; refuses to mix two runs' metrics.
+
+    ``resume``: the directory holds this very run, which continues.
+    """
     run_dir = Path(cfg.logging.root) / str(cfg.logging.name)
-    if not is_main:
+    if not is_main or resume:
         return run_dir
     old = [run_dir / METRICS_FILE, run_dir / SUMMARY_FILE]
     old += list(run_dir.glob("events.out.tfevents.*")) if run_dir.is_dir() else []

@@ -26,6 +26,8 @@ from typing import Any
 from jaxzero import config as config_lib
 from jaxzero import data as data_lib
 from jaxzero import metrics as metrics_lib
+from jaxzero import resume as resume_lib
+from jaxzero.checkpoint import CheckpointError, CheckpointManager
 from jaxzero.cli import ArgError, Parser
 from jaxzero.config import Config, ConfigError
 from jaxzero.data import DataError
@@ -72,18 +74,31 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (_, type_, help_) in SHORTCUTS.items():
         metavar = "N" if type_ is int else flag.upper()
         p.add_argument("--" + flag.replace("_", "-"), type=type_, metavar=metavar, help=help_)
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
+                   help="continue RUN_DIR (or --name NAME) from its latest checkpoint")
     p.add_argument("--print-config", action="store_true", help="print the config and exit")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    """The config file, then the typed shortcuts, then ``--set`` (later wins); validated."""
-    cfg = config_lib.load_file(args.config) if args.config else Config()
-    for flag, (key, _, _) in SHORTCUTS.items():
-        value = getattr(args, flag)
-        if value is not None:
-            cfg = config_lib.override(cfg, key, value)
-    return config_lib.validate(config_lib.apply_overrides(cfg, args.assignments))
+    """The config file, then the typed shortcuts, then ``--set`` (later wins); validated.
+
+    With ``--resume`` the base is the run's own saved config instead of a file.
+    """
+    def apply(cfg: Config) -> Config:
+        for flag, (key, _, _) in SHORTCUTS.items():
+            value = getattr(args, flag)
+            if value is not None:
+                cfg = config_lib.override(cfg, key, value)
+        return config_lib.validate(config_lib.apply_overrides(cfg, args.assignments))
+
+    if not args.resume:
+        return apply(config_lib.load_file(args.config) if args.config else Config())
+    if args.config:
+        raise ArgError("--resume continues a run with its own config: drop --config")
+    run = resume_lib.run_dir_to_resume(args.resume, apply(Config()))
+    cfg, args.resume_changes = resume_lib.resumed_config(run, apply)
+    return cfg
 
 
 # --------------------------------------------------------------------------- devices
@@ -217,13 +232,16 @@ def build(cfg: Config, mesh: Any) -> tuple[Any, Any, Any]:
     return model, engine, schedule
 
 
-def train(cfg: Config, started: float | None = None) -> dict[str, Any]:
+def train(cfg: Config, started: float | None = None, resume: list[str] | None = None
+          ) -> dict[str, Any]:
     """Runs the whole training job described by ``cfg`` and returns its summary.
 
     Args:
       cfg: the validated config.
       started: ``time.perf_counter()`` when the command started, so the reported
         wall time includes start-up (default: now).
+      resume: continue the run in ``cfg``'s run directory from its latest
+        checkpoint; the list names the config changes (said at start-up).
     """
     watch = metrics_lib.Stopwatch(started)
     corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)
@@ -236,8 +254,6 @@ def train(cfg: Config, started: float | None = None) -> dict[str, Any]:
             f"model.vocab_size={vocab} is smaller than the data's {corpus.vocab_size}"
         )
 
-    if cfg.checkpoint.every:
-        raise ConfigError("checkpoint.every: checkpointing is not available yet; leave it 0")
     mesh, simulated = setup_devices(cfg.parallel)
     import jax
 
@@ -250,45 +266,92 @@ def train(cfg: Config, started: float | None = None) -> dict[str, Any]:
         )
     cfg = resolve_run(cfg, n_dev, simulated, vocab)
     is_main = jax.process_index() == 0
-    run_dir = metrics_lib.prepare_run_dir(cfg, is_main)
+    run_dir = metrics_lib.prepare_run_dir(cfg, is_main, resume=resume is not None)
+    ckpt = CheckpointManager(resume_lib.checkpoint_dir(cfg, run_dir), cfg.checkpoint.keep_last,
+                             cfg.checkpoint.keep_every)
+    model, engine, schedule = build(cfg, mesh)
+    extra: dict[str, Any] = {}
+    if resume is not None:
+        state, extra = ckpt.restore(engine)  # CheckpointError: nothing (readable) to resume
+        if is_main:
+            resume_lib.drop_records_after(run_dir / metrics_lib.METRICS_FILE, int(state.step))
     writer = metrics_lib.MetricsWriter(run_dir if is_main else None, cfg.logging.tensorboard)
     progress = metrics_lib.Progress(cfg.train.steps, cfg.logging.progress, is_main)
     try:
         if is_main:
             (run_dir / RESOLVED_CONFIG).write_text(config_lib.dump_yaml(cfg))
             writer.text("config", config_lib.dump_yaml(cfg))
-        model, engine, schedule = build(cfg, mesh)
-        state = engine.init_from(model.init, jax.random.key(cfg.train.seed))
+        if resume is None:
+            state = engine.init_from(model.init, jax.random.key(cfg.train.seed))
         progress.print(metrics_lib.banner(cfg, corpus, engine.num_params, simulated, run_dir))
-        summary = _loop(cfg, engine, state, model, corpus, schedule, writer, progress, watch)
+        if resume is not None:
+            progress.print(f"  resume from {ckpt.directory / str(int(state.step))} (step "
+                           f"{int(state.step)})" + "".join(f"\n  changed {c}" for c in resume))
+        summary = _loop(cfg, engine, state, model, corpus, schedule, writer, progress, watch,
+                        ckpt, extra.get("loader"), run_dir)
         if is_main:
             metrics_lib.write_json(run_dir / metrics_lib.SUMMARY_FILE, summary)
         return summary
     finally:
         progress.close()
         writer.close()
+        ckpt.close()
 
 
-def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress, watch) -> dict:
+def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress, watch,
+          ckpt: CheckpointManager, position: dict | None, run_dir) -> dict:
     import jax
 
     b, seq, steps, lg = cfg.train.batch_size, cfg.model.seq_len, cfg.train.steps, cfg.logging
     rows = data_lib.process_rows(engine.batch_sharding.devices_indices_map((b, seq)), b)
     rows = rows[jax.process_index()]
     loader = data_lib.Loader(corpus.train, seq, b, cfg.train.seed, rows)
+    first = int(state.step) + 1
+    loader.load_state_dict(position or {"step": first - 1, "seed": cfg.train.seed})
+
+    def save(state, force=False):
+        extra = {"config": config_lib.to_dict(cfg), "loader": loader.state_dict()}
+        ckpt.save(engine, state, extra=extra, force=force)
+
     val = [
         engine.shard_batch(x)
         for x in data_lib.eval_batches(corpus.val, seq, b, lg.eval_batches, rows)
     ]
+    with resume_lib.StopSignals() as stop:
+        state, loss, val_loss = _steps(cfg, engine, state, loader, val, schedule, writer,
+                                       progress, watch, first, save, stop, ckpt, run_dir)
+    if cfg.checkpoint.every and steps % cfg.checkpoint.every:
+        save(state)  # the end (a multiple of every was saved in the loop)
+    ckpt.wait()
+    summary = metrics_lib.summarize(cfg, engine, model, watch, loss, val_loss)
+    sample = _sample(cfg, engine, state, model, corpus)
+    if sample is not None:
+        summary["sample"] = sample
+        writer.text("sample", sample)
+    progress.close()
+    progress.print(metrics_lib.format_summary(summary))
+    return summary
+
+
+def _steps(cfg: Config, engine, state, loader, val, schedule, writer, progress, watch, first,
+           save, stop, ckpt, run_dir):
+    """The training steps ``first..steps``: step, check, log, evaluate, checkpoint."""
+    b, seq, steps, lg = cfg.train.batch_size, cfg.model.seq_len, cfg.train.steps, cfg.logging
     window = metrics_lib.Stopwatch()
     loss = val_loss = float("nan")
-    for step in range(1, steps + 1):
+    for step in range(first, steps + 1):
         t0 = time.perf_counter()
         state, out = engine.step(state, engine.shard_batch(next(loader)))
         loss, grad_norm = float(out["loss"]), float(out["grad_norm"])
         seconds = time.perf_counter() - t0
         check_finite(step, loss, grad_norm)
-        if step > 1:  # step 1 pays for compilation
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+            save(state)
+        if stop.signum is not None:
+            save(state, force=True)
+            ckpt.wait()
+            raise resume_lib.Stopped(stop.signum, step, ckpt.directory / str(step), run_dir)
+        if step > first:  # the first step pays for compilation
             watch.add(seconds, b * seq)
             window.add(seconds, b * seq)
         progress.update(step, loss, watch.tokens_per_s)
@@ -312,14 +375,7 @@ def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress,
         writer.write(record)
         progress.log(record)
         window = metrics_lib.Stopwatch()
-    summary = metrics_lib.summarize(cfg, engine, model, watch, loss, val_loss)
-    sample = _sample(cfg, engine, state, model, corpus)
-    if sample is not None:
-        summary["sample"] = sample
-        writer.text("sample", sample)
-    progress.close()
-    progress.print(metrics_lib.format_summary(summary))
-    return summary
+    return state, loss, val_loss
 
 
 def _sample(cfg: Config, engine, state, model, corpus) -> str | None:
@@ -353,10 +409,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(config_lib.dump_yaml(cfg), end="")
             return 0
-        train(cfg, started)
-    except (ArgError, ConfigError, DataError) as e:
+        train(cfg, started, getattr(args, "resume_changes", None) if args.resume else None)
+    except (ArgError, ConfigError, DataError, CheckpointError) as e:
         print(f"jaxzero train: error: {e}", file=sys.stderr)
         return 2
+    except resume_lib.Stopped as e:
+        print(f"jaxzero train: {e}", file=sys.stderr)
+        return 128 + e.signum
     except SystemExit as e:  # --help
         return int(e.code or 0)
     except Diverged as e:

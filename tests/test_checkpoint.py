@@ -1,0 +1,277 @@
+"""Checkpoints: restore into any stage, N and precision; crash safety; bad input; CLI resume."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from _models import mlp_batches, mlp_loss, mlp_params
+
+import jaxzero
+from jaxzero import metrics, train
+from jaxzero.checkpoint import leaf_names
+
+TX = optax.adamw(1e-2, weight_decay=0.1)
+ROOT = Path(__file__).parent.parent
+
+
+def _host(x):
+    if not x.is_fully_replicated:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(x)
+
+
+def _logical(engine, state):
+    """Params (fp32 master) and optimizer leaves by name, unpadded, on the host."""
+    params = engine.gather_params(state)
+    opt = {}
+    lays = leaf_names(jaxzero.TrainState(None, None, None, engine.opt_layouts))
+    for name, x in leaf_names(jaxzero.TrainState(None, None, None, state.opt_state)).items():
+        lay = lays[name]
+        opt[name] = _host(x)[tuple(slice(0, s) for s in lay.shape)]
+    return params, opt
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A stage-3, 8-device run saved after 2 steps, and its next step's loss."""
+    d = tmp_path_factory.mktemp("ckpt")
+    batches = mlp_batches(3, batch=24)
+    engine = jaxzero.Engine(mlp_loss, TX, mesh=jaxzero.make_mesh(8), stage=3)
+    state = engine.init(mlp_params())
+    for b in batches[:2]:
+        state, _ = engine.step(state, b)
+    ckpt = jaxzero.CheckpointManager(d)
+    ckpt.save(engine, state, extra={"loader": {"step": 2}})
+    params, opt = _logical(engine, state)
+    _, m = engine.step(state, batches[2])  # the state may be donated right after save()
+    ckpt.wait()
+    return d, params, opt, float(m["loss"]), batches[2]
+
+
+@pytest.mark.parametrize("stage, n", [(1, 4), (0, 1), (3, 3), (2, 8)])
+def test_restore_into_another_stage_and_world_size(saved, stage, n):
+    d, params, opt, next_loss, batch = saved
+    engine = jaxzero.Engine(mlp_loss, TX, mesh=jaxzero.make_mesh(n), stage=stage)
+    state, extra = jaxzero.CheckpointManager(d).restore(engine)  # engine not initialised
+    assert extra == {"loader": {"step": 2}} and int(state.step) == 2
+    got_params, got_opt = _logical(engine, state)
+    for k in params:
+        np.testing.assert_array_equal(got_params[k], params[k])
+    assert got_opt.keys() == opt.keys()
+    for k in opt:
+        np.testing.assert_array_equal(got_opt[k], opt[k])
+    if stage == 3:  # sharded straight into the target layout, padding for N=3
+        w1 = state.params["w1"]
+        assert not w1.is_fully_replicated and w1.shape == engine.layouts["w1"].padded_shape
+    _, m = engine.step(state, batch)
+    np.testing.assert_allclose(float(m["loss"]), next_loss, rtol=1e-6)
+
+
+def test_precision_change_fp32_to_bf16_and_back(saved, tmp_path):
+    d, params, _, next_loss, batch = saved
+    bf16 = jaxzero.Engine(mlp_loss, TX, mesh=jaxzero.make_mesh(8), stage=3, precision="bf16")
+    state, _ = jaxzero.CheckpointManager(d).restore(bf16)
+    for k in params:  # the fp32 master is exact; working params are its bf16 cast
+        np.testing.assert_array_equal(bf16.gather_params(state)[k], params[k])
+    _, m = bf16.step(state, batch)
+    np.testing.assert_allclose(float(m["loss"]), next_loss, rtol=2e-2)
+    ckpt = jaxzero.CheckpointManager(tmp_path)
+    state, _ = jaxzero.CheckpointManager(d).restore(bf16)
+    ckpt.save(bf16, state)
+    ckpt.wait()
+    fp32 = jaxzero.Engine(mlp_loss, TX, mesh=jaxzero.make_mesh(2), stage=1)
+    back, _ = ckpt.restore(fp32)  # the master (not the bf16 params) comes back
+    for k in params:
+        np.testing.assert_array_equal(fp32.gather_params(back)[k], params[k])
+
+
+def test_keep_last_and_metadata(tmp_path):
+    engine = jaxzero.Engine(mlp_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(8), stage=3)
+    state = engine.init(mlp_params())
+    ckpt = jaxzero.CheckpointManager(tmp_path, keep_last=2, keep_every=2)
+    assert ckpt.latest_step() is None
+    for b in mlp_batches(5):
+        state, _ = engine.step(state, b)
+        ckpt.save(engine, state)
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 4, 5]  # the last two, and every second one
+    meta = ckpt.metadata()
+    assert (meta["stage"], meta["num_shards"], meta["precision"], meta["step"]) == (
+        3, 8, "fp32", 5)
+    assert meta["leaves"]["params/w1"] == {"shape": [37, 53], "stored_shape": [37, 56],
+                                           "dtype": "float32"}
+
+
+def test_bad_checkpoints_are_named(saved, tmp_path):
+    d, *_ = saved
+    engine = lambda: jaxzero.Engine(mlp_loss, TX, mesh=jaxzero.make_mesh(8), stage=3)
+    with pytest.raises(jaxzero.CheckpointError, match="no complete checkpoint in .*does not"):
+        jaxzero.CheckpointManager(tmp_path / "missing").restore(engine())
+    assert not (tmp_path / "missing").exists()  # looking created nothing
+    other = jaxzero.Engine(mlp_loss, TX, mesh=jaxzero.make_mesh(8), stage=3)
+    p = mlp_params()
+    p["w1"] = p["w1"][:, :50]
+    other.init(p)
+    with pytest.raises(jaxzero.CheckpointError, match=r"different model: param 'w1' is "
+                                                      r"\(37, 53\) there and \(37, 50\) here"):
+        jaxzero.CheckpointManager(d).restore(other)
+    with pytest.raises(jaxzero.CheckpointError, match="different optimizer or model"):
+        jaxzero.CheckpointManager(d).restore(
+            jaxzero.Engine(mlp_loss, optax.lion(1e-3), mesh=jaxzero.make_mesh(8)))
+    # flip bytes in every data file of a copy: restore fails with the path, nothing deleted
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    files = [f for f in (bad / "2" / "state").rglob("d/*") if f.is_file()]  # array data
+    assert files
+    for f in files:
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2: len(data) // 2 + 64] = bytes(64)
+        data[:16] = b"\xff" * 16
+        f.write_bytes(bytes(data))
+    before = sorted(str(p) for p in bad.rglob("*"))
+    with pytest.raises(jaxzero.CheckpointError, match=f"checkpoint {bad}/2 could not be read"):
+        jaxzero.CheckpointManager(bad).restore(engine())
+    assert sorted(str(p) for p in bad.rglob("*")) == before
+
+
+CRASH = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    import jax, numpy as np, optax, jaxzero
+    from _models import mlp_loss
+    params = {{"w": np.ones((2048, 2048), np.float32), "v": np.ones((4096, 1024), np.float32)}}
+    engine = jaxzero.Engine(lambda p, b: 0.0, optax.adam(1e-3),
+                            mesh=jaxzero.make_mesh(8), stage=3)
+    state = engine.init(params)
+    ckpt = jaxzero.CheckpointManager({d!r})
+    ckpt.save(engine, state); ckpt.wait()
+    state = jaxzero.TrainState(state.step + 1, state.params, state.master, state.opt_state)
+    ckpt.save(engine, state)  # returns with the write still in flight
+    print("saving", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.mark.slow
+def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path):
+    d = tmp_path / "ck"
+    script = CRASH.format(tests=str(Path(__file__).parent), d=str(d))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == -signal.SIGKILL and "saving" in proc.stdout, proc.stderr[-2000:]
+    assert any("tmp" in p.name for p in d.iterdir())  # the save was cut short mid-write
+    ckpt = jaxzero.CheckpointManager(d)  # opening cleans the partial one up
+    assert ckpt.all_steps() == [0]
+    assert not any("tmp" in p.name for p in d.iterdir())
+    engine = jaxzero.Engine(lambda p, b: 0.0, optax.adam(1e-3), mesh=jaxzero.make_mesh(8),
+                            stage=3)
+    state, _ = ckpt.restore(engine)
+    assert int(state.step) == 0 and float(np.asarray(_host(state.params["w"])).mean()) == 1.0
+
+
+# --- the CLI: checkpoint.every, --resume, SIGKILL and SIGTERM -----------------------------
+
+TINY = str(ROOT / "experiments" / "configs" / "tiny.yaml")
+
+
+def _cmd(root: Path, name: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "jaxzero.train", "--config", TINY, "--steps", "8",
+        "--name", name, "--simulate-devices", "4", "--set", f"logging.root={root}",
+        "--set", "logging.log_every=1", "--set", "logging.eval_every=100",
+        "--set", "logging.eval_batches=1", "--set", "logging.sample_tokens=0",
+        "--set", "logging.tensorboard=false", "--set", "data.max_bytes=100000",
+        "--set", "model.d_model=32", "--set", "model.seq_len=32", *extra,
+    ]  # fmt: skip
+
+
+def _records(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics.read_jsonl(run / metrics.METRICS_FILE)}
+
+
+def _run_until(cmd: list[str], run: Path, step: int, sig: int) -> subprocess.Popen:
+    """Start ``cmd``, send ``sig`` once ``step`` is logged, return the finished process."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (run / metrics.METRICS_FILE).is_file() and step in _records(run):
+            proc.send_signal(sig)
+            break
+        time.sleep(0.05)
+    proc.communicate(timeout=300)
+    return proc
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
+    env = {**os.environ}
+    full = subprocess.run(_cmd(tmp_path, "full"), capture_output=True, text=True, env=env)
+    assert full.returncode == 0, full.stderr[-2000:]
+    want = _records(tmp_path / "full")
+
+    # killed outright after step 6; the checkpoint of step 4 is the latest complete one
+    run = tmp_path / "killed"
+    proc = _run_until(_cmd(tmp_path, "killed", "--set", "checkpoint.every=4"), run, 6,
+                      signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    again = subprocess.run(_cmd(tmp_path, "x")[:2] + ["--resume", str(run)],
+                           capture_output=True, text=True, env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resume from" in again.stdout and "(step 4)" in again.stdout
+    got = _records(run)
+    assert sorted(got) == list(range(1, 9))  # steps 5-6 logged before the kill: replaced
+    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]  # bit-identical
+
+    # SIGTERM: the step finishes, a checkpoint is written, the command says how to resume
+    run = tmp_path / "term"
+    proc = _run_until(_cmd(tmp_path, "term"), run, 3, signal.SIGTERM)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "stopped by SIGTERM after step" in err and f"--resume {run}" in err
+    stopped = max(_records(run))
+    assert jaxzero.CheckpointManager(run / "checkpoints").latest_step() == stopped
+    again = subprocess.run(_cmd(tmp_path, "x")[:2] + ["--resume", "--name", "term", "--set",
+                           f"logging.root={tmp_path}", "--stage", "1"],
+                           capture_output=True, text=True, env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "changed parallel.stage: 3 -> 1" in again.stdout
+    got = _records(run)
+    assert sorted(got) == list(range(1, 9))
+    np.testing.assert_allclose([got[s] for s in range(1, 9)], [want[s] for s in range(1, 9)],
+                               rtol=1e-5)  # another stage: equal to fp32 rounding
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--resume"], "--resume needs a run directory"),
+    (["--resume", "nowhere"], "nothing to resume in 'nowhere'"),
+])
+def test_resume_errors_are_one_line(tmp_path, capsys, extra, expected):
+    assert train.main(extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err
+
+
+def test_resume_refuses_a_model_change_and_an_empty_run(tmp_path, capsys):
+    run = tmp_path / "r"
+    run.mkdir()
+    from jaxzero import config as C
+
+    cfg = C.override(C.override(C.Config(), "logging.name", "r"), "logging.root", str(tmp_path))
+    (run / "config.yaml").write_text(C.dump_yaml(cfg))
+    assert train.main(["--resume", str(run), "--set", "model.d_model=64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot resume with model.d_model=64: the run was trained with 128" in err
+    assert train.main(["--resume", str(run), "--set", "data.max_bytes=100000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no complete checkpoint in" in err
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]  # nothing written
