@@ -199,17 +199,20 @@ def _records(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics.read_jsonl(run / metrics.METRICS_FILE)}
 
 
-def _run_until(cmd: list[str], run: Path, step: int, sig: int) -> subprocess.Popen:
-    """Start ``cmd``, send ``sig`` once ``step`` is logged, return the finished process."""
+def _run_until(cmd: list[str], run: Path, step: int, sig: int, saved: int | None = None
+               ) -> tuple[subprocess.Popen, str]:
+    """Start ``cmd``; once ``step`` is logged (and checkpoint ``saved`` committed), send
+    ``sig``; return the finished process and its stderr."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if (run / metrics.METRICS_FILE).is_file() and step in _records(run):
+        ready = saved is None or (run / "checkpoints" / str(saved)).is_dir()
+        if ready and (run / metrics.METRICS_FILE).is_file() and step in _records(run):
             proc.send_signal(sig)
             break
         time.sleep(0.05)
-    proc.communicate(timeout=300)
-    return proc
+    _, err = proc.communicate(timeout=300)
+    return proc, err
 
 
 @pytest.mark.slow
@@ -221,10 +224,11 @@ def test_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
 
     # killed outright after step 6; the checkpoint of step 4 is the latest complete one
     run = tmp_path / "killed"
-    proc = _run_until(_cmd(tmp_path, "killed", "--set", "checkpoint.every=4"), run, 6,
-                      signal.SIGKILL)
+    proc, _ = _run_until(_cmd(tmp_path, "killed", "--set", "checkpoint.every=4"), run, 6,
+                         signal.SIGKILL, saved=4)
     assert proc.returncode == -signal.SIGKILL
-    again = subprocess.run(_cmd(tmp_path, "x")[:2] + ["--resume", str(run)],
+    assert max(_records(run)) < 8  # killed before the end
+    again = subprocess.run(_cmd(tmp_path, "x")[:3] + ["--resume", str(run)],
                            capture_output=True, text=True, env=env)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resume from" in again.stdout and "(step 4)" in again.stdout
@@ -234,13 +238,13 @@ def test_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
 
     # SIGTERM: the step finishes, a checkpoint is written, the command says how to resume
     run = tmp_path / "term"
-    proc = _run_until(_cmd(tmp_path, "term"), run, 3, signal.SIGTERM)
-    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
-    err = proc.stderr.strip().splitlines()[-1]
+    proc, err = _run_until(_cmd(tmp_path, "term"), run, 3, signal.SIGTERM)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    err = err.strip().splitlines()[-1]
     assert "stopped by SIGTERM after step" in err and f"--resume {run}" in err
     stopped = max(_records(run))
     assert jaxzero.CheckpointManager(run / "checkpoints").latest_step() == stopped
-    again = subprocess.run(_cmd(tmp_path, "x")[:2] + ["--resume", "--name", "term", "--set",
+    again = subprocess.run(_cmd(tmp_path, "x")[:3] + ["--resume", "--name", "term", "--set",
                            f"logging.root={tmp_path}", "--stage", "1"],
                            capture_output=True, text=True, env=env)
     assert again.returncode == 0, again.stderr[-2000:]
