@@ -28,7 +28,7 @@ def os_reason(e: OSError) -> str:
     if e.filename is None:
         return e.strerror or str(e)
     path = Path(e.filename)
-    if e.errno == errno.ENOTDIR:  # name the file standing where a directory should be
+    if e.errno in (errno.ENOTDIR, errno.EEXIST):  # a file stands where a directory should be
         blocker = next((p for p in (path, *path.parents) if p.exists()), None)
         if blocker is not None and not blocker.is_dir():
             return f"{str(blocker)!r} is a file, not a directory"
