@@ -118,11 +118,10 @@ def holds_run(run_dir: Path) -> bool:
     metrics = run_dir / METRICS_FILE
     if (run_dir / SUMMARY_FILE).exists():
         return True
-    try:
-        with open(metrics) as f:
-            return any(line.strip() for line in f)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        return False
+    if not metrics.is_file():  # event files without metrics are not ours to delete
+        return run_dir.is_dir() and any(run_dir.glob("events.out.tfevents.*"))
+    with open(metrics) as f:
+        return any(line.strip() for line in f)
 
 
 def prepare_run_dir(cfg: Config, is_main: bool) -> Path:

@@ -152,13 +152,17 @@ def test_run_root_parents_are_created_and_an_unstarted_run_frees_its_name(tmp_pa
     # Stopped before its first record: a config, an empty metrics.jsonl, an events file.
     (run / train.RESOLVED_CONFIG).write_text(C.dump_yaml(cfg))
     (run / "events.out.tfevents.1.host").write_bytes(b"stale")
-    assert not metrics.holds_run(run)
+    assert (run / metrics.METRICS_FILE).read_text() == "" and not metrics.holds_run(run)
     assert metrics.prepare_run_dir(cfg, True) == run  # the name is free again
     assert not list(run.glob("events.out.tfevents.*"))  # and the stale events are gone
     (run / metrics.METRICS_FILE).write_text('{"step": 1, "loss": 2.0}\n')
     assert metrics.holds_run(run)
     with pytest.raises(C.ConfigError, match="already holds a run"):
         metrics.prepare_run_dir(cfg, True)
+    other = tmp_path / "tb"  # someone else's event files: never deleted
+    other.mkdir()
+    (other / "events.out.tfevents.2.host").write_bytes(b"theirs")
+    assert metrics.holds_run(other)
 
 
 def test_rerunning_a_saved_config_gets_a_fresh_name(tmp_path):
