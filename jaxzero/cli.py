@@ -7,8 +7,11 @@ only dispatches, so ``jaxzero estimate`` never pays for importing the trainer.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
+from pathlib import Path
 
 
 class ArgError(Exception):
@@ -18,6 +21,36 @@ class ArgError(Exception):
 class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # noqa: D401 - argparse hook
         raise ArgError(message)
+
+
+def os_reason(e: OSError) -> str:
+    """``"Read-only file system: 'runs/x'"``: the OS's reason and the path it concerns."""
+    if e.filename is None:
+        return e.strerror or str(e)
+    path = Path(e.filename)
+    if e.errno in (errno.ENOTDIR, errno.EEXIST):  # a file stands where a directory should be
+        blocker = next((p for p in (path, *path.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            return f"{str(blocker)!r} is a file, not a directory"
+    return f"{e.strerror or e}: {str(path)!r}"
+
+
+def output_problem(path: Path) -> str | None:
+    """Why the file ``path`` cannot be written, or None; creates missing parent directories.
+
+    Commands check their output paths before the work that fills them, so a
+    typo costs no compilation and gives one line instead of a traceback.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return os_reason(e)
+    if path.is_dir():
+        return f"{str(path)!r} is a directory"
+    target = path if path.exists() else path.parent
+    if not os.access(target, os.W_OK):
+        return f"{str(target)!r} is not writable"
+    return None
 
 
 COMMANDS = {

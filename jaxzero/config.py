@@ -257,9 +257,18 @@ def load_file(path: str | Path) -> Config:
     try:
         data = yaml.load(path.read_text(), Loader=_Loader)
     except yaml.YAMLError as e:
-        first = str(e).splitlines()[0]
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML/JSON: {first}") from e
+        raise ConfigError(
+            f"config file {str(path)!r} is not valid YAML/JSON{_yaml_where(e)}"
+        ) from None
     return from_dict({} if data is None else data)
+
+
+def _yaml_where(e: yaml.YAMLError) -> str:
+    """``" at line 3, column 7: mapping values are not allowed here"`` (1-based, like editors)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{where}: {problem}"
 
 
 def parse_assignment(text: str) -> tuple[str, Any]:

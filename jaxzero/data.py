@@ -35,6 +35,7 @@ import numpy as np
 from jaxzero.config import DataConfig
 
 TOKEN_SUFFIX = ".bin"  # nanoGPT's uint16 token files
+BYTE_VOCAB = 256
 Kind = Literal["bytes", "uint16"]
 
 
@@ -169,6 +170,20 @@ def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarr
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
 
 
+def data_kind(cfg: DataConfig) -> Kind:
+    """Whether ``cfg`` names byte text or uint16 tokens, judged from the path alone.
+
+    :func:`load_corpus` branches on it, and ``--print-config`` uses it to state the
+    vocab size of byte data without reading any.
+    """
+    if cfg.path is None or cfg.format == "bytes":
+        return "bytes"
+    path = Path(cfg.path).expanduser()
+    if path.is_dir():
+        return "uint16" if (path / "train.bin").is_file() else "bytes"
+    return "uint16" if cfg.format == "uint16" or path.suffix == TOKEN_SUFFIX else "bytes"
+
+
 def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
     """Reads the corpus ``cfg`` names.
 
@@ -182,7 +197,7 @@ def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
       The train/validation :class:`Corpus`.
 
     Raises:
-      DataError: the path does not exist, or holds no tokens.
+      DataError: the path does not exist, holds no tokens, or is a binary file read as text.
     """
     if cfg.path is None:
         files = stdlib_files()
@@ -193,8 +208,9 @@ def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
     path = Path(cfg.path).expanduser()
     if not path.exists():
         raise DataError(f"data path {str(path)!r} does not exist")
+    kind = data_kind(cfg)
     if path.is_dir():
-        if (path / "train.bin").is_file() and cfg.format != "bytes":
+        if kind == "uint16":
             train = read_tokens(path / "train.bin")
             val_path = path / "val.bin"
             if val_path.is_file():
@@ -207,8 +223,14 @@ def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
         return _bytes_corpus(
             *split_files(chunks, cfg.val_fraction), f"{len(files)} files in {path}"
         )
-    if cfg.format == "uint16" or (cfg.format == "auto" and path.suffix == TOKEN_SUFFIX):
+    if kind == "uint16":
         return _token_corpus(*split(read_tokens(path), cfg.val_fraction), vocab_size, str(path))
+    if cfg.format == "auto" and not _is_text(path):
+        raise DataError(
+            f"data file {str(path)!r} looks binary (a NUL byte in its first 8 KiB), like the "
+            "files a data directory skips: give a text file, a uint16 token file (.bin), "
+            "or --set data.format=bytes to train on its raw bytes"
+        )
     data = np.memmap(path, np.uint8, "r") if path.stat().st_size else np.zeros(0, np.uint8)
     return _bytes_corpus(*split(data, cfg.val_fraction), str(path))
 
@@ -218,7 +240,7 @@ def _bytes_corpus(train: np.ndarray, val: np.ndarray, source: str) -> Corpus:
         raise DataError(
             f"corpus {source} is empty or too small to split ({len(train) + len(val)} bytes)"
         )
-    return Corpus(train, val, "bytes", 256, source)
+    return Corpus(train, val, "bytes", BYTE_VOCAB, source)
 
 
 def _token_corpus(

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from jaxzero.cli import os_reason
 from jaxzero.config import Config, ConfigError
 
 METRICS_FILE = "metrics.jsonl"
@@ -107,28 +108,55 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
 # --------------------------------------------------------------------------- run directory
 
 
+def holds_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run's results: a logged record or a summary.
+
+    A run stopped before its first record leaves only a config, an empty
+    ``metrics.jsonl`` and event files; that is no run to protect, so its name
+    can be used again.
+    """
+    metrics = run_dir / METRICS_FILE
+    if (run_dir / SUMMARY_FILE).exists():
+        return True
+    if not metrics.is_file():  # event files without metrics are not ours to delete
+        return run_dir.is_dir() and any(run_dir.glob("events.out.tfevents.*"))
+    with open(metrics) as f:
+        return any(line.strip() for line in f)
+
+
 def prepare_run_dir(cfg: Config, is_main: bool, resume: bool = False) -> Path:
-    """``ROOT/NAME``, created on process 0; refuses to mix two runs' metrics.
+    """``ROOT/NAME``, created (with its parents) on process 0; refuses to mix two runs' metrics.
 
     ``resume``: the directory holds this very run, which continues.
+
+    Raises:
+      ConfigError: the directory already holds a run (and ``logging.overwrite`` is
+        off), or it cannot be created or written.
     """
     run_dir = Path(cfg.logging.root) / str(cfg.logging.name)
     if not is_main or resume:
         return run_dir
-    old = [run_dir / METRICS_FILE, run_dir / SUMMARY_FILE]
-    old += list(run_dir.glob("events.out.tfevents.*")) if run_dir.is_dir() else []
-    if any(p.exists() for p in old):
-        if not cfg.logging.overwrite:
-            raise ConfigError(
-                f"run directory {str(run_dir)!r} already holds a run: choose "
-                "another --name, or --set logging.overwrite=true"
-            )
-        for p in old:
+    if holds_run(run_dir) and not cfg.logging.overwrite:
+        raise ConfigError(
+            f"run directory {str(run_dir)!r} already holds a run: choose "
+            "another --name, or --set logging.overwrite=true"
+        )
+    try:
+        old = [run_dir / METRICS_FILE, run_dir / SUMMARY_FILE]
+        old += list(run_dir.glob("events.out.tfevents.*")) if run_dir.is_dir() else []
+        for p in old:  # an overwritten run, or one stopped before its first record
             if p.is_dir():
                 shutil.rmtree(p)
             elif p.exists():
                 p.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / METRICS_FILE
+        probe.touch()
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write run directory {str(run_dir)!r}: {os_reason(e)}; "
+            "set logging.root to a writable directory (--set logging.root=PATH)"
+        ) from None
     return run_dir
 
 
@@ -277,6 +305,7 @@ def format_summary(s: dict) -> str:
 def banner(cfg: Config, corpus: Any, num_params: int, simulated: int | None, run_dir: Path) -> str:
     """What is about to run: data, model, ZeRO layout (printed before the first step)."""
     p, m = cfg.parallel, cfg.model
+    unit = "bytes" if corpus.kind == "bytes" else f"{corpus.kind} tokens"
     dev = f"{p.devices} device(s)"
     if simulated is not None:
         dev = f"{p.devices} of {simulated} simulated CPU devices (--simulate-devices {simulated})"
@@ -284,7 +313,7 @@ def banner(cfg: Config, corpus: Any, num_params: int, simulated: int | None, run
         [
             f"jaxzero train: {cfg.logging.name} -> {run_dir}",
             f"  data   {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} val "
-            f"{corpus.kind} tokens, vocab {corpus.vocab_size}",
+            f"{unit}, vocab {corpus.vocab_size}",
             f"  model  GPT {m.n_layers} layers x {m.d_model} wide, {m.n_heads} heads, "
             f"seq {m.seq_len}, {num_params:,} params, remat {m.remat}",
             f"  zero   stage {p.stage} on {dev}, {cfg.precision.compute}, micro-batches "

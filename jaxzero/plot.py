@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from jaxzero.cli import ArgError, Parser
+from jaxzero.cli import ArgError, Parser, os_reason, output_problem
 from jaxzero.metrics import METRICS_FILE, read_jsonl
 
 CONFIG_FILES = ("config.yaml", "config.json")
@@ -114,8 +114,10 @@ def plot_runs(runs: list[Run], out: Path, title: str | None = None) -> Path:
     axes[0].legend(fontsize=8)
     fig.suptitle(title or "jaxzero loss curves")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=120)
+    finally:
+        plt.close(fig)
     return out
 
 
@@ -141,14 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
         runs = [load_run(d) for d in args.run_dirs]
+        out = Path(args.output) if args.output else default_output(args.run_dirs)
+        problem = output_problem(out)
+        if problem:
+            raise PlotError(f"cannot write {str(out)!r}: {problem}; choose another -o PATH")
+        plot_runs(runs, out, args.title)
     except (ArgError, PlotError) as e:
         print(f"jaxzero plot: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the disk filled up, or the path changed under us
+        print(f"jaxzero plot: error: {os_reason(e)}", file=sys.stderr)
+        return 2
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    out = plot_runs(
-        runs, Path(args.output) if args.output else default_output(args.run_dirs), args.title
-    )
     print(f"wrote {out}")
     return 0
 

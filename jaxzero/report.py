@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
-from jaxzero.cli import ArgError, Parser
+from jaxzero.cli import ArgError, Parser, output_problem
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dump-hlo",
         default=None,
         metavar="PATH",
-        help="also write the compiled HLO text here (stage number appended)",
+        help="also write the compiled HLO text here, the stage before the extension "
+        "(x.txt: x.stage3.txt); missing parent directories are created",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
@@ -78,6 +80,17 @@ def _validate(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
     if args.d_model % args.heads:
         raise ValueError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+    if args.dump_hlo:
+        for stage in args.stage:  # before compiling anything: a bad path fails at once
+            problem = output_problem(hlo_path(args.dump_hlo, stage))
+            if problem:
+                raise ValueError(f"--dump-hlo: cannot write {args.dump_hlo!r}: {problem}")
+
+
+def hlo_path(path: str, stage: int) -> Path:
+    """Where stage ``stage``'s HLO goes: ``x.txt`` -> ``x.stage3.txt`` (``x`` -> ``x.stage3``)."""
+    p = Path(path)
+    return p.with_name(f"{p.stem}.stage{stage}{p.suffix}")
 
 
 def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any]:
@@ -139,10 +152,9 @@ def main(argv: list[str] | None = None) -> int:
             engine, state, batch = build(args, stage)
             compiled = engine.compile(state, batch)
             if args.dump_hlo:
-                with open(f"{args.dump_hlo}.stage{stage}", "w") as f:
-                    f.write(compiled.as_text())
+                hlo_path(args.dump_hlo, stage).write_text(compiled.as_text())
             reports.append(accounting.report(engine, state, batch, compiled=compiled))
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, OSError) as e:
         print(f"jaxzero report: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     if args.json:

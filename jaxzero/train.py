@@ -21,6 +21,7 @@ import re
 import sys
 import time
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from jaxzero import config as config_lib
@@ -84,6 +85,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """The config file, then the typed shortcuts, then ``--set`` (later wins); validated.
 
     With ``--resume`` the base is the run's own saved config instead of a file.
+    Otherwise a name that comes from the config file (a run's own ``config.yaml``,
+    say) is a default: if that run directory already holds a run, this run is
+    named ``NAME-TIMESTAMP`` instead, so rerunning a saved config just works. A
+    name given on the command line is used as given.
     """
     def apply(cfg: Config) -> Config:
         for flag, (key, _, _) in SHORTCUTS.items():
@@ -92,13 +97,29 @@ def config_from_args(args: argparse.Namespace) -> Config:
                 cfg = config_lib.override(cfg, key, value)
         return config_lib.validate(config_lib.apply_overrides(cfg, args.assignments))
 
-    if not args.resume:
-        return apply(config_lib.load_file(args.config) if args.config else Config())
-    if args.config:
-        raise ArgError("--resume continues a run with its own config: drop --config")
-    run = resume_lib.run_dir_to_resume(args.resume, apply(Config()))
-    cfg, args.resume_changes = resume_lib.resumed_config(run, apply)
+    if args.resume:
+        if args.config:
+            raise ArgError("--resume continues a run with its own config: drop --config")
+        run = resume_lib.run_dir_to_resume(args.resume, apply(Config()))
+        cfg, args.resume_changes = resume_lib.resumed_config(run, apply)
+        return cfg
+    cfg = apply(config_lib.load_file(args.config) if args.config else Config())
+    lg = cfg.logging
+    if lg.name is not None and not _names_the_run(args) and not lg.overwrite:
+        if metrics_lib.holds_run(Path(lg.root) / lg.name):
+            fresh = f"{lg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            cfg = dataclasses.replace(cfg, logging=dataclasses.replace(lg, name=fresh))
     return cfg
+
+
+def _names_the_run(args: argparse.Namespace) -> bool:
+    """Whether the command line sets ``logging.name`` (``--name`` or ``--set``)."""
+    if args.name is not None:
+        return True
+    for key, value in map(config_lib.parse_assignment, args.assignments):
+        if key == "logging.name" or (key == "logging" and "name" in (value or {})):
+            return True
+    return False
 
 
 # --------------------------------------------------------------------------- devices
@@ -198,6 +219,24 @@ def resolve_run(cfg: Config, num_devices: int, simulated: int | None, vocab: int
         parallel=dataclasses.replace(cfg.parallel, devices=num_devices, simulate_devices=simulated),
         logging=dataclasses.replace(cfg.logging, name=name),
     )
+
+
+def printable_config(cfg: Config) -> str:
+    """``--print-config``: the config as a run resolves it, without reading the data.
+
+    Devices, simulated devices, the name and (for byte data) the vocab are filled
+    in as ``train`` would; what only the data decides is said in a YAML comment.
+    """
+    mesh, simulated = setup_devices(cfg.parallel)
+    vocab = cfg.model.vocab_size
+    if vocab is None and data_lib.data_kind(cfg.data) == "bytes":
+        vocab = data_lib.BYTE_VOCAB
+    text = config_lib.dump_yaml(resolve_run(cfg, mesh.size, simulated, vocab))
+    if cfg.logging.name is None:
+        text += "# logging.name: from the stage, devices and start time; --name fixes it\n"
+    if vocab is None:
+        text += "# model.vocab_size: set at start-up from the data (largest token + 1)\n"
+    return text
 
 
 # --------------------------------------------------------------------------- the loop
@@ -407,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
         cfg = config_from_args(args)
         if args.print_config:
-            print(config_lib.dump_yaml(cfg), end="")
+            print(printable_config(cfg), end="")
             return 0
         train(cfg, started, getattr(args, "resume_changes", None) if args.resume else None)
     except (ArgError, ConfigError, DataError, CheckpointError) as e:

@@ -4,6 +4,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -412,12 +413,15 @@ def test_stage3_traffic_scales_with_scanned_layers():
     assert measured > 1.8
 
 
-def test_report_cli_json(capsys):
+def test_report_cli_json(capsys, tmp_path):
     from jaxzero import report
 
+    hlo = tmp_path / "new" / "dir" / "step.txt"  # missing parents are created
     argv = ["--stage", "2", "--layers", "2", "--d-model", "64", "--heads", "2",
-            "--seq-len", "16", "--devices", "4", "--json"]
+            "--seq-len", "16", "--devices", "4", "--json", "--dump-hlo", str(hlo)]
     assert report.main(argv) == 0
+    assert [p.name for p in hlo.parent.iterdir()] == ["step.stage2.txt"]  # stage before .txt
+    assert "HloModule" in (hlo.parent / "step.stage2.txt").read_text()
     data = json.loads(capsys.readouterr().out)
     assert data["config"]["stage"] == 2 and data["config"]["num_shards"] == 4
     assert data["ratios"]["persistent_vs_layouts"] == pytest.approx(1.0, abs=1e-3)
@@ -436,3 +440,25 @@ def test_report_cli_nonsense_is_one_line(argv, capsys):
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1
     assert err.startswith("jaxzero report: error:")
+
+
+def test_report_hlo_path_puts_the_stage_before_the_extension():
+    from jaxzero import report
+
+    assert report.hlo_path("out/x.txt", 3) == Path("out/x.stage3.txt")
+    assert report.hlo_path("x", 0) == Path("x.stage0")
+
+
+def test_report_dump_hlo_bad_path_fails_before_compiling(tmp_path, capsys, monkeypatch):
+    from jaxzero import report
+
+    def no_compile(*args):
+        raise AssertionError("compiled before checking --dump-hlo")
+
+    monkeypatch.setattr(report, "build", no_compile)
+    (tmp_path / "file").write_text("")
+    assert report.main(["--dump-hlo", str(tmp_path / "file" / "x.txt")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("jaxzero report: error: --dump-hlo: cannot write")
+    assert "is a file, not a directory" in err

@@ -107,6 +107,17 @@ def test_file_errors_name_the_dotted_key(tmp_path):
         C.load_file(tmp_path / "missing.yaml")
 
 
+def test_malformed_yaml_names_line_and_column(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  d_model: 64\n  n_heads: 4: 3\n")
+    with pytest.raises(C.ConfigError) as err:
+        C.load_file(path)
+    assert "not valid YAML/JSON at line 3, column 13: mapping values are not allowed" in str(
+        err.value
+    )
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize(
     "assignments, match",
     [

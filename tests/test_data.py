@@ -108,6 +108,28 @@ def test_data_errors(tmp_path, make, match):
     assert "\n" not in str(err.value)
 
 
+def test_a_binary_file_is_refused_unless_read_as_bytes(tmp_path):
+    path = _write(tmp_path / "prog", b"\x7fELF\x02\x01\x00" * 100)
+    with pytest.raises(D.DataError, match="looks binary .* --set data.format=bytes"):
+        D.load_corpus(_cfg(path))
+    corpus = D.load_corpus(_cfg(path, format="bytes"))  # asked for explicitly
+    assert len(corpus.train) + len(corpus.val) == 700
+
+
+@pytest.mark.parametrize(
+    "name, fmt, kind",
+    [(None, "auto", "bytes"), ("a.txt", "auto", "bytes"), ("a.bin", "auto", "uint16"),
+     ("a.bin", "bytes", "bytes"), ("a.txt", "uint16", "uint16"), ("tok", "auto", "uint16"),
+     ("txt", "auto", "bytes")],
+)  # fmt: skip
+def test_data_kind_from_the_path_alone(tmp_path, name, fmt, kind):
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "train.bin").write_bytes(b"")
+    (tmp_path / "txt").mkdir()
+    path = None if name is None else tmp_path / name
+    assert D.data_kind(_cfg(path, format=fmt)) == kind
+
+
 def test_sequence_longer_than_corpus_is_an_error():
     with pytest.raises(D.DataError, match="seq_len=64 needs at least 65 tokens"):
         D.Loader(np.arange(50, dtype=np.uint8), seq_len=64, batch_size=2, seed=0)

@@ -1,15 +1,122 @@
-"""The runnable examples in the public docstrings stay true."""
+"""The runnable examples in the public docstrings and in README.md stay true."""
 
 import doctest
 import importlib
+import math
+import re
+import tomllib
+from pathlib import Path
 
+import numpy as np
 import pytest
 
+ROOT = Path(__file__).parent.parent
+README = (ROOT / "README.md").read_text()
 MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh",
-           "jaxzero.models.gpt"]
+           "jaxzero.models.gpt"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def _section(heading: str) -> str:
+    """README text from the ``## heading...`` line to the next ``## `` heading."""
+    match = re.search(rf"^## {re.escape(heading)}.*?(?=^## )", README, re.S | re.M)
+    assert match, f"README has no section '## {heading}'"
+    return match.group(0)
+
+
+def _blocks(text: str, lang: str) -> list[str]:
+    """Fenced code blocks of ``text`` in language ``lang`` ("" for plain output)."""
+    blocks, current, open_lang = [], [], None
+    for line in text.splitlines(keepends=True):
+        if line.startswith("```"):
+            if open_lang is None:
+                open_lang, current = line[3:].strip(), []
+            else:
+                if open_lang == lang:
+                    blocks.append("".join(current))
+                open_lang = None
+        elif open_lang is not None:
+            current.append(line)
+    return blocks
+
+
+def _losses(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"loss (\d+\.\d+)", text)]
+
+
+def test_readme_library_example_trains_then_the_gpt_snippet_steps(capsys):
+    """The library section's two snippets, run in order as a reader pastes them."""
+    section = _section("The library in")
+    example, gpt = _blocks(section, "python")
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    losses = _losses(capsys.readouterr().out)
+    assert len(losses) == 3 and losses[0] > losses[1] > losses[2]  # it trains
+    assert losses[-1] < losses[0] / 4
+    quoted = _losses(_blocks(section, "")[0])  # the output README shows is the output
+    np.testing.assert_allclose(losses, quoted, atol=0.01)
+    assert namespace["full"]["w1"].shape == (37, 53)
+
+    exec(compile(gpt, "README.md", "exec"), namespace)
+    assert set(namespace["batch"]) == {"inputs", "targets"}
+    loss = float(namespace["metrics"]["loss"])
+    assert math.isfinite(loss) and abs(loss - math.log(256)) < 0.1  # an untrained model
+
+
+def test_readme_install_extras_exist_and_tensorboard_is_one():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    named = set(re.findall(r"pip install -e '\.\[([\w,-]+)\]'", README))
+    assert "tensorboard" in named  # the README says how to get the viewer it suggests
+    for group in named:
+        assert set(group.split(",")) <= set(extras), group
+    assert any(r.startswith("tensorboard") for r in extras["tensorboard"])
+    assert not any(r.startswith("tensorboard") for r in extras["test"])  # CI stays lean
+
+
+def test_readme_plot_commands_write_under_runs():
+    """runs/ is ignored by git; a plot written in the repository root would not be."""
+    commands = re.findall(r"^\s*jaxzero plot [^\n#]*", README, re.M)
+    assert commands
+    for command in commands:
+        assert re.search(r"-o runs/\S+\.png", command), command
+    assert "runs/" in (ROOT / ".gitignore").read_text().split()
+
+
+def _md_rows(text: str) -> list[list[str]]:
+    """The cells of a markdown table's body rows (header and rule skipped)."""
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("|")
+    ]
+    return [r for r in rows if not set(r[0]) <= {"-", " "}][1:]
+
+
+def test_readme_accounting_table_quotes_the_experiment_results():
+    """README's stage table is copied from what experiments/zero_*.py wrote, not typed."""
+    results = ROOT / "experiments" / "results"
+    comm = {
+        (int(r[0]), r[1], int(r[2])): r[3]
+        for r in _md_rows((results / "zero_comm.md").read_text())
+    }
+    memory = {}
+    for r in _md_rows((results / "zero_memory.md").read_text()):
+        if len(r) == 7 and r[0].isdigit() and r[1] == "8":
+            memory[int(r[0])] = r
+    table = re.search(r"^\| stage \| persistent MB.*?\n\n", README, re.S | re.M)
+    assert table, "README lost its measured-vs-theory table"
+    rows = _md_rows(table.group(0))
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
+    for stage, persistent, comm1, comm4, peak in rows:
+        s = int(stage)
+        assert persistent == f"{memory[s][2]} / {memory[s][3]}"
+        assert comm1.split(" / ")[0] == comm[s, "fp32", 1]
+        assert comm4.split(" / ")[0] == comm[s, "fp32", 4]
+        assert peak == f"{float(memory[s][5]):.1f}"

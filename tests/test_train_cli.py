@@ -1,6 +1,7 @@
 """End to end: `jaxzero train` and `jaxzero plot` on 8 simulated CPU devices, and their errors."""
 
 import contextlib
+import errno
 import io
 import math
 import subprocess
@@ -69,6 +70,7 @@ def test_train_stage_3_and_stage_0_then_plot(tmp_path, capsys):
     # stdout is not a TTY here: plain progress lines, then the summary and a sample.
     assert "step 1/4 | loss" in printed and "tok/s" in printed
     assert "MFU" in printed and "6*N + 12*L*D*S" in printed and "sample:" in printed
+    assert " val bytes, vocab 256" in printed and "bytes tokens" not in printed  # the banner
     out = tmp_path / "curves.png"
     assert plot.main([str(s0), str(s3), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -108,6 +110,107 @@ def _error_of(argv, capsys) -> str:
 )
 def test_user_errors_are_one_line_without_traceback(tmp_path, capsys, extra, expected):
     assert expected in _error_of(_args(tmp_path, "e", *extra), capsys)
+
+
+def _exit_2_error(argv, capsys, main=train.main) -> str:
+    """The one line a user error prints, after checking the exit status is 2."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def _file(directory: Path) -> Path:
+    path = directory / "a-file"
+    path.write_text("not a directory\n")
+    return path
+
+
+@pytest.mark.parametrize("under", ["", "runs"], ids=["root-is-a-file", "root-under-a-file"])
+def test_run_root_that_is_a_file_is_one_line_exit_2(tmp_path, capsys, under):
+    root = _file(tmp_path) / under if under else _file(tmp_path)
+    err = _exit_2_error(_args(tmp_path, "r", "--set", f"logging.root={root}"), capsys)
+    assert "cannot write run directory" in err
+    assert f"{str(_file(tmp_path))!r} is a file, not a directory" in err
+    assert "logging.root" in err  # what to do
+
+
+def test_read_only_run_root_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    err = _exit_2_error(_args(tmp_path / "ro", "r"), capsys)
+    assert f"cannot write run directory {str(tmp_path / 'ro' / 'r')!r}: Read-only" in err
+
+
+def test_run_root_parents_are_created_and_an_unstarted_run_frees_its_name(tmp_path):
+    cfg = C.Config(logging=C.LoggingConfig(root=str(tmp_path / "new" / "root"), name="r"))
+    run = metrics.prepare_run_dir(cfg, True)  # missing parents are created
+    assert run == tmp_path / "new" / "root" / "r" and run.is_dir()
+    # Stopped before its first record: a config, an empty metrics.jsonl, an events file.
+    (run / train.RESOLVED_CONFIG).write_text(C.dump_yaml(cfg))
+    (run / "events.out.tfevents.1.host").write_bytes(b"stale")
+    assert (run / metrics.METRICS_FILE).read_text() == "" and not metrics.holds_run(run)
+    assert metrics.prepare_run_dir(cfg, True) == run  # the name is free again
+    assert not list(run.glob("events.out.tfevents.*"))  # and the stale events are gone
+    (run / metrics.METRICS_FILE).write_text('{"step": 1, "loss": 2.0}\n')
+    assert metrics.holds_run(run)
+    with pytest.raises(C.ConfigError, match="already holds a run"):
+        metrics.prepare_run_dir(cfg, True)
+    other = tmp_path / "tb"  # someone else's event files: never deleted
+    other.mkdir()
+    (other / "events.out.tfevents.2.host").write_bytes(b"theirs")
+    assert metrics.holds_run(other)
+
+
+def test_rerunning_a_saved_config_gets_a_fresh_name(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    saved = run / train.RESOLVED_CONFIG
+    saved.write_text(C.dump_yaml(C.Config(logging=C.LoggingConfig(root=str(tmp_path), name="r"))))
+
+    def name(*argv: str) -> str:
+        args = train.build_parser().parse_args(["--config", str(saved), *argv])
+        return train.config_from_args(args).logging.name
+
+    assert name() == "r"  # nothing logged there yet
+    (run / metrics.METRICS_FILE).write_text('{"step": 1, "loss": 2.0}\n')
+    assert name().startswith("r-2")  # r-YYYYmmdd-HHMMSS
+    # A name given on the command line is taken as given (and then refused as taken).
+    assert name("--name", "r") == name("--set", "logging.name=r") == "r"
+    assert name("--set", "logging={name: r}") == "r"
+
+
+def test_binary_data_file_is_refused_like_in_a_directory(tmp_path, capsys):
+    (tmp_path / "prog").write_bytes(b"\x7fELF\x02\x01\x01\x00" * 200)
+    err = _exit_2_error(_args(tmp_path, "e", "--data", str(tmp_path / "prog")), capsys)
+    assert "looks binary" in err and "--set data.format=bytes" in err
+
+
+def test_print_config_resolves_what_it_can_without_the_data(tmp_path, capsys):
+    assert train.main(["--print-config", "--set", f"logging.root={tmp_path}"]) == 0
+    printed = capsys.readouterr().out
+    (tmp_path / "printed.yaml").write_text(printed)
+    cfg = C.load_file(tmp_path / "printed.yaml")  # still a config file
+    assert (cfg.model.vocab_size, cfg.parallel.devices) == (256, 8)
+    assert cfg.logging.name.startswith("stage3-8dev-") and "--name fixes it" in printed
+    # uint16 tokens: only the data knows the vocab, and the output says so.
+    assert train.main(["--print-config", "--name", "t", "--data", "tokens.bin"]) == 0
+    printed = capsys.readouterr().out
+    assert "vocab_size: null" in printed and "set at start-up from the data" in printed
+    assert "name: t\n" in printed and "--name fixes it" not in printed
+
+
+def test_plot_to_an_unwritable_path_is_one_line_exit_2(tmp_path, capsys):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / metrics.METRICS_FILE).write_text('{"step": 1, "tokens": 64, "loss": 2.0}\n')
+    err = _exit_2_error([str(run), "-o", str(_file(tmp_path) / "x.png")], capsys, plot.main)
+    assert "cannot write" in err and "is a file, not a directory" in err
+    out = tmp_path / "new" / "x.png"  # a missing parent directory is created
+    assert plot.main([str(run), "-o", str(out)]) == 0 and out.is_file()
 
 
 def test_empty_corpus_and_too_short_corpus(tmp_path, capsys):
