@@ -184,6 +184,10 @@ class CheckpointManager:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._manager = self._ocp.CheckpointManager(
                 self.directory, options=self._options, item_names=("state", "meta", "extra"))
+            # orbax removes interrupted saves in the background: let it finish first
+            cleanup = getattr(self._manager, "_cleanup_tmp_directory_future", None)
+            if cleanup is not None:
+                cleanup.result()
         return self._manager
 
     # --- saving -------------------------------------------------------------------------
