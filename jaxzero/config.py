@@ -95,6 +95,7 @@ class CheckpointConfig:
     every: int = 0  # save every K steps and at the end
     keep_last: int = 3  # recent checkpoints kept
     keep_every: int | None = None  # also keep steps that are multiples of this
+    on_nan: Literal["stop", "rollback"] = "stop"  # rollback: latest checkpoint, skip the batch
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from jaxzero.config import Config, ConfigError
 from jaxzero.data import DataError
 
 DEFAULT_SIMULATED_DEVICES = 8
+MAX_ROLLBACKS = 3  # checkpoint.on_nan=rollback: then stop, the run is not recovering
 RESOLVED_CONFIG = "config.yaml"
 SHORTCUTS = {  # --flag: (config key, type, help); applied before --set, so --set wins
     "stage": ("parallel.stage", int, "ZeRO stage 0-3 (default 3)"),
@@ -374,22 +375,49 @@ def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress,
 
 def _steps(cfg: Config, engine, state, loader, val, schedule, writer, progress, watch, first,
            save, stop, ckpt, run_dir):
-    """The training steps ``first..steps``: step, check, log, evaluate, checkpoint."""
+    """The training steps ``first..steps``: step, check, log, evaluate, checkpoint.
+
+    A non-finite loss stops training, or with ``checkpoint.on_nan=rollback`` restores
+    the latest checkpoint and skips the offending batch (at most ``MAX_ROLLBACKS`` times).
+    """
+    import jax
+
     b, seq, steps, lg = cfg.train.batch_size, cfg.model.seq_len, cfg.train.steps, cfg.logging
     window = metrics_lib.Stopwatch()
     loss = val_loss = float("nan")
-    for step in range(first, steps + 1):
+    step, skip, rollbacks = first - 1, set(), 0
+    while step < steps:
+        if stop.signum is not None:  # between steps, after the last one was logged
+            save(state, force=True)
+            ckpt.wait()
+            raise resume_lib.Stopped(stop.signum, step, ckpt.directory / str(step), run_dir)
+        step += 1
+        while loader.step in skip:  # batches that made the loss non-finite
+            loader.step += 1
         t0 = time.perf_counter()
         state, out = engine.step(state, engine.shard_batch(next(loader)))
         loss, grad_norm = float(out["loss"]), float(out["grad_norm"])
         seconds = time.perf_counter() - t0
-        check_finite(step, loss, grad_norm)
+        try:
+            check_finite(step, loss, grad_norm)
+        except Diverged:
+            if (cfg.checkpoint.on_nan != "rollback" or rollbacks == MAX_ROLLBACKS
+                    or ckpt.latest_step() is None):
+                raise
+            rollbacks += 1
+            skip.add(loader.step - 1)
+            ckpt.wait()
+            state, extra = ckpt.restore(engine)
+            loader.load_state_dict(extra["loader"])
+            if jax.process_index() == 0:
+                resume_lib.drop_records_after(run_dir / metrics_lib.METRICS_FILE,
+                                              int(state.step))
+            progress.print(f"step {step}: loss {loss}, grad norm {grad_norm}: rolled back to "
+                           f"step {int(state.step)}, skipping batch {max(skip)}")
+            step = int(state.step)
+            continue
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
             save(state)
-        if stop.signum is not None:
-            save(state, force=True)
-            ckpt.wait()
-            raise resume_lib.Stopped(stop.signum, step, ckpt.directory / str(step), run_dir)
         if step > first:  # the first step pays for compilation
             watch.add(seconds, b * seq)
             window.add(seconds, b * seq)

@@ -1,5 +1,6 @@
 """Checkpoints: restore into any stage, N and precision; crash safety; bad input; CLI resume."""
 
+import json
 import os
 import signal
 import subprocess
@@ -279,3 +280,28 @@ def test_resume_refuses_a_model_change_and_an_empty_run(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no complete checkpoint in" in err
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]  # nothing written
+
+
+def test_nan_rollback_restores_and_skips_the_batch(tmp_path, monkeypatch, capsys):
+    """A non-finite loss at step 6 (faked once) rolls back to step 4 and skips its batch."""
+    seen, real = [], train.check_finite
+
+    def flaky(step, loss, grad_norm):
+        seen.append(step)
+        if step == 6 and seen.count(6) == 1:
+            loss = float("nan")
+        real(step, loss, grad_norm)
+
+    monkeypatch.setattr(train, "check_finite", flaky)
+    argv = _cmd(tmp_path, "nan", "--set", "checkpoint.every=4", "--set",
+                "checkpoint.on_nan=rollback", "--devices", "8")[3:]
+    argv.remove("--simulate-devices"), argv.remove("4")
+    assert train.main(argv) == 0
+    assert seen == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
+    assert "step 6: loss nan" in capsys.readouterr().out
+    assert sorted(_records(tmp_path / "nan")) == list(range(1, 9))  # each step logged once
+    ckpt = jaxzero.CheckpointManager(tmp_path / "nan" / "checkpoints")
+    assert ckpt.all_steps() == [4, 8]
+    # the replayed step 5 read the same batch, the new step 6 the one after the bad one
+    extra = json.loads((ckpt.directory / "8" / "extra" / "metadata").read_text())
+    assert extra["loader"]["step"] == 9 and extra["config"]["checkpoint"]["on_nan"] == "rollback"
