@@ -401,12 +401,13 @@ def _steps(cfg: Config, engine, state, loader, val, schedule, writer, progress, 
         try:
             check_finite(step, loss, grad_norm)
         except Diverged:
-            if (cfg.checkpoint.on_nan != "rollback" or rollbacks == MAX_ROLLBACKS
-                    or ckpt.latest_step() is None):
+            if cfg.checkpoint.on_nan != "rollback" or rollbacks == MAX_ROLLBACKS:
+                raise
+            ckpt.wait()  # the latest save may still be in flight
+            if ckpt.latest_step() is None:
                 raise
             rollbacks += 1
             skip.add(loader.step - 1)
-            ckpt.wait()
             state, extra = ckpt.restore(engine)
             loader.load_state_dict(extra["loader"])
             if jax.process_index() == 0:
