@@ -170,7 +170,7 @@ class Engine:
             shapes, self.num_shards, rules=self.rules, stacked=self.stacked,
             min_shard_size=self.min_shard_size,
         )
-        self.opt_layouts, _ = opt_layouts(self.tx, self.layouts, self.min_shard_size)
+        self.opt_layouts = opt_layouts(self.tx, self.layouts, self.min_shard_size)
         self.specs = state_specs(self.stage, self.layouts, self.opt_layouts, self.mixed)
         self.state_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs,
                                             is_leaf=lambda x: isinstance(x, P))

@@ -75,7 +75,7 @@ def stored_shapes(layouts: Any, sharded: bool, dtype: Any) -> Any:
 
 
 def opt_layouts(tx: optax.GradientTransformation, layouts: Any, min_shard_size: int = 64
-                ) -> tuple[Any, Any]:
+                ) -> Any:
     """A layout for every optimizer-state leaf, decided by the leaf's own shape.
 
     The state is built from the logical params, so its leaves have the shapes the
@@ -87,8 +87,7 @@ def opt_layouts(tx: optax.GradientTransformation, layouts: Any, min_shard_size: 
     small. ``MaskedNode`` and empty states have no leaves and need none.
 
     Returns:
-      ``(layouts, shapes)``: trees with the optimizer state's structure, of
-      :class:`LeafLayout` and of logical ``ShapeDtypeStruct``.
+      A tree of :class:`LeafLayout` with the optimizer state's structure.
     """
     by_path = {lay.path: lay for lay in jax.tree.leaves(layouts, is_leaf=is_layout)}
     n = next(iter(by_path.values())).num_shards if by_path else 1
@@ -101,7 +100,7 @@ def opt_layouts(tx: optax.GradientTransformation, layouts: Any, min_shard_size: 
                 return lay
         return leaf_layout(path_str(path), leaf.shape, n, min_shard_size=min_shard_size)
 
-    return jax.tree_util.tree_map_with_path(one, shapes), shapes
+    return jax.tree_util.tree_map_with_path(one, shapes)
 
 
 def _specs(layouts: Any, sharded: bool) -> Any:
