@@ -201,9 +201,8 @@ class CheckpointManager:
         """
         ocp = self._ocp
         meta = metadata(engine, state)
-        items = {name: x for name, x in leaf_names(state).items()}
         args = ocp.args.Composite(
-            state=ocp.args.PyTreeSave(_nest(items)),
+            state=ocp.args.PyTreeSave(_nest(leaf_names(state))),
             meta=ocp.args.JsonSave(meta),
             extra=ocp.args.JsonSave(extra or {}),
         )
