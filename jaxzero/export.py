@@ -180,20 +180,34 @@ class LeafReader:
         return {"driver": "zarr3" if self._zarr3 else "zarr", "kvstore": kv,
                 "recheck_cached_data": False, "recheck_cached_metadata": False}
 
-    def read(self, leaf: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """The ``shape`` corner of ``leaf`` as a C-contiguous ``dtype`` array."""
+    def read(self, leaf: str, shape: tuple[int, ...], dtype: np.dtype,
+             buffer: np.ndarray | None = None) -> np.ndarray:
+        """The ``shape`` corner of ``leaf`` as a C-contiguous ``dtype`` array.
+
+        With ``buffer`` (bytes, reused across leaves) the array is a view of it and
+        tensorstore decodes and casts chunk by chunk straight into it: no
+        per-leaf allocation for the allocator to keep (glibc holds on to freed
+        blocks below its mmap threshold, which grew RSS by leaves, not by one).
+        """
+        ts = self._ts
+        nbytes = math.prod(shape) * dtype.itemsize
+        out = (np.empty(shape, dtype) if buffer is None
+               else buffer[:nbytes].view(dtype).reshape(shape))
         try:
-            store = self._ts.open(self._spec(leaf), open=True, context=self._ctx).result()
+            store = ts.open(self._spec(leaf), open=True, context=self._ctx).result()
             if len(store.shape) != len(shape) or any(a < b for a, b in zip(store.shape, shape,
                                                                           strict=True)):
                 raise ValueError(f"stored shape {tuple(store.shape)} cannot hold {shape}")
-            x = store[tuple(slice(0, n) for n in shape)].read().result()
+            src = store[tuple(slice(0, n) for n in shape)]
+            if src.dtype.numpy_dtype != dtype:
+                src = ts.cast(src, dtype)  # round to nearest even, as numpy/JAX astype
+            ts.array(out, copy=False, write=True, context=self._ctx).write(src).result()
         except Exception as e:  # tensorstore raises ValueError/RuntimeError/... for bad files
             msg = (str(e).strip().splitlines() or [""])[0][:200]
             raise CheckpointError(
                 f"checkpoint {self.dir.parent} could not be read at {leaf} "
                 f"({type(e).__name__}: {msg}); it is damaged or incomplete") from None
-        return np.ascontiguousarray(x.astype(dtype, copy=False))
+        return out
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -261,7 +275,8 @@ def export_params(step_dir: Path, out_file: Path, dtype: str = "fp32") -> dict[s
     entries = param_entries(meta)
     dt = DTYPES[dtype]
     reader = LeafReader(step_dir)
-    arrays = (reader.read(leaf, shape, dt) for _, leaf, shape in entries)
+    buffer = np.empty(max((math.prod(s) * dt.itemsize for *_, s in entries), default=0), np.uint8)
+    arrays = (reader.read(leaf, shape, dt, buffer) for _, leaf, shape in entries)
     size = write_safetensors(out_file, [(n, dt, s) for n, _, s in entries], arrays,
                              {"format": "jaxzero", "step": str(meta.get("step"))})
     return {"step": meta.get("step"), "params": len(entries), "bytes": size,
@@ -277,8 +292,14 @@ def export(path: str | Path, out: str | Path, dtype: str = "fp32",
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file")
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    info = export_params(step_dir, out / WEIGHTS, dtype)
+    try:
+        info = export_params(step_dir, out / WEIGHTS, dtype)
+    except BaseException:
+        if created and not any(out.iterdir()):
+            out.rmdir()  # leave no empty directory behind; an older export stays whole
+        raise
     config = {**model_fields(run, meta), "model_type": "jaxzero-gpt",
               "dtype": DTYPES[dtype].name, "tokens": token_kind(run),
               "source": {"checkpoint": str(step_dir.absolute()), "step": info["step"],
