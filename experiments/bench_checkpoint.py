@@ -20,6 +20,7 @@ memory runs on fewer devices (said, and recorded in the ``devices`` column).
 from __future__ import annotations
 
 import argparse
+import logging
 import pathlib
 import shutil
 import statistics
@@ -173,6 +174,8 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from jaxzero.mesh import simulate_devices
 
+    # orbax warns at each save about the time our own wait() spent: not a stall here
+    logging.getLogger("absl").setLevel(logging.ERROR)
     simulate_devices(args.devices)
     root = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint-"))
     root.mkdir(parents=True, exist_ok=True)

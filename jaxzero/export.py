@@ -85,6 +85,8 @@ def find_step_dir(path: str | Path, step: int | None = None) -> Path:
         if step is not None and path.name != str(step):
             raise ExportError(f"{path} is the checkpoint of step {path.name}, not {step}")
         return path
+    if (path / WEIGHTS).is_file():
+        raise ExportError(f"{path} is an export, not a run or checkpoint")
     ckpts = _run_checkpoints(path) if (path / RUN_CONFIG).is_file() else path
     steps = steps_in(ckpts)
     if not steps:

@@ -241,6 +241,14 @@ def test_bad_paths(saved, tmp_path, capsys):
     assert "is a file" in err
     err = _one_line_error(capsys, "sample", str(run), "--top-k", "0")
     assert "--top-k" in err
+    fake = tmp_path / "fake_export"
+    fake.mkdir()
+    (fake / ex.WEIGHTS).write_bytes(b"\x10")
+    (fake / ex.CONFIG).write_text(json.dumps(dataclasses.asdict(CFG)))
+    err = _one_line_error(capsys, "export", str(fake), "--out", str(tmp_path / "o"))
+    assert "is an export, not a run or checkpoint" in err
+    err = _one_line_error(capsys, "sample", str(fake))
+    assert "not a readable safetensors file" in err
     assert not (tmp_path / "o").exists()
 
 
