@@ -1,4 +1,4 @@
-"""``jaxzero export`` and ``jaxzero sample``: consolidated weights out of a sharded checkpoint.
+"""``jaxzero export``: consolidated weights out of a sharded checkpoint, as safetensors.
 
 Export never materialises the model. Each param is read alone, straight from the
 checkpoint's tensorstore array and only over its logical region (the saving
@@ -11,7 +11,7 @@ dtype/shape/offsets, then the raw bytes in order).
 
 bf16 runs export their fp32 master params (``master/...``), the truth the
 optimizer updates, not the rounded working copy; ``--dtype bf16`` rounds that
-once, as ``astype`` does. Sampling runs the reference GPT on one device in fp32.
+once, as ``astype`` does. ``jaxzero sample`` (:mod:`jaxzero.sample`) reads through here.
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ def find_step_dir(path: str | Path, step: int | None = None) -> Path:
 
 
 def read_meta(step_dir: Path) -> dict[str, Any]:
+    """The checkpoint's ``meta`` JSON, read without opening an orbax manager (which would
+    clean up the directory: export and sample only read)."""
     try:
         meta = json.loads((step_dir / "meta" / "metadata").read_text())
         meta["param_tree"], meta["leaves"]  # noqa: B018 - both must be there
