@@ -1,4 +1,4 @@
-"""The ``jaxzero`` command: ``train``, ``plot``, ``estimate``, ``report``.
+"""The ``jaxzero`` command: ``train``, ``plot``, ``estimate``, ``report``, ``export``, ``sample``.
 
 Each subcommand lives in its own module with a ``main(argv) -> int``; this file
 only dispatches, so ``jaxzero estimate`` never pays for importing the trainer.
@@ -58,6 +58,8 @@ COMMANDS = {
     "plot": ("jaxzero.plot", "plot loss curves of one or more run directories"),
     "estimate": ("jaxzero.estimate", "ZeRO memory/communication estimator (no devices needed)"),
     "report": ("jaxzero.report", "compile a step and print measured vs. theoretical accounting"),
+    "export": ("jaxzero.export", "write a checkpoint's params as safetensors + config.json"),
+    "sample": ("jaxzero.sample", "generate text from a run, checkpoint or export"),
 }
 
 

@@ -164,14 +164,20 @@ class GPT:
         return 6.0 * num_params + 12.0 * c.n_layers * c.d_model * c.seq_len
 
     def generate(self, params: Any, prompt: np.ndarray, max_new_tokens: int, rng: jax.Array,
-                 temperature: float = 0.8) -> np.ndarray:
-        """Sample ``max_new_tokens`` after ``prompt`` (int array ``[1, P]``), sliding window."""
+                 temperature: float = 0.8, top_k: int | None = None) -> np.ndarray:
+        """Sample ``max_new_tokens`` after ``prompt`` (int array ``[1, P]``), sliding window.
+
+        ``top_k`` keeps only the k likeliest tokens of each step (None: all).
+        """
         s = self.config.seq_len
         params = jax.tree.map(jnp.asarray, params)
 
         @jax.jit  # params are an argument, not constants baked into the program
         def next_token(params, window_1xS, pos, key):
             logits = self.apply(params, window_1xS)[0, pos] / max(temperature, 1e-6)
+            if top_k is not None:
+                kth = jax.lax.top_k(logits, top_k)[0][-1]
+                logits = jnp.where(logits < kth, -jnp.inf, logits)
             return jax.random.categorical(key, logits)
 
         tokens = list(np.asarray(prompt).reshape(-1)) or [0]

@@ -1,0 +1,352 @@
+"""``jaxzero export``: consolidated weights out of a sharded checkpoint, as safetensors.
+
+Export never materialises the model. Each param is read alone, straight from the
+checkpoint's tensorstore array and only over its logical region (the saving
+layout's zero padding is never read), converted, appended to the safetensors
+file and dropped, so host memory stays near one leaf however large the model;
+no JAX device is involved. The safetensors header is computed from the
+checkpoint's metadata first, which is what makes writing leaf by leaf possible
+(the format is an 8-byte little-endian header length, a JSON header of
+dtype/shape/offsets, then the raw bytes in order).
+
+bf16 runs export their fp32 master params (``master/...``), the truth the
+optimizer updates, not the rounded working copy; ``--dtype bf16`` rounds that
+once, as ``astype`` does. ``jaxzero sample`` (:mod:`jaxzero.sample`) reads through here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jaxzero.checkpoint import CheckpointError
+from jaxzero.cli import ArgError, Parser
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+RUN_CONFIG = "config.yaml"  # jaxzero.train.RESOLVED_CONFIG (not imported: it pulls in JAX)
+MODEL_FIELDS = ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
+                "tie_embeddings", "remat")
+DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}
+ST_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
+
+
+class ExportError(ValueError):
+    """A path that is not a run, checkpoint or export; its message is one line."""
+
+
+# --------------------------------------------------------------------------- locating
+
+
+def steps_in(directory: Path) -> list[int]:
+    """Complete checkpoints in a checkpoints directory: orbax renames a step dir into
+    its integer name only once every item is written, so partial saves never match."""
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def _run_checkpoints(run: Path) -> Path:
+    """``RUN/checkpoints`` or the run's own ``checkpoint.dir``."""
+    default = run / "checkpoints"
+    if default.is_dir():
+        return default
+    configured = (_run_config(run).get("checkpoint") or {}).get("dir")
+    if configured and (run / configured).is_dir():
+        return run / configured
+    raise ExportError(f"run {run} has no checkpoints (train it with --set checkpoint.every=K)")
+
+
+def _run_config(run: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        return yaml.safe_load((run / RUN_CONFIG).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ExportError(f"{run / RUN_CONFIG} is unreadable ({type(e).__name__})") from None
+
+
+def find_step_dir(path: str | Path, step: int | None = None) -> Path:
+    """The step directory meant by a run dir, a checkpoints dir or a step dir."""
+    path = Path(path)
+    if not path.exists():
+        raise ExportError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise ExportError(f"{path} is a file, not a run, checkpoint or export directory")
+    if (path / "meta").is_dir() or (path / "state").is_dir():  # one step
+        if step is not None and path.name != str(step):
+            raise ExportError(f"{path} is the checkpoint of step {path.name}, not {step}")
+        return path
+    if (path / WEIGHTS).is_file():
+        raise ExportError(f"{path} is an export, not a run or checkpoint")
+    ckpts = _run_checkpoints(path) if (path / RUN_CONFIG).is_file() else path
+    steps = steps_in(ckpts)
+    if not steps:
+        raise ExportError(f"{path} is not a jaxzero run, checkpoint or export directory "
+                          f"(no {RUN_CONFIG}, checkpoint steps, meta/ or {WEIGHTS} in it)")
+    if step is None:
+        return ckpts / str(steps[-1])
+    if step not in steps:
+        raise ExportError(f"no checkpoint of step {step} in {ckpts}; there are {steps}")
+    return ckpts / str(step)
+
+
+def read_meta(step_dir: Path) -> dict[str, Any]:
+    """The checkpoint's ``meta`` JSON, read without opening an orbax manager (which would
+    clean up the directory: export and sample only read)."""
+    try:
+        meta = json.loads((step_dir / "meta" / "metadata").read_text())
+        meta["param_tree"], meta["leaves"]  # noqa: B018 - both must be there
+        return meta
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {step_dir} has no readable metadata "
+                              f"({type(e).__name__}); it is damaged or not jaxzero's") from None
+
+
+def run_config(step_dir: Path) -> dict[str, Any]:
+    """The run's resolved config: the checkpoint's ``extra.config``, else ``RUN/config.yaml``."""
+    try:
+        config = json.loads((step_dir / "extra" / "metadata").read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        config = None
+    run = step_dir.parent.parent
+    if not isinstance(config, dict) and (run / RUN_CONFIG).is_file():
+        config = _run_config(run)
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise ExportError(f"checkpoint {step_dir} records no model config (extra.config.model) "
+                          f"and has no run {RUN_CONFIG} beside it")
+    return config
+
+
+def token_kind(config: dict[str, Any]) -> str:
+    """``bytes`` or ``uint16``, by the rule ``jaxzero.data.load_corpus`` read the data with."""
+    data = config.get("data") or {}
+    if data.get("format") in ("bytes", "uint16"):
+        return data["format"]
+    if data.get("path") is None:
+        return "bytes"
+    path = Path(data["path"]).expanduser()
+    return "uint16" if path.suffix == ".bin" or (path / "train.bin").is_file() else "bytes"
+
+
+def model_fields(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """The GPT fields of a run config; a ``vocab_size`` taken from the data comes from wte."""
+    model = {k: config["model"][k] for k in MODEL_FIELDS if k in config["model"]}
+    if model.get("vocab_size") is None:
+        model["vocab_size"] = next((e["shape"][0] for e in meta["param_tree"]
+                                    if [k for _, k in e["path"]] == ["wte"]), None)
+    return model
+
+
+# --------------------------------------------------------------------------- reading leaves
+
+
+def param_entries(meta: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(param name, stored leaf name, logical shape)`` per param; fp32 truth first."""
+    source = "master" if any(n.startswith("master/") for n in meta["leaves"]) else "params"
+    out = []
+    for entry in meta["param_tree"]:
+        name = "/".join(str(k) for _, k in entry["path"])
+        leaf = f"{source}/{name}"
+        if leaf not in meta["leaves"]:
+            raise CheckpointError(f"checkpoint metadata lists param {name!r} but no {leaf!r}")
+        out.append((name, leaf, tuple(entry["shape"])))
+    return out
+
+
+class LeafReader:
+    """Opens one stored leaf at a time and reads its logical region (never the padding)."""
+
+    def __init__(self, step_dir: Path):
+        import tensorstore as ts
+
+        self._ts, self.dir = ts, (step_dir / "state").absolute()
+        try:
+            info = json.loads((self.dir / "_METADATA").read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {step_dir} has no readable state/_METADATA "
+                                  f"({type(e).__name__}); it is damaged or incomplete") from None
+        self._zarr3, self._ocdbt = info.get("use_zarr3", False), info.get("use_ocdbt", True)
+        self._ctx = ts.Context({"cache_pool": {"total_bytes_limit": 0}})  # no cached chunks
+
+    def _spec(self, leaf: str) -> dict[str, Any]:
+        key = leaf.replace("/", ".")  # orbax names an array by its tree keys joined by "."
+        kv = ({"driver": "ocdbt", "base": f"file://{self.dir}/", "path": key} if self._ocdbt
+              else {"driver": "file", "path": f"{self.dir}/{key}"})
+        return {"driver": "zarr3" if self._zarr3 else "zarr", "kvstore": kv,
+                "recheck_cached_data": False, "recheck_cached_metadata": False}
+
+    def read(self, leaf: str, shape: tuple[int, ...], dtype: np.dtype,
+             buffer: np.ndarray | None = None) -> np.ndarray:
+        """The ``shape`` corner of ``leaf`` as a C-contiguous ``dtype`` array.
+
+        With ``buffer`` (bytes, reused across leaves) the array is a view of it and
+        tensorstore decodes and casts chunk by chunk straight into it: no
+        per-leaf allocation for the allocator to keep (glibc holds on to freed
+        blocks below its mmap threshold, which grew RSS by leaves, not by one).
+        """
+        ts = self._ts
+        nbytes = math.prod(shape) * dtype.itemsize
+        out = (np.empty(shape, dtype) if buffer is None
+               else buffer[:nbytes].view(dtype).reshape(shape))
+        try:
+            store = ts.open(self._spec(leaf), open=True, context=self._ctx).result()
+            if len(store.shape) != len(shape) or any(a < b for a, b in zip(store.shape, shape,
+                                                                          strict=True)):
+                raise ValueError(f"stored shape {tuple(store.shape)} cannot hold {shape}")
+            src = store[tuple(slice(0, n) for n in shape)]
+            if src.dtype.numpy_dtype != dtype:
+                src = ts.cast(src, dtype)  # round to nearest even, as numpy/JAX astype
+            ts.array(out, copy=False, write=True, context=self._ctx).write(src).result()
+        except Exception as e:  # tensorstore raises ValueError/RuntimeError/... for bad files
+            msg = (str(e).strip().splitlines() or [""])[0][:200]
+            raise CheckpointError(
+                f"checkpoint {self.dir.parent} could not be read at {leaf} "
+                f"({type(e).__name__}: {msg}); it is damaged or incomplete") from None
+        return out
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+def safetensors_header(entries: Iterable[tuple[str, np.dtype, tuple[int, ...]]],
+                       metadata: dict[str, str] | None = None) -> bytes:
+    """Length prefix + JSON header for tensors written back to back in ``entries`` order."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, dtype, shape in entries:
+        n = math.prod(shape) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": ST_CODES[np.dtype(dtype).name], "shape": list(shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as safetensors does
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, np.dtype, tuple[int, ...]]],
+                      arrays: Iterator[np.ndarray], metadata: dict[str, str] | None = None
+                      ) -> int:
+    """Streams ``arrays`` (one per entry, in order) into ``path`` atomically; returns bytes."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(safetensors_header(entries, metadata))
+            for (name, dtype, shape), x in zip(entries, arrays, strict=True):
+                if x.dtype != dtype or x.shape != tuple(shape):
+                    raise ValueError(f"{name}: got {x.dtype}{x.shape}, header says "
+                                     f"{dtype}{tuple(shape)}")
+                f.write(memoryview(x.reshape(-1).view(np.uint8)))  # no copy
+                del x
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.stat().st_size
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file (the dtypes jaxzero writes), without the library."""
+    codes = {v: k for k, v in ST_CODES.items()}
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            out = {}
+            for name, h in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                begin, end = h["data_offsets"]
+                f.seek(8 + n + begin)
+                dtype = np.dtype(ml_dtypes.bfloat16 if codes[h["dtype"]] == "bfloat16"
+                                 else codes[h["dtype"]])
+                out[name] = np.frombuffer(f.read(end - begin), dtype).reshape(h["shape"])
+            return out
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        raise ExportError(f"{path} is not a readable safetensors file "
+                          f"({type(e).__name__}: {e})") from None
+
+
+def export_params(step_dir: Path, out_file: Path, dtype: str = "fp32") -> dict[str, Any]:
+    """Writes the checkpoint's logical params to ``out_file``, one leaf in memory at a time."""
+    meta = read_meta(step_dir)
+    entries = param_entries(meta)
+    dt = DTYPES[dtype]
+    reader = LeafReader(step_dir)
+    buffer = np.empty(max((math.prod(s) * dt.itemsize for *_, s in entries), default=0), np.uint8)
+    arrays = (reader.read(leaf, shape, dt, buffer) for _, leaf, shape in entries)
+    size = write_safetensors(out_file, [(n, dt, s) for n, _, s in entries], arrays,
+                             {"format": "jaxzero", "step": str(meta.get("step"))})
+    return {"step": meta.get("step"), "params": len(entries), "bytes": size,
+            "largest_leaf_bytes": max(math.prod(s) * dt.itemsize for *_, s in entries)}
+
+
+def export(path: str | Path, out: str | Path, dtype: str = "fp32",
+           step: int | None = None) -> Path:
+    """``out/model.safetensors`` + ``out/config.json`` from a run, checkpoints dir or step."""
+    step_dir = find_step_dir(path, step)
+    run = run_config(step_dir)
+    meta = read_meta(step_dir)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file")
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        info = export_params(step_dir, out / WEIGHTS, dtype)
+    except BaseException:
+        if created and not any(out.iterdir()):
+            out.rmdir()  # leave no empty directory behind; an older export stays whole
+        raise
+    config = {**model_fields(run, meta), "model_type": "jaxzero-gpt",
+              "dtype": DTYPES[dtype].name, "tokens": token_kind(run),
+              "source": {"checkpoint": str(step_dir.absolute()), "step": info["step"],
+                         "stage": meta.get("stage"), "num_shards": meta.get("num_shards"),
+                         "precision": meta.get("precision")}}
+    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def run_cli(prog: str, body: Callable[[], None]) -> int:
+    """Runs a subcommand's body; user mistakes become one line on stderr and exit 2."""
+    try:
+        body()
+    except (ArgError, ExportError, CheckpointError) as e:
+        print(f"jaxzero {prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except KeyboardInterrupt:
+        print(f"jaxzero {prog}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _export_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="jaxzero export", description="Write a checkpoint's consolidated params "
+               f"as {WEIGHTS} + {CONFIG}, streaming one leaf at a time.")
+    p.add_argument("path", metavar="RUN_OR_CHECKPOINT",
+                   help="run dir, its checkpoints dir, or one step dir")
+    p.add_argument("--out", required=True, metavar="DIR", help="export directory")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="default fp32")
+    p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``jaxzero export``."""
+    def body():
+        args = _export_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        out = export(args.path, args.out, args.dtype, args.step)
+        print(f"exported {out / WEIGHTS} and {out / CONFIG}")
+
+    return run_cli("export", body)

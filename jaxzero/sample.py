@@ -1,0 +1,159 @@
+"""``jaxzero sample``: text from the reference GPT of a run, checkpoint or export.
+
+The params come either from an export (``model.safetensors`` + ``config.json``)
+or straight from a checkpoint through the same leaf-by-leaf reader as
+``jaxzero export``; either way they are upcast to fp32 and the model runs on one
+device, since sampling one sequence needs no sharding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxzero.cli import ArgError, Parser
+from jaxzero.export import (
+    CONFIG,
+    DTYPES,
+    MODEL_FIELDS,
+    WEIGHTS,
+    ExportError,
+    LeafReader,
+    find_step_dir,
+    model_fields,
+    param_entries,
+    read_meta,
+    read_safetensors,
+    run_cli,
+    run_config,
+    token_kind,
+)
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, x in flat.items():
+        *parents, last = name.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = x
+    return out
+
+
+def load_model(path: str | Path, step: int | None = None) -> tuple[Any, dict[str, Any], str]:
+    """``(GPT, fp32 params, token kind)`` from an export dir or any checkpoint location."""
+    from jaxzero.models.gpt import GPT, GPTConfig
+
+    path = Path(path)
+    if path.is_dir() and (path / WEIGHTS).is_file():
+        try:
+            config = json.loads((path / CONFIG).read_text())
+        except (OSError, ValueError) as e:
+            raise ExportError(f"export {path} has no readable {CONFIG} ({type(e).__name__})"
+                              ) from None
+        flat = {k: v.astype(np.float32) for k, v in read_safetensors(path / WEIGHTS).items()}
+        source = str(path / CONFIG)
+    else:
+        step_dir = find_step_dir(path, step)
+        run, meta = run_config(step_dir), read_meta(step_dir)
+        config = {**model_fields(run, meta), "tokens": token_kind(run)}
+        reader = LeafReader(step_dir)
+        flat = {name: reader.read(leaf, shape, DTYPES["fp32"])
+                for name, leaf, shape in param_entries(meta)}
+        source = str(step_dir)
+    fields = {k: config[k] for k in MODEL_FIELDS if config.get(k) is not None}
+    try:
+        model = GPT(GPTConfig(**fields))
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"{source}: model config is invalid ({e})") from None
+    _check_shapes(model, flat, source)
+    kind = config.get("tokens", "bytes")
+    if kind not in ("bytes", "uint16"):
+        raise ExportError(f"{source}: tokens must be bytes or uint16, not {kind!r}")
+    return model, _nest(flat), kind
+
+
+def _check_shapes(model: Any, flat: dict[str, np.ndarray], source: str) -> None:
+    """Refuse params that the config's GPT would not build, naming the first mismatch."""
+    import jax
+
+    from jaxzero.partition import path_str
+
+    want = {path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(
+        jax.eval_shape(model.init, jax.random.key(0)))}
+    for name in sorted(set(want) | set(flat)):
+        got = tuple(flat[name].shape) if name in flat else "absent"
+        if want.get(name, "absent") != got:
+            raise ExportError(f"{source}: param {name!r} is {got} but the model config "
+                              f"implies {want.get(name, 'absent')}")
+
+
+def encode_prompt(prompt: str, kind: str) -> np.ndarray:
+    """Byte tokens, or whitespace-separated ids for token-file models (no tokenizer)."""
+    if kind == "bytes":
+        return np.frombuffer(prompt.encode("utf-8"), np.uint8).astype(np.int32)
+    try:
+        return np.asarray([int(t) for t in prompt.split()], np.int32)
+    except ValueError:
+        raise ExportError("this model reads token ids: give --prompt as ids, e.g. '12 7 40'"
+                          ) from None
+
+
+def sample(path: str | Path, prompt: str = "def ", tokens: int = 200,
+           temperature: float = 0.8, top_k: int | None = None, seed: int = 0,
+           step: int | None = None) -> tuple[np.ndarray, str]:
+    """``(generated token ids, prompt + generated text)``; deterministic given ``seed``."""
+    import jax
+
+    from jaxzero.data import decode
+
+    model, params, kind = load_model(path, step)
+    ids = encode_prompt(prompt, kind)
+    if ids.size and int(ids.max()) >= model.config.vocab_size:
+        raise ExportError(f"prompt token {int(ids.max())} is outside the model's vocabulary "
+                          f"of {model.config.vocab_size}")
+    if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
+        raise ExportError(f"--top-k must be in 1..{model.config.vocab_size}, got {top_k}")
+    device = jax.devices()[0]  # one device: sampling needs no sharding
+    params = jax.device_put(params, device)
+    with jax.default_device(device):
+        out = model.generate(params, ids[None], tokens, jax.random.key(seed),
+                             temperature=temperature, top_k=top_k)[0]
+    new = out[len(out) - tokens:] if tokens else out[:0]
+    return new, decode(out if ids.size else new, kind)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _sample_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="jaxzero sample", description="Generate text with the reference GPT from "
+               "a run, checkpoint or export, on one device.")
+    p.add_argument("path", metavar="RUN_OR_EXPORT", help="run, checkpoint or export dir")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``jaxzero sample``: prints the prompt and the generated text."""
+    def body():
+        args = _sample_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        if args.tokens < 0 or args.temperature < 0:
+            raise ArgError("--tokens and --temperature must be >= 0")
+        _, text = sample(args.path, args.prompt, args.tokens, args.temperature, args.top_k,
+                         args.seed, args.step)
+        print(text)
+
+    return run_cli("sample", body)
+

@@ -1,0 +1,290 @@
+"""`jaxzero export` / `jaxzero sample`: round trip against gather_params, streaming memory,
+deterministic sampling from a run and an export, and one-line errors for bad inputs."""
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from safetensors.numpy import load_file
+
+import jaxzero
+from jaxzero import cli
+from jaxzero import config as C
+from jaxzero import export as ex
+from jaxzero import sample as sm
+from jaxzero.models.gpt import GPT, GPTConfig
+from jaxzero.partition import path_str
+
+# d_model 20 and qkv 60 do not divide by 8: stored leaves carry padding the export must drop
+CFG = GPTConfig(vocab_size=256, seq_len=16, d_model=20, n_layers=2, n_heads=2)
+MIB = 1 << 20
+
+
+def _save(directory: Path, precision: str, extra: dict, steps=(0,)):
+    model = GPT(CFG)
+    engine = model.engine(optax.adam(1e-3), mesh=jaxzero.make_mesh(8), stage=3,
+                          precision=precision)
+    state = engine.init_from(model.init, jax.random.key(0))
+    ckpt = jaxzero.CheckpointManager(directory)
+    for step in steps:
+        ckpt.save(engine, dataclasses.replace(
+            state, step=jax.device_put(jnp.int32(step), state.step.sharding)), extra=extra)
+        ckpt.wait()
+    ckpt.close()
+    flat = {path_str(p): x for p, x in
+            jax.tree_util.tree_leaves_with_path(engine.gather_params(state))}
+    return flat, state
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """fp32: a bare checkpoints dir whose extra holds the config; bf16: a run directory
+    (config.yaml + checkpoints/, steps 0 and 5) whose checkpoints hold no config."""
+    root = tmp_path_factory.mktemp("export")
+    model_cfg = dataclasses.asdict(CFG)
+    fp32, _ = _save(root / "ckpt32", "fp32", {"config": {"model": model_cfg}})
+    run = root / "run16"
+    run.mkdir()
+    config = C.Config(model=C.ModelConfig(**model_cfg))
+    (run / "config.yaml").write_text(C.dump_yaml(config))
+    bf16, state16 = _save(run / "checkpoints", "bf16", {"loader": {"step": 0}}, steps=(0, 5))
+    return {"fp32": (root / "ckpt32", fp32), "bf16": (run, bf16), "root": root,
+            "params16": state16.params}
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_export_equals_gather_params(saved, tmp_path, capsys, precision):
+    src, want = saved[precision]
+    rc, out, err = _cli(capsys, "export", str(src), "--out", str(tmp_path / "x"))
+    assert rc == 0, err
+    got = load_file(str(tmp_path / "x" / ex.WEIGHTS))
+    assert sorted(got) == sorted(want)
+    for name, x in want.items():
+        assert got[name].dtype == np.float32 and got[name].shape == x.shape, name
+        np.testing.assert_array_equal(got[name], x, err_msg=name)
+    config = json.loads((tmp_path / "x" / ex.CONFIG).read_text())
+    assert GPTConfig(**{k: config[k] for k in ex.MODEL_FIELDS}) == CFG
+    assert config["tokens"] == "bytes" and config["source"]["stage"] == 3
+
+    meta = ex.read_meta(ex.find_step_dir(src))  # the export really had padding to drop
+    assert any(v["shape"] != v["stored_shape"] for v in meta["leaves"].values())
+
+    rc, _, err = _cli(capsys, "export", str(src), "--out", str(tmp_path / "h"),
+                      "--dtype", "bf16")
+    assert rc == 0, err
+    half = load_file(str(tmp_path / "h" / ex.WEIGHTS))
+    for name, x in want.items():
+        assert half[name].dtype == jnp.bfloat16, name
+        np.testing.assert_array_equal(half[name].view(np.uint16),
+                                      x.astype(jnp.bfloat16).view(np.uint16), err_msg=name)
+
+
+def test_bf16_export_reads_the_fp32_master(saved):
+    """The bf16 working copy differs from the master: exporting it would fail the test above."""
+    _, want = saved["bf16"]
+    working = np.asarray(saved["params16"]["blocks"]["fc"]["kernel"], np.float32)
+    lay = want["blocks/fc/kernel"]
+    assert not np.array_equal(working[tuple(slice(0, n) for n in lay.shape)], lay)
+
+
+def test_path_forms_and_step(saved, tmp_path):
+    run, _ = saved["bf16"]
+    ckpts = run / "checkpoints"
+    assert ex.find_step_dir(run) == ckpts / "5"
+    assert ex.find_step_dir(ckpts) == ckpts / "5"
+    assert ex.find_step_dir(ckpts / "0") == ckpts / "0"
+    assert ex.find_step_dir(run, step=0) == ckpts / "0"
+    blobs = []
+    for i, src in enumerate([run, ckpts, ckpts / "5"]):
+        ex.export(src, tmp_path / str(i))
+        blobs.append((tmp_path / str(i) / ex.WEIGHTS).read_bytes())
+    assert blobs[0] == blobs[1] == blobs[2]
+    assert json.loads((tmp_path / "0" / ex.CONFIG).read_text())["source"]["step"] == 5
+
+
+# --------------------------------------------------------------------------- memory
+
+# Peak RSS growth of the export call alone: VmHWM is reset to the current RSS first
+# (/proc/self/clear_refs). ru_maxrss cannot be reset, and after fork+exec it keeps the
+# pytest parent's size, which would hide what the export itself costs.
+MEASURE = textwrap.dedent("""
+    import json, re, sys
+    from pathlib import Path
+    import tensorstore  # noqa: F401 - imported before the baseline: not the export's cost
+    from jaxzero import export as ex
+
+    def status(key):
+        return int(re.search(key + r":\\s+(\\d+)", Path("/proc/self/status").read_text())[1]) * 1024
+
+    step, out, how = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = status("VmRSS")
+    if how == "stream":
+        ex.export_params(step, out)
+    else:  # the non-streaming way: every leaf in memory at once
+        reader = ex.LeafReader(step)
+        leaves = [reader.read(leaf, shape, ex.DTYPES["fp32"])
+                  for _, leaf, shape in ex.param_entries(ex.read_meta(step))]
+    print(json.dumps({"delta": status("VmHWM") - before}))
+""")
+
+
+def _export_peak(step_dir: Path, out: Path, how: str) -> int:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", MEASURE, str(step_dir), str(out), how],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["delta"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_export_memory_is_one_leaf_not_the_model(tmp_path):
+    """20 equal 4 MiB leaves (80 MiB): the streaming export's peak host memory growth stays
+    under 2 x the largest leaf + 32 MiB; loading every leaf (the control) does not."""
+    shape, n = (1023, 1024), 20  # 1023 rows: padded to 1024 when sharded on that dim
+    params = {f"w{i:02d}": jax.random.normal(jax.random.key(i), shape) for i in range(n)}
+    engine = jaxzero.Engine(lambda p, b: sum(jnp.sum(x) for x in jax.tree.leaves(p)) * b["x"],
+                            optax.sgd(0.1), mesh=jaxzero.make_mesh(8), stage=3)
+    state = engine.init(params)
+    ckpt = jaxzero.CheckpointManager(tmp_path / "ckpt")
+    ckpt.save(engine, state)
+    ckpt.close()
+    del state
+    leaf = shape[0] * shape[1] * 4
+    bound = 2 * leaf + 32 * MIB
+    assert n * leaf > 1.5 * bound  # the model is far larger than what the export may hold
+
+    out = tmp_path / "w.safetensors"
+    streamed = _export_peak(tmp_path / "ckpt" / "0", out, "stream")
+    naive = _export_peak(tmp_path / "ckpt" / "0", out, "all")
+    got = load_file(str(out))
+    np.testing.assert_array_equal(got["w07"], np.asarray(params["w07"]))
+    print(f"export: +{streamed / MIB:.1f} MiB, all leaves: +{naive / MIB:.1f} MiB, "
+          f"bound {bound / MIB:.1f} MiB")
+    assert streamed < bound, f"export grew host memory by {streamed / MIB:.1f} MiB"
+    assert naive > bound, f"the control grew by only {naive / MIB:.1f} MiB: no signal"
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_sample_from_run_and_export(saved, tmp_path, capsys):
+    run, _ = saved["bf16"]
+    ex.export(run, tmp_path / "exp")
+    tokens, text = sm.sample(run, "def ", 12, seed=3)
+    assert tokens.shape == (12,) and text.startswith("def ")
+    again, _ = sm.sample(run, "def ", 12, seed=3)
+    other, _ = sm.sample(run, "def ", 12, seed=4)
+    from_export, _ = sm.sample(tmp_path / "exp", "def ", 12, seed=3)
+    np.testing.assert_array_equal(tokens, again)
+    np.testing.assert_array_equal(tokens, from_export)  # fp32 export = the checkpoint's params
+    assert not np.array_equal(tokens, other)
+
+    greedy = [sm.sample(tmp_path / "exp", "def ", 6, seed=s, top_k=1)[0] for s in (0, 1)]
+    np.testing.assert_array_equal(greedy[0], greedy[1])  # top-1 ignores the seed
+
+    rc, out, err = _cli(capsys, "sample", str(tmp_path / "exp"), "--tokens", "12",
+                        "--seed", "3")
+    assert rc == 0, err
+    assert out == text + "\n"
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+
+def _one_line_error(capsys, *argv: str) -> str:
+    rc, out, err = _cli(capsys, *argv)
+    assert rc == 2 and out == "", (rc, out, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_bad_paths(saved, tmp_path, capsys):
+    missing = tmp_path / "nope"
+    for cmd in ("export", "sample"):
+        extra = ("--out", str(tmp_path / "o")) if cmd == "export" else ()
+        err = _one_line_error(capsys, cmd, str(missing), *extra)
+        assert str(missing) in err and "no such file" in err
+        (tmp_path / "junk").mkdir(exist_ok=True)
+        (tmp_path / "junk" / "notes.txt").write_text("hi")
+        err = _one_line_error(capsys, cmd, str(tmp_path / "junk"), *extra)
+        assert "not a jaxzero run, checkpoint or export" in err
+    run, _ = saved["bf16"]
+    err = _one_line_error(capsys, "export", str(run), "--out", str(tmp_path / "o"),
+                          "--step", "3")
+    assert "no checkpoint of step 3" in err and "[0, 5]" in err
+    (tmp_path / "emptyrun").mkdir()
+    (tmp_path / "emptyrun" / "config.yaml").write_text("model: {}\n")
+    err = _one_line_error(capsys, "sample", str(tmp_path / "emptyrun"))
+    assert "has no checkpoints" in err
+    (tmp_path / "file").write_text("x")
+    err = _one_line_error(capsys, "export", str(run), "--out", str(tmp_path / "file"))
+    assert "is a file" in err
+    err = _one_line_error(capsys, "sample", str(run), "--top-k", "0")
+    assert "--top-k" in err
+    fake = tmp_path / "fake_export"
+    fake.mkdir()
+    (fake / ex.WEIGHTS).write_bytes(b"\x10")
+    (fake / ex.CONFIG).write_text(json.dumps(dataclasses.asdict(CFG)))
+    err = _one_line_error(capsys, "export", str(fake), "--out", str(tmp_path / "o"))
+    assert "is an export, not a run or checkpoint" in err
+    err = _one_line_error(capsys, "sample", str(fake))
+    assert "not a readable safetensors file" in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "garbage", "meta"])
+def test_corrupted_checkpoint(saved, tmp_path, capsys, damage):
+    src = tmp_path / "ckpt"
+    shutil.copytree(saved["fp32"][0], src)
+    data = sorted(p for p in (src / "0" / "state").rglob("*") if p.parent.name == "d")
+    assert data
+    for f in data:
+        if damage == "truncate":
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        elif damage == "delete":
+            f.unlink()
+        elif damage == "garbage":
+            f.write_bytes(bytes(range(256)) * (f.stat().st_size // 256 + 1))
+    if damage == "meta":
+        (src / "0" / "meta" / "metadata").write_text('{"param_tree": [')
+    before = sorted(p.relative_to(src) for p in src.rglob("*"))
+    err = _one_line_error(capsys, "export", str(src), "--out", str(tmp_path / "o"))
+    assert str(src / "0") in err and "damaged" in err
+    err = _one_line_error(capsys, "sample", str(src))
+    assert str(src / "0") in err and "damaged" in err
+    assert sorted(p.relative_to(src) for p in src.rglob("*")) == before  # nothing deleted
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_subprocess_error_has_no_traceback(saved, tmp_path):
+    src = tmp_path / "ckpt"
+    shutil.copytree(saved["fp32"][0], src)
+    for f in (src / "0" / "state").rglob("*"):
+        if f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[:10])
+    proc = subprocess.run([sys.executable, "-m", "jaxzero.cli", "export", str(src), "--out",
+                           str(tmp_path / "o")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("jaxzero export: error: checkpoint ")
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
