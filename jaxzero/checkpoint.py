@@ -26,6 +26,7 @@ flight.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,39 @@ def _flatten(nested: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         name = f"{prefix}/{k}" if prefix else k
         out.update(_flatten(v, name) if isinstance(v, dict) else {name: v})
     return out
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _fingerprint(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """An order-sensitive 32-bit hash of a leaf's logical elements, whatever its layout.
+
+    orbax's files carry no checksum, so a flipped byte would restore silently; this
+    hash is written into ``meta`` at save time and checked on restore.
+    """
+    x = x[tuple(slice(0, n) for n in shape)]
+    bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
+    idx = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):  # the flat logical index of every element
+        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride)
+        stride = stride * shape[d] % 2**32
+    h = (bits + idx * jnp.uint32(0x9E3779B9)) * jnp.uint32(0x85EBCA6B)
+    return jnp.sum(h ^ (h >> 15), dtype=jnp.uint32)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _fingerprints(arrays: tuple, shapes: tuple) -> tuple:
+    return tuple(_fingerprint(x, s) for x, s in zip(arrays, shapes, strict=True))
+
+
+def fingerprints(leaves: dict[str, Any], shapes: dict[str, list[int]]) -> dict[str, int]:
+    """:func:`_fingerprint` of every numeric leaf, by name (one compiled program)."""
+    names = [n for n, x in leaves.items() if x.dtype.itemsize in _UINT
+             and jnp.issubdtype(x.dtype, jnp.number)]
+    out = _fingerprints(tuple(leaves[n] for n in names), tuple(tuple(shapes[n]) for n in names))
+    return {n: int(v) for n, v in zip(names, jax.device_get(out), strict=True)}
 
 
 def _param_paths(tree: Any) -> list[list[Any]]:
@@ -121,6 +155,9 @@ def metadata(engine: Any, state: TrainState) -> dict[str, Any]:
         for p, lay in zip(_param_paths(engine.layouts),
                           jax.tree.leaves(engine.layouts, is_leaf=is_layout), strict=True)
     ]
+    sums = fingerprints(leaf_names(state), {n: v["shape"] for n, v in leaves.items()})
+    for name, value in sums.items():
+        leaves[name]["fingerprint"] = value
     return {
         "format": FORMAT,
         "jaxzero_version": __version__,
@@ -318,6 +355,13 @@ class CheckpointManager:
                 f"checkpoints: {[s for s in self.all_steps() if s != step] or 'none'}"
             ) from None
         flat = _flatten(out["state"])
+        sums = fingerprints(flat, {n: saved[n]["shape"] for n in flat})
+        bad = [n for n, v in sums.items() if saved[n].get("fingerprint", v) != v]
+        if bad:
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} is damaged: {bad[:3]} no longer "
+                "match the fingerprints written when it was saved. Older checkpoints: "
+                f"{[s for s in self.all_steps() if s != step] or 'none'}")
         master = jax.tree.unflatten(
             jax.tree.structure(engine.layouts, is_leaf=is_layout),
             [flat[src + n[len("params"):]]

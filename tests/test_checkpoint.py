@@ -127,22 +127,34 @@ def test_bad_checkpoints_are_named(saved, tmp_path):
     with pytest.raises(jaxzero.CheckpointError, match="different optimizer or model"):
         jaxzero.CheckpointManager(d).restore(
             jaxzero.Engine(mlp_loss, optax.lion(1e-3), mesh=jaxzero.make_mesh(8)))
-    # flip bytes in every data file of a copy: restore fails with the path, nothing deleted
+    # flipped bytes anywhere in the data: a one-line error naming the path, never a silent
+    # different state (orbax stores no checksum; the metadata holds a fingerprint per leaf)
     import shutil
 
-    bad = tmp_path / "bad"
-    shutil.copytree(d, bad)
-    files = [f for f in (bad / "2" / "state").rglob("d/*") if f.is_file()]  # array data
+    e = engine()
+    want = _logical(e, jaxzero.CheckpointManager(d).restore(e)[0])
+    files = sorted(f for f in (d / "2" / "state").rglob("d/*") if f.is_file())
     assert files
-    for f in files:
+    for i, frac in enumerate((0.1, 0.3, 0.5, 0.7, 0.9, 0.97)):
+        bad = tmp_path / f"bad{i}"
+        shutil.copytree(d, bad)
+        f = bad / files[i % len(files)].relative_to(d)
         data = bytearray(f.read_bytes())
-        data[len(data) // 2: len(data) // 2 + 64] = bytes(64)
-        data[:16] = b"\xff" * 16
+        at = int(len(data) * frac)
+        data[at:at + 4] = bytes(x ^ 0x5A for x in data[at:at + 4])
         f.write_bytes(bytes(data))
-    before = sorted(str(p) for p in bad.rglob("*"))
-    with pytest.raises(jaxzero.CheckpointError, match=f"checkpoint {bad}/2 could not be read"):
-        jaxzero.CheckpointManager(bad).restore(engine())
-    assert sorted(str(p) for p in bad.rglob("*")) == before
+        before = sorted(str(p) for p in bad.rglob("*"))
+        try:
+            e = engine()
+            got = _logical(e, jaxzero.CheckpointManager(bad).restore(e)[0])
+        except jaxzero.CheckpointError as err:
+            assert f"checkpoint {bad}/2" in str(err) and "\n" not in str(err)
+        else:  # the flip hit bytes that do not matter (e.g. unused): the state is intact
+            for k in want[0]:
+                np.testing.assert_array_equal(got[0][k], want[0][k])
+            for k in want[1]:
+                np.testing.assert_array_equal(got[1][k], want[1][k])
+        assert sorted(str(p) for p in bad.rglob("*")) == before  # nothing deleted
 
 
 CRASH = textwrap.dedent("""
