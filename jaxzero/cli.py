@@ -1,4 +1,4 @@
-"""The ``jaxzero`` command: ``train``, ``plot``, ``estimate``, ``report``.
+"""The ``jaxzero`` command: ``train``, ``plot``, ``estimate``, ``report``, ``launch``.
 
 Each subcommand lives in its own module with a ``main(argv) -> int``; this file
 only dispatches, so ``jaxzero estimate`` never pays for importing the trainer.
@@ -25,6 +25,7 @@ COMMANDS = {
     "plot": ("jaxzero.plot", "plot loss curves of one or more run directories"),
     "estimate": ("jaxzero.estimate", "ZeRO memory/communication estimator (no devices needed)"),
     "report": ("jaxzero.report", "compile a step and print measured vs. theoretical accounting"),
+    "launch": ("jaxzero.launch", "start K processes per node (multi-GPU, multi-node), watch them"),
 }
 
 
