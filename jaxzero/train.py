@@ -25,6 +25,7 @@ from typing import Any
 
 from jaxzero import config as config_lib
 from jaxzero import data as data_lib
+from jaxzero import distributed
 from jaxzero import metrics as metrics_lib
 from jaxzero.cli import ArgError, Parser
 from jaxzero.config import Config, ConfigError
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar = "N" if type_ is int else flag.upper()
         p.add_argument("--" + flag.replace("_", "-"), type=type_, metavar=metavar, help=help_)
     p.add_argument("--print-config", action="store_true", help="print the config and exit")
+    p.add_argument("--init-timeout", type=float, default=None, metavar="SECONDS",
+                   help="multi-process: how long to wait for every process to connect "
+                   "(default 60 on CPU; JAXZERO_INIT_TIMEOUT)")
     return p
 
 
@@ -110,17 +114,33 @@ def devices_to_simulate(parallel: config_lib.ParallelConfig) -> int | None:
     return parallel.devices or DEFAULT_SIMULATED_DEVICES
 
 
-def setup_devices(parallel: config_lib.ParallelConfig) -> tuple[Any, int | None]:
-    """Simulates CPU devices if asked (before any computation) and builds the mesh."""
+def setup_devices(parallel: config_lib.ParallelConfig, job: Any = None,
+                  group_size: int | str | None = None) -> tuple[Any, int | None]:
+    """Simulates CPU devices if asked (before any computation) and builds the mesh.
+
+    In a multi-process ``job`` the devices were set up by ``distributed.initialize``
+    (``simulate_devices`` counts per process) and the mesh spans every process.
+    """
     import jax
 
-    from jaxzero.mesh import make_mesh, simulate_devices
+    from jaxzero.mesh import make_mesh, replicas_for, simulate_devices
 
-    simulated = devices_to_simulate(parallel)
+    multi = job is not None and job.multi
+    simulated = devices_to_simulate(parallel) if not multi else None
     try:
         if simulated is not None:
             simulate_devices(simulated)
-        return make_mesh(parallel.devices or jax.device_count()), simulated
+        if multi:
+            simulated = job.simulate_devices if jax.default_backend() == "cpu" else None
+            if parallel.devices not in (None, jax.device_count()):
+                raise ConfigError(
+                    f"parallel.devices={parallel.devices}: a multi-process run trains on all "
+                    f"{jax.device_count()} devices of its {job.world_size} processes; leave it "
+                    "unset"
+                )
+        n = parallel.devices or jax.device_count()
+        node = jax.local_device_count() * (job.local_world_size if multi else 1)
+        return make_mesh(n, replicas=replicas_for(group_size, n, node)), simulated
     except (RuntimeError, ValueError) as e:
         raise ConfigError(" ".join(str(e).split())) from None
 
@@ -217,15 +237,21 @@ def build(cfg: Config, mesh: Any) -> tuple[Any, Any, Any]:
     return model, engine, schedule
 
 
-def train(cfg: Config, started: float | None = None) -> dict[str, Any]:
+def train(cfg: Config, started: float | None = None,
+          init_timeout: float | None = None) -> dict[str, Any]:
     """Runs the whole training job described by ``cfg`` and returns its summary.
 
     Args:
       cfg: the validated config.
       started: ``time.perf_counter()`` when the command started, so the reported
         wall time includes start-up (default: now).
+      init_timeout: seconds a multi-process run waits for all processes to connect.
     """
     watch = metrics_lib.Stopwatch(started)
+    # Joins the job when launched as one of several processes (a no-op otherwise): first,
+    # so that a wrong RANK or an absent coordinator fails before any data is read.
+    job = distributed.initialize(simulate_devices=cfg.parallel.simulate_devices,
+                                 init_timeout=init_timeout)
     corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)
     seq = cfg.model.seq_len
     data_lib.check_length(corpus.train, seq, "training")
@@ -237,8 +263,10 @@ def train(cfg: Config, started: float | None = None) -> dict[str, Any]:
         )
 
     if cfg.checkpoint.every:
+        # When checkpoints exist: every process writes its own shards, and a run restarted by
+        # `jaxzero launch --max-restarts` (JAXZERO_RESTART_COUNT > 0) resumes from the latest.
         raise ConfigError("checkpoint.every: checkpointing is not available yet; leave it 0")
-    mesh, simulated = setup_devices(cfg.parallel)
+    mesh, simulated = setup_devices(cfg.parallel, job, cfg.mesh.group_size)
     import jax
 
     n_dev = mesh.size
@@ -259,7 +287,9 @@ def train(cfg: Config, started: float | None = None) -> dict[str, Any]:
             writer.text("config", config_lib.dump_yaml(cfg))
         model, engine, schedule = build(cfg, mesh)
         state = engine.init_from(model.init, jax.random.key(cfg.train.seed))
-        progress.print(metrics_lib.banner(cfg, corpus, engine.num_params, simulated, run_dir))
+        per_run = None if job.multi else simulated  # multi-process: the mesh line says it
+        progress.print(metrics_lib.banner(cfg, corpus, engine.num_params, per_run, run_dir)
+                       + "\n  mesh   " + _mesh_line(job, mesh))
         summary = _loop(cfg, engine, state, model, corpus, schedule, writer, progress, watch)
         if is_main:
             metrics_lib.write_json(run_dir / metrics_lib.SUMMARY_FILE, summary)
@@ -267,6 +297,14 @@ def train(cfg: Config, started: float | None = None) -> dict[str, Any]:
     finally:
         progress.close()
         writer.close()
+
+
+def _mesh_line(job: Any, mesh: Any) -> str:
+    """Processes x local devices and the mesh's axes, for the banner."""
+    import jax
+
+    procs = distributed.describe_processes(job, jax.local_device_count(), jax.device_count())
+    return f"{procs}, {distributed.describe_mesh(mesh)}"
 
 
 def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress, watch) -> dict:
@@ -353,19 +391,44 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(config_lib.dump_yaml(cfg), end="")
             return 0
-        train(cfg, started)
-    except (ArgError, ConfigError, DataError) as e:
-        print(f"jaxzero train: error: {e}", file=sys.stderr)
-        return 2
+        train(cfg, started, args.init_timeout)
+    except (ArgError, ConfigError, DataError, distributed.DistributedError) as e:
+        return _leave(f"jaxzero train: error: {e}", 2)
     except SystemExit as e:  # --help
         return int(e.code or 0)
     except Diverged as e:
-        print(f"jaxzero train: {e}", file=sys.stderr)
-        return 1
+        return _leave(f"jaxzero train: {e}", 1)
     except KeyboardInterrupt:
-        print("jaxzero train: interrupted", file=sys.stderr)
-        return 130
+        return _leave("jaxzero train: interrupted", 130)
+    except BaseException as e:
+        _leave(f"jaxzero train: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+               1, raising=True)
+        raise
+    distributed.shutdown()  # every process leaves together
     return 0
+
+
+def _leave(message: str, status: int, raising: bool = False) -> int:
+    """Prints ``message``; in a multi-process run, exits at once.
+
+    A process that fails must not wait in JAX's shutdown barrier for peers that are
+    themselves blocked in a collective waiting for it: leaving closes its
+    connections, so they fail fast instead (or see its heartbeats stop).
+    """
+    jax = sys.modules.get("jax")  # not imported yet: certainly a single process
+    if jax is None or not (jax.distributed.is_initialized() and jax.process_count() > 1):
+        if not raising:
+            print(message, file=sys.stderr)
+        return status
+    rank = jax.process_index()
+    print(f"{message} (rank {rank}: leaving the job)", file=sys.stderr, flush=True)
+    if raising:
+        import traceback
+
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
