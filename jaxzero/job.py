@@ -158,6 +158,13 @@ def _pick(field: str, argument: Any, environ: Mapping[str, str]) -> Setting | No
     return None
 
 
+def _order(setting: Setting) -> int:
+    """Precedence of where a setting came from: argument 0, JAXZERO_* 1, torchrun 2."""
+    if setting.source == "argument":
+        return 0
+    return 1 if setting.source.startswith("JAXZERO_") else 2
+
+
 def detect_cluster(environ: Mapping[str, str]) -> str | None:
     """The launcher JAX would auto-detect, when it started more than one process."""
     slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
@@ -198,11 +205,12 @@ def resolve(environ: Mapping[str, str] | None = None, *, accelerator: bool = Fal
     if unknown:
         raise TypeError(f"unknown argument(s) {sorted(unknown)}; use {sorted(VARIABLES)}")
     got = {f: s for f in VARIABLES if (s := _pick(f, arguments.get(f), environ)) is not None}
-    if "host" in got and "port" not in got and str(got["host"].value).count(":") == 1:
-        name, port = str(got["host"].value).split(":")  # "addr:port", as JAX spells it
+    if "host" in got and str(got["host"].value).count(":") == 1:  # "addr:port", as JAX has it
+        name, embedded = str(got["host"].value).split(":")
         got["host"] = dataclasses.replace(got["host"], value=name)
-        got["port"] = _pick("port", port, {})
-        got["port"] = dataclasses.replace(got["port"], source=got["host"].source)
+        if "port" not in got or _order(got["host"]) < _order(got["port"]):
+            port = _pick("port", embedded, {})
+            got["port"] = dataclasses.replace(port, source=got["host"].source)
     host, port = got.get("host"), got.get("port")
     common = dict(
         settings=got,
