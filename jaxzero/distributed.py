@@ -33,8 +33,9 @@ __all__ = [
 ]
 
 
-def probe(host: str, port: int, deadline: float, what: str) -> None:
-    """Waits until ``host:port`` accepts TCP connections, or raises naming ``what``."""
+def probe(host: str, port: int, waited: float, what: str) -> None:
+    """Waits up to ``waited`` s until ``host:port`` accepts TCP connections, or raises."""
+    deadline = time.monotonic() + waited
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
@@ -51,7 +52,7 @@ def probe(host: str, port: int, deadline: float, what: str) -> None:
         if time.monotonic() >= deadline:
             raise DistributedError(
                 f"nobody listens at the coordinator {host}:{port} ({what}) after waiting "
-                "the init timeout: start rank 0 there, or fix the address and port")
+                f"{waited:g} s (init timeout): start rank 0 there, or fix the address and port")
         time.sleep(0.25)
 
 
@@ -137,7 +138,7 @@ def initialize(host: str | None = None, port: int | None = None, rank: int | Non
     started = time.monotonic()
     deadline = started + job.init_timeout
     if job.mode == "explicit" and job.rank != 0:
-        probe(job.host.value, job.port.value, deadline, job.named("host", "port"))
+        probe(job.host.value, job.port.value, job.init_timeout, job.named("host", "port"))
     dog = _Watchdog(max(deadline - time.monotonic(), 0.1),
                     lambda: _timeout_message(job, job.init_timeout))
     kwargs: dict[str, Any] = dict(
@@ -160,7 +161,67 @@ def initialize(host: str | None = None, port: int | None = None, rank: int | Non
                                "every process must be given the same world size")
     if verbose:
         _announce(job, devices)
+    global _JOB
+    _JOB = job
+    previous = sys.excepthook
+    sys.excepthook = lambda kind, value, tb: (previous(kind, value, tb), leave(1, value))
     return job
+
+
+_JOB: Job | None = None  # the job this process joined
+
+
+def lost_ranks(wait: float) -> list[int] | None:
+    """Ranks JAX's coordination service no longer sees alive; None if it cannot tell in time.
+
+    ``get_live_nodes`` answers once every live process asks or a silent one has
+    missed its heartbeats, so a survivor learns who died within the heartbeat
+    timeout. (The client has no public accessor in JAX 0.10.2.)
+    """
+    import jax
+    from jax._src import distributed as jax_distributed
+
+    client = getattr(jax_distributed.global_state, "client", None)
+    if client is None:
+        return None
+    everyone, answer = list(range(jax.process_count())), {}
+
+    def ask() -> None:
+        try:
+            answer["live"] = set(client.get_live_nodes(everyone))
+        except Exception:  # noqa: BLE001 - the service itself is gone: rank 0 hosts it
+            answer["live"] = set(everyone) - {0}
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(wait)
+    return sorted(set(everyone) - answer["live"]) if "live" in answer else None
+
+
+def leave(status: int, error: BaseException | None = None) -> None:
+    """Ends this process of a multi-process job now, naming lost ranks after a collective failed.
+
+    Waiting in JAX's shutdown barrier would hang: the peers are blocked in a
+    collective waiting for this process. Leaving closes its connections, so they
+    fail fast (or see its heartbeats stop). No-op outside a multi-process job.
+    """
+    import jax
+
+    if _JOB is None or not jax.distributed.is_initialized():
+        return
+    if error is not None and type(error).__name__ == "JaxRuntimeError":
+        wait = _JOB.heartbeat_timeout + 5
+        print(f"jaxzero.distributed: rank {_JOB.rank}: a collective failed; asking the "
+              f"coordinator which process is gone (up to {wait} s)", file=sys.stderr, flush=True)
+        lost = lost_ranks(wait)
+        if lost:
+            print(f"jaxzero.distributed: rank {_JOB.rank}: lost rank(s) "
+                  f"{', '.join(map(str, lost))} of {_JOB.world_size} (killed, crashed or "
+                  "unreachable); leaving the job", file=sys.stderr, flush=True)
+    print(f"jaxzero.distributed: rank {_JOB.rank}: exiting with status {status}",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(status)
 
 
 def _current_job() -> Job:

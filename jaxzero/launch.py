@@ -222,10 +222,16 @@ class Group:
             + " ".join(str(p.pid) for p in self.procs))
 
     def _pump(self, pipe: BinaryIO, out, prefix: bytes) -> None:
+        """Copies a child's lines with its rank in front; keeps draining if ``out`` breaks,
+        so that a child never blocks on a full pipe."""
         for line in iter(pipe.readline, b""):
             with self._lock:
-                out.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
-                out.flush()
+                try:
+                    out.buffer.write(prefix + line if line.endswith(b"\n") else
+                                     prefix + line + b"\n")
+                    out.flush()
+                except (OSError, ValueError):  # our reader went away: discard
+                    pass
         pipe.close()
 
     def failed(self) -> tuple[int, int] | None:

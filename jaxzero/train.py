@@ -400,35 +400,20 @@ def main(argv: list[str] | None = None) -> int:
         return _leave(f"jaxzero train: {e}", 1)
     except KeyboardInterrupt:
         return _leave("jaxzero train: interrupted", 130)
-    except BaseException as e:
-        _leave(f"jaxzero train: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-               1, raising=True)
-        raise
     distributed.shutdown()  # every process leaves together
     return 0
 
 
-def _leave(message: str, status: int, raising: bool = False) -> int:
-    """Prints ``message``; in a multi-process run, exits at once.
+def _leave(message: str, status: int) -> int:
+    """Prints ``message``; a process of a multi-process job then leaves it at once.
 
-    A process that fails must not wait in JAX's shutdown barrier for peers that are
-    themselves blocked in a collective waiting for it: leaving closes its
-    connections, so they fail fast instead (or see its heartbeats stop).
+    See :func:`jaxzero.distributed.leave`: waiting for peers that wait for us would
+    hang. (Uncaught exceptions leave through the hook ``initialize`` installs.)
     """
-    jax = sys.modules.get("jax")  # not imported yet: certainly a single process
-    if jax is None or not (jax.distributed.is_initialized() and jax.process_count() > 1):
-        if not raising:
-            print(message, file=sys.stderr)
-        return status
-    rank = jax.process_index()
-    print(f"{message} (rank {rank}: leaving the job)", file=sys.stderr, flush=True)
-    if raising:
-        import traceback
-
-        traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    print(message, file=sys.stderr, flush=True)
+    if "jax" in sys.modules:  # not imported yet: certainly a single process
+        distributed.leave(status, sys.exc_info()[1])
+    return status
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from _procs import alive_with
 
 from jaxzero import launch
 from jaxzero.job import DistributedError, detect_cluster, resolve
@@ -133,19 +134,6 @@ def _launch(*argv, env=None, timeout=60):
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def _alive(marker: str) -> list[int]:
-    """Pids of processes whose environment holds ``marker`` (descendants of one test)."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if marker.encode() in (d / "environ").read_bytes():
-                    found.append(int(d.name))
-            except OSError:
-                continue
-    return found
-
-
 def test_output_is_prefixed_by_rank():
     out = _launch("--nproc-per-node", "2", "--", "sh", "-c",
                   'echo "out $RANK of $WORLD_SIZE at $MASTER_ADDR:$MASTER_PORT"; echo err >&2')
@@ -167,7 +155,7 @@ def test_a_failing_process_stops_the_others_and_leaves_nothing():
     assert "rank 1 (local rank 1, pid" in out.stderr and "exited with code 3" in out.stderr
     assert "failed: rank 1 exited with code 3" in out.stderr
     assert "rank 0 (pid" in out.stderr and "killed by SIGTERM" in out.stderr
-    assert _alive(marker) == []  # the background sleeps of both ranks are gone too
+    assert alive_with(marker) == []  # the background sleeps of both ranks are gone too
 
 
 def test_restarts_the_group_then_succeeds():
