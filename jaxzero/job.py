@@ -199,6 +199,13 @@ def resolve(environ: Mapping[str, str] | None = None, *, accelerator: bool = Fal
 
     Pure: reads nothing but its inputs, so every rule is testable without JAX.
     Raises :class:`DistributedError` naming the variable and its value.
+
+    Example:
+      >>> env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "1",
+      ...        "WORLD_SIZE": "2", "JAXZERO_RANK": "0"}
+      >>> job = resolve(env)
+      >>> job.coordinator, job.rank, job.named("rank", "world_size")
+      ('10.0.0.1:29500', 0, 'JAXZERO_RANK=0, WORLD_SIZE=2')
     """
     environ = os.environ if environ is None else environ
     unknown = set(arguments) - set(VARIABLES)

@@ -104,6 +104,10 @@ def replicas_for(group_size: int | str | None, num_devices: int, node_devices: i
 
     ``None`` is one group of all devices (plain ZeRO); ``"node"`` is the devices
     of one node (``node_devices``), the usual hybrid choice across nodes.
+
+    Example:
+      >>> replicas_for("node", num_devices=16, node_devices=8)  # 2 nodes of 8 GPUs
+      2
     """
     if group_size is None:
         return 1

@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh",
-           "jaxzero.models.gpt"]
+           "jaxzero.models.gpt", "jaxzero.job"]
 
 
 @pytest.mark.parametrize("name", MODULES)
