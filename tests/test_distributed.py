@@ -191,3 +191,15 @@ def test_signals_are_forwarded_to_every_process(sig):
     assert proc.returncode == 128 + sig
     assert f"[rank 0] got {int(sig)}" in out and f"[rank 1] got {int(sig)}" in out
     assert f"got {signal.Signals(sig).name}: forwarding it to every process" in err
+
+
+def test_train_builds_the_hybrid_mesh_from_group_size():
+    from jaxzero import config as C
+    from jaxzero import train
+
+    mesh, _ = train.setup_devices(C.ParallelConfig(devices=8), None, 4)
+    assert dict(mesh.shape) == {"replica": 2, "data": 4}
+    mesh, _ = train.setup_devices(C.ParallelConfig(devices=8), None, "node")  # one node here
+    assert dict(mesh.shape) == {"data": 8}
+    with pytest.raises(C.ConfigError, match="mesh.group_size=3 must divide the 8 devices"):
+        train.setup_devices(C.ParallelConfig(devices=8), None, 3)
