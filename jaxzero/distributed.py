@@ -29,7 +29,8 @@ from typing import Any
 from jaxzero.job import EXIT_SETUP, VARIABLES, DistributedError, Job, resolve
 
 __all__ = [
-    "VARIABLES", "DistributedError", "Job", "describe_mesh", "initialize", "resolve", "shutdown",
+    "VARIABLES", "DistributedError", "Job", "describe_mesh", "describe_processes", "initialize",
+    "leave", "lost_ranks", "resolve", "shutdown",
 ]
 
 
@@ -115,8 +116,8 @@ def initialize(host: str | None = None, port: int | None = None, rank: int | Non
 
     from jaxzero import mesh as mesh_lib
 
-    if jax.distributed.is_initialized():
-        return _current_job()
+    if jax.distributed.is_initialized():  # already joined (by us, or by a direct JAX call)
+        return _JOB or _current_job()
     job = resolve(accelerator=mesh_lib.accelerator_expected(), host=host, port=port, rank=rank,
                   world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
                   simulate_devices=simulate_devices, init_timeout=init_timeout,
@@ -151,20 +152,26 @@ def initialize(host: str | None = None, port: int | None = None, rank: int | Non
                       process_id=job.rank)
     elif job.coordinator is not None:
         kwargs["coordinator_address"] = job.coordinator
-    jax.distributed.initialize(**kwargs)
-    devices = jax.devices()  # starts the backend: the topology exchange is covered too
-    dog.done()
-    job = dataclasses.replace(job, rank=jax.process_index(), world_size=jax.process_count())
+    try:
+        jax.distributed.initialize(**kwargs)
+        devices = jax.devices()  # starts the backend: the topology exchange is covered too
+    except (RuntimeError, ValueError) as e:  # JAX refused before connecting
+        where = job.named("host", "port", "rank", "world_size") or job.mode
+        raise DistributedError(f"jax.distributed.initialize failed ({where}): "
+                               f"{str(e).strip().splitlines()[0]}") from e
+    finally:
+        dog.done()
+    global _JOB
+    _JOB = job = dataclasses.replace(job, rank=jax.process_index(),
+                                     world_size=jax.process_count())
+    previous = sys.excepthook  # an uncaught exception leaves the job at once (see leave)
+    sys.excepthook = lambda kind, value, tb: (previous(kind, value, tb), leave(1, value))
     if job.mode == "explicit" and job.world_size != job.settings["world_size"].value:
         raise DistributedError(f"{job.settings['world_size']} but the coordinator at "
                                f"{job.coordinator} runs a job of {job.world_size} processes: "
                                "every process must be given the same world size")
     if verbose:
         _announce(job, devices)
-    global _JOB
-    _JOB = job
-    previous = sys.excepthook
-    sys.excepthook = lambda kind, value, tb: (previous(kind, value, tb), leave(1, value))
     return job
 
 
