@@ -112,6 +112,7 @@ def initialize(host: str | None = None, port: int | None = None, rank: int | Non
       The :class:`Job`. A single process with nothing set is left alone (mode "single");
       in a multi-process job JAX's backend is started, to report the devices.
     """
+    global _JOB
     import jax
 
     from jaxzero import mesh as mesh_lib
@@ -161,7 +162,6 @@ def initialize(host: str | None = None, port: int | None = None, rank: int | Non
                                f"{str(e).strip().splitlines()[0]}") from e
     finally:
         dog.done()
-    global _JOB
     _JOB = job = dataclasses.replace(job, rank=jax.process_index(),
                                      world_size=jax.process_count())
     previous = sys.excepthook  # an uncaught exception leaves the job at once (see leave)

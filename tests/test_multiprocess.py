@@ -212,3 +212,19 @@ def test_without_a_launcher_the_survivor_stops_and_names_the_lost_rank():
     assert procs[0].returncode != 0 and time.monotonic() - killed < 60
     # JAX's coordination service names the silent task, or jaxzero does after a failed collective
     assert re.search(r"stopped sending heartbeats\):\s*1\b|lost rank\(s\) 1 of 2", err), err[-3000:]
+
+
+@pytest.mark.slow
+def test_world_sizes_that_differ_between_processes_are_refused():
+    port = free_port()
+    code = "import jaxzero.distributed as d; d.initialize(init_timeout=10); print('joined')"
+    beat = {"JAXZERO_HEARTBEAT_TIMEOUT": "5"}
+    procs = [subprocess.Popen([sys.executable, "-c", code],
+                              env=_torchrun_env(i, port, world=2 + i, **beat),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    results = [p.communicate(timeout=120) for p in procs]
+    out, err = results[1]
+    assert procs[1].returncode != 0 and "joined" not in out
+    assert f"WORLD_SIZE=3 but the coordinator at 127.0.0.1:{port} runs a job of 2 processes" \
+        in err, err[-2000:]
