@@ -106,6 +106,23 @@ class Theory:
     comm_param: float
     comm: float
     optimizer_per_param: float  # bytes of optimizer state per param (Adam: 8)
+    comm_intra: float = 0.0  # hybrid split of ``comm``: within a group of N devices ...
+    comm_inter: float = 0.0  # ... across the R groups (the all-reduce of gradient shards)
+
+
+def inter_group_bytes(psi: float, n: int, replicas: int, stage: int, grad_bytes: float,
+                      micro_batches: int = 1) -> float:
+    """Hybrid sharding's traffic across groups, per device per step.
+
+    Each device all-reduces its reduced gradient shard (Ψ/N elements) with the
+    devices at its position in the other R − 1 groups: 2 (Ψ b / N)(R − 1)/R, once
+    per step in stage 1 and once per micro-batch in stages 2–3 (they reduce per
+    micro-batch). Stage 0 has no shards: its one all-reduce spans every device.
+    """
+    if stage == 0 or replicas <= 1:
+        return 0.0
+    times = micro_batches if stage >= 2 else 1
+    return times * est.ring_bytes("all-reduce", psi * grad_bytes / n, replicas)
 
 
 def theory(
@@ -118,6 +135,7 @@ def theory(
     optimizer_per_param: float,
     micro_batches: int = 1,
     param_gathers: int = 2,
+    replicas: int = 1,
 ) -> Theory:
     """Model-state memory and communication from :mod:`jaxzero.estimate`'s formulas.
 
@@ -131,17 +149,23 @@ def theory(
       optimizer_per_param: optimizer-state bytes per param (fp32 Adam: 8).
       micro_batches: gradient-accumulation steps per optimizer step.
       param_gathers: stage-3 gathers per param and micro-batch (see ``est.comm_bytes``).
+      replicas: hybrid sharding: R groups of ``n`` devices each hold a copy of the state.
     """
     prec = est.Precision(
         param=param_bytes, grad=param_bytes, master=master_bytes,
         optimizer=optimizer_per_param,
     )
     ms = est.model_state_bytes(psi, n, stage, prec)
-    cm = est.comm_bytes(psi, n, stage, grad_bytes, param_bytes, micro_batches, param_gathers)
+    n_ring = n * replicas if stage == 0 else n  # stage 0 all-reduces over every device
+    cm = est.comm_bytes(psi, n_ring, stage, grad_bytes, param_bytes, micro_batches,
+                        param_gathers)
+    inter = inter_group_bytes(psi, n, replicas, stage, grad_bytes, micro_batches)
+    intra = 0.0 if stage == 0 and replicas > 1 else cm.total
     return Theory(
         params=ms.params, master=ms.master, optimizer=ms.optimizer, grads=ms.grads,
-        persistent=ms.persistent, model_states=ms.total, comm_grad=cm.grad,
-        comm_param=cm.param, comm=cm.total, optimizer_per_param=optimizer_per_param,
+        persistent=ms.persistent, model_states=ms.total, comm_grad=cm.grad + inter,
+        comm_param=cm.param, comm=cm.total + inter, optimizer_per_param=optimizer_per_param,
+        comm_intra=intra, comm_inter=inter,
     )
 
 
@@ -160,6 +184,7 @@ class LayoutExpectation:
     comm: float
     padded_params: int
     replicated_params: int
+    comm_inter: float = 0.0  # hybrid: the part of ``comm`` that crosses groups
 
 
 def _stored_per_device(lay: Any, n: int, sharded: bool) -> float:
@@ -179,20 +204,23 @@ def layout_expectation(
     optimizer: list[tuple[Any, int]] = (),
     micro_batches: int = 1,
     param_gathers: int = 2,
+    replicas: int = 1,
 ) -> LayoutExpectation:
     """Leaf-by-leaf persistent bytes and traffic for the engine's layouts.
 
     Args:
       layouts: objects with ``shape``, ``dim`` (None: replicated) and ``padded_shape``.
-      n, stage, param_bytes, grad_bytes, master_bytes, micro_batches, param_gathers:
-        as for :func:`theory`.
+      n, stage, param_bytes, grad_bytes, master_bytes, micro_batches, param_gathers,
+        replicas: as for :func:`theory`.
       optimizer: ``(layout, itemsize)`` of every optimizer-state leaf (sharded with
         the master from stage 1, by its own layout).
     """
     frac = (n - 1) / n if n > 1 else 0.0
+    every = n * replicas  # replicated leaves (and stage 0) all-reduce over every device
+    frac_all = (every - 1) / every if every > 1 else 0.0
     k = micro_batches
     persistent = sum(_stored_per_device(lay, n, stage >= 1) * size for lay, size in optimizer)
-    comm = 0.0
+    comm = inter = 0.0
     padded_total = replicated = 0
     for lay in layouts:
         size = math.prod(lay.shape)
@@ -202,19 +230,22 @@ def layout_expectation(
             replicated += size
             padded_total += size
             # stage 0 and 1 reduce once per step, stages 2-3 once per micro-batch (hook)
-            comm += (k if stage >= 2 else 1) * 2 * size * grad_bytes * frac
+            comm += (k if stage >= 2 else 1) * 2 * size * grad_bytes * frac_all
             continue
         padded = math.prod(lay.padded_shape)
         padded_total += padded
+        if stage >= 1 and replicas > 1:
+            inter += (k if stage >= 2 else 1) * est.ring_bytes(
+                "all-reduce", padded / n * grad_bytes, replicas)
         if stage == 0:
-            comm += 2 * size * grad_bytes * frac
+            comm += 2 * size * grad_bytes * frac_all
         elif stage == 1:
             comm += padded * (grad_bytes + param_bytes) * frac
         elif stage == 2:
             comm += padded * (k * grad_bytes + param_bytes) * frac
         else:
             comm += k * padded * (grad_bytes + param_gathers * param_bytes) * frac
-    return LayoutExpectation(persistent, comm, padded_total, replicated)
+    return LayoutExpectation(persistent, comm + inter, padded_total, replicated, inter)
 
 
 # ----------------------------------------------------------------------------- report
@@ -280,6 +311,10 @@ class Report:
                 else None
             ),
         }
+        for label, got, formula, _ in _scope_rows(self):
+            key = "comm_intra" if label.startswith("within") else "comm_inter"
+            if formula:
+                d["ratios"][key] = got / formula
         d["collectives"] = [
             {
                 "name": c.name, "kind": c.kind, "opcode": c.opcode, "computation": c.computation,
@@ -295,6 +330,17 @@ class Report:
     def to_json(self, indent: int = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
+    def _scope_lines(self, mb, ratio) -> list[str]:
+        lines = []
+        for label, got, formula, layouts in _scope_rows(self):
+            line = f"{'  ' + label:<30}{mb(got)}"
+            if formula is not None:
+                line += f"{mb(formula)}{ratio(got, formula)}"
+                if layouts is not None:
+                    line += f"{mb(layouts)}{ratio(got, layouts)}"
+            lines.append(line)
+        return lines
+
     def table(self) -> str:
         """Measured vs. theory, MB = 1e6 bytes."""
         c, t, p, e = self.config, self.theory, self.persistent, self.expected
@@ -304,7 +350,9 @@ class Report:
         lines = [
             f"stage {c['stage']}, N = {c['num_shards']}, {c['precision']} "
             f"(compute {c['compute_dtype']}, gradient reduce {c['reduce_dtype']}), "
-            f"{c['micro_batches']} micro-batch(es)",
+            f"{c['micro_batches']} micro-batch(es)"
+            + (f"; hybrid: {c['replicas']} groups of {c['num_shards']} devices, the state "
+               "replicated across groups" if c.get("replicas", 1) > 1 else ""),
             f"Ψ = {c['num_params']:,} (stored {e.padded_params:,} with padding; "
             f"{e.replicated_params:,} in replicated small leaves); optimizer state "
             f"{t.optimizer_per_param:.2f} bytes per param",
@@ -341,6 +389,7 @@ class Report:
             lines[-1] += f"{mb(e.comm)}{ratio(self.traffic.grad_param, e.comm)}"
         for kind, b in sorted(self.traffic.by_kind.items()):
             lines.append(f"{'  ' + kind:<30}{mb(b)}")
+        lines += self._scope_lines(mb, ratio)
         lines.append(f"{'scalars (loss, norms)':<30}{mb(self.traffic.scalars)}")
         lines += ["", f"collectives: {self.traffic.ops} ops, {self.traffic.runs} runs per step"]
         for col in self.collectives:
@@ -351,6 +400,21 @@ class Report:
             )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _scope_rows(report: Report) -> list[tuple[str, float, float | None, float | None]]:
+    """Hybrid meshes: (label, measured, formula, layouts) for traffic inside / across groups."""
+    c, t, e = report.config, report.theory, report.expected
+    if c.get("replicas", 1) <= 1:
+        return []
+    got = report.traffic.by_scope_logical or report.traffic.by_scope
+    return [
+        (f"within a group (N = {c['num_shards']})", got.get("intra", 0.0), t.comm_intra,
+         e.comm - e.comm_inter if c["stage"] > 0 else None),
+        (f"across groups (R = {c['replicas']})", got.get("inter", 0.0), t.comm_inter,
+         e.comm_inter),
+        ("spanning both", got.get("both", 0.0), None, None),
+    ]
 
 
 def _stage3_notes(engine: Any, collectives: list[Collective], scalar_elements: int) -> list[str]:
@@ -429,7 +493,9 @@ def report(
 
     compiled = compiled if compiled is not None else engine.compile(state, batch)
     hlo = collectives_from_hlo(compiled.as_text())
-    tr = traffic(hlo.collectives, scalar_elements)
+    n = engine.num_shards
+    replicas = int(engine.mesh.devices.size) // n
+    tr = traffic(hlo.collectives, scalar_elements, group_size=n)
 
     psi = int(engine.num_params)
     reduce_dtype = engine.reduce_dtype or engine.compute_dtype
@@ -438,14 +504,15 @@ def report(
     opt_lays = jax.tree.leaves(engine.opt_layouts, is_leaf=is_layout)
     opt_sizes = [x.dtype.itemsize for x in jax.tree.leaves(state.opt_state)]
     per_param = sum(lay.size * b for lay, b in zip(opt_lays, opt_sizes, strict=True)) / psi
-    n, k = engine.num_shards, engine.micro_batches
+    k = engine.micro_batches
     gathers = 2 if getattr(engine, "per_layer", True) else 1  # coarse stage 3 gathers once
     th = theory(psi, n, engine.stage, param_bytes, grad_bytes, master_bytes, per_param, k,
-                param_gathers=gathers)
+                param_gathers=gathers, replicas=replicas)
     layouts = jax.tree.leaves(engine.layouts, is_leaf=is_layout)
     ex = layout_expectation(
         layouts, n, engine.stage, param_bytes, grad_bytes, master_bytes,
         list(zip(opt_lays, opt_sizes, strict=True)), k, param_gathers=gathers,
+        replicas=replicas,
     )
     notes = list(hlo.notes)
     if ex.padded_params != psi:
@@ -463,6 +530,7 @@ def report(
     config = {
         "stage": engine.stage,
         "num_shards": n,
+        "replicas": replicas,
         "devices": int(engine.mesh.devices.size),
         "precision": engine.precision,
         "compute_dtype": str(np.dtype(engine.compute_dtype)),

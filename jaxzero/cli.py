@@ -1,4 +1,5 @@
-"""The ``jaxzero`` command: ``train``, ``plot``, ``estimate``, ``report``, ``export``, ``sample``.
+"""The ``jaxzero`` command: ``train``, ``launch``, ``plot``, ``estimate``, ``report``, ``export``,
+``sample``.
 
 Each subcommand lives in its own module with a ``main(argv) -> int``; this file
 only dispatches, so ``jaxzero estimate`` never pays for importing the trainer.
@@ -60,6 +61,7 @@ COMMANDS = {
     "report": ("jaxzero.report", "compile a step and print measured vs. theoretical accounting"),
     "export": ("jaxzero.export", "write a checkpoint's params as safetensors + config.json"),
     "sample": ("jaxzero.sample", "generate text from a run, checkpoint or export"),
+    "launch": ("jaxzero.launch", "start K processes per node (multi-GPU, multi-node), watch them"),
 }
 
 

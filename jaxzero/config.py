@@ -80,6 +80,18 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class MeshConfig:
+    """Hybrid sharding: ZeRO state sharded within groups of devices, replicated across groups.
+
+    ``group_size=None`` shards over every device (plain ZeRO); ``"node"`` uses the
+    devices of one node, so the sharding collectives stay on the node's fast links
+    and only one all-reduce of the gradient shard per step crosses nodes.
+    """
+
+    group_size: int | Literal["node"] | None = None
+
+
+@dataclass(frozen=True)
 class PrecisionConfig:
     """Compute precision of the working params; the master copy is always fp32."""
 
@@ -133,6 +145,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -351,6 +364,7 @@ def validate(config: Config) -> Config:
         "model.d_ff": m.d_ff,
         "parallel.devices": p.devices,
         "parallel.simulate_devices": p.simulate_devices,
+        "mesh.group_size": config.mesh.group_size if config.mesh.group_size != "node" else None,
         "train.peak_flops_per_device": t.peak_flops_per_device,
         "optimizer.max_grad_norm": o.max_grad_norm,
     }

@@ -610,6 +610,25 @@ def collectives_from_hlo(text: str) -> HloCollectives:
     return HloCollectives(out, notes)
 
 
+SCOPES = ("intra", "inter", "both")
+
+
+def scope(groups: tuple[tuple[int, ...], ...], group_size: int) -> str:
+    """Where a collective's traffic flows on a hybrid mesh of groups of ``group_size`` devices.
+
+    Device ``d`` (its index in the mesh, which the SPMD program's ids follow) sits in
+    group ``d // group_size`` at position ``d % group_size``. ``"intra"``: every
+    replica group stays inside one group (the fast links of a node); ``"inter"``:
+    it links the same position across groups (one all-reduce of the gradient shard);
+    ``"both"``: it spans both (stage 0's all-reduce, replicated small leaves).
+    """
+    if all(len({d // group_size for d in g}) <= 1 for g in groups):
+        return "intra"
+    if all(len({d % group_size for d in g}) <= 1 for g in groups):
+        return "inter"
+    return "both"
+
+
 @dataclass
 class Traffic:
     """Bytes on the wire per device per step, split the way the theory is.
@@ -622,6 +641,8 @@ class Traffic:
       ops: collective instructions found; runs: their total executions per step.
       grad_param_logical: ``grad_param`` counted at the element types the program
         asked for, before the backend widened any (equal on GPU/TPU, and in fp32).
+      by_scope: grad_param bytes by :func:`scope` (all ``"intra"`` on a plain mesh).
+      by_scope_logical: the same at the program's element types.
     """
 
     grad_param: float
@@ -630,14 +651,24 @@ class Traffic:
     ops: int
     runs: int
     grad_param_logical: float
+    by_scope: dict[str, float] = field(default_factory=dict)
+    by_scope_logical: dict[str, float] = field(default_factory=dict)
 
 
-def traffic(collectives: list[Collective], scalar_elements: int = SCALAR_ELEMENTS) -> Traffic:
-    """Sum ring bytes × runs per step, splitting scalar buffers from the real traffic."""
+def traffic(collectives: list[Collective], scalar_elements: int = SCALAR_ELEMENTS,
+            group_size: int | None = None) -> Traffic:
+    """Sum ring bytes × runs per step, splitting scalar buffers from the real traffic.
+
+    ``group_size``: devices per group of a hybrid mesh, to split traffic by
+    :func:`scope` (None: one group, everything ``"intra"``).
+    """
     big = small = logical = 0.0
     by_kind: dict[str, float] = {}
+    by_scope = dict.fromkeys(SCOPES, 0.0)
+    by_scope_logical = dict.fromkeys(SCOPES, 0.0)
     for c in collectives:
         narrow = c.logical_buffers or c.buffers
+        where = "intra" if group_size is None else scope(c.replica_groups, group_size)
         for b, nb in zip(c.buffers, narrow, strict=True):
             sent = c.runs * c.wire_bytes(b)
             if b.elements < scalar_elements:
@@ -646,5 +677,8 @@ def traffic(collectives: list[Collective], scalar_elements: int = SCALAR_ELEMENT
                 big += sent
                 logical += c.runs * c.wire_bytes(nb)
                 by_kind[c.kind] = by_kind.get(c.kind, 0.0) + sent
+                by_scope[where] += sent
+                by_scope_logical[where] += c.runs * c.wire_bytes(nb)
     runs = sum(c.runs for c in collectives)
-    return Traffic(big, small, by_kind, len(collectives), runs, logical)
+    return Traffic(big, small, by_kind, len(collectives), runs, logical, by_scope,
+                   by_scope_logical)

@@ -45,7 +45,7 @@ def simulate_devices(n: int) -> None:
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
-        have = jax.device_count()
+        have = jax.local_device_count()  # per process: a multi-process job simulates per process
         if have == n and jax.default_backend() == "cpu":
             return
         raise RuntimeError(
@@ -97,6 +97,27 @@ def make_mesh(num_devices: int | None = None, *, replicas: int = 1) -> Mesh:
         axis_types=(AxisType.Auto, AxisType.Auto),
         devices=devices[:n],
     )
+
+
+def replicas_for(group_size: int | str | None, num_devices: int, node_devices: int) -> int:
+    """How many groups replicate the state when each shards it over ``group_size`` devices.
+
+    ``None`` is one group of all devices (plain ZeRO); ``"node"`` is the devices
+    of one node (``node_devices``), the usual hybrid choice across nodes.
+
+    Example:
+      >>> replicas_for("node", num_devices=16, node_devices=8)  # 2 nodes of 8 GPUs
+      2
+    """
+    if group_size is None:
+        return 1
+    size = node_devices if group_size == "node" else group_size
+    if not isinstance(size, int) or size < 1 or num_devices % size:
+        what = f"node ({node_devices} devices per node)" if group_size == "node" else size
+        raise ValueError(
+            f"mesh.group_size={what} must divide the {num_devices} devices into equal groups"
+        )
+    return num_devices // size
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="ZeRO stage(s) to report (several: one report each)",
     )
     p.add_argument("--devices", type=int, default=None, help="devices in the mesh (default all)")
+    p.add_argument("--group-size", type=int, default=None, metavar="G",
+                   help="hybrid sharding: shard the state within groups of G devices, replicate "
+                   "it across groups (default: one group of all devices)")
     p.add_argument(
         "--simulate-devices",
         type=int,
@@ -74,7 +77,7 @@ def _validate(args: argparse.Namespace) -> None:
     for name in ("micro_batches", "d_model", "layers", "heads", "seq_len", "vocab"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
-    for name in ("devices", "simulate_devices", "batch"):
+    for name in ("devices", "simulate_devices", "batch", "group_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
@@ -100,9 +103,11 @@ def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any]:
     import optax
 
     import jaxzero
+    from jaxzero.mesh import replicas_for
     from jaxzero.models.gpt import GPT, GPTConfig
 
-    mesh = jaxzero.make_mesh(args.devices)
+    n = args.devices or jax.device_count()
+    mesh = jaxzero.make_mesh(n, replicas=replicas_for(args.group_size, n, n))
     cfg = GPTConfig(
         vocab_size=args.vocab,
         seq_len=args.seq_len,

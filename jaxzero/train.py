@@ -26,6 +26,7 @@ from typing import Any
 
 from jaxzero import config as config_lib
 from jaxzero import data as data_lib
+from jaxzero import distributed
 from jaxzero import metrics as metrics_lib
 from jaxzero import resume as resume_lib
 from jaxzero.checkpoint import CheckpointError, CheckpointManager
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
                    help="continue RUN_DIR (or --name NAME) from its latest checkpoint")
     p.add_argument("--print-config", action="store_true", help="print the config and exit")
+    p.add_argument("--init-timeout", type=float, default=None, metavar="SECONDS",
+                   help="multi-process: how long to wait for every process to connect "
+                   "(default 60 on CPU; JAXZERO_INIT_TIMEOUT)")
     return p
 
 
@@ -147,17 +151,33 @@ def devices_to_simulate(parallel: config_lib.ParallelConfig) -> int | None:
     return parallel.devices or DEFAULT_SIMULATED_DEVICES
 
 
-def setup_devices(parallel: config_lib.ParallelConfig) -> tuple[Any, int | None]:
-    """Simulates CPU devices if asked (before any computation) and builds the mesh."""
+def setup_devices(parallel: config_lib.ParallelConfig, job: Any = None,
+                  group_size: int | str | None = None) -> tuple[Any, int | None]:
+    """Simulates CPU devices if asked (before any computation) and builds the mesh.
+
+    In a multi-process ``job`` the devices were set up by ``distributed.initialize``
+    (``simulate_devices`` counts per process) and the mesh spans every process.
+    """
     import jax
 
-    from jaxzero.mesh import make_mesh, simulate_devices
+    from jaxzero.mesh import make_mesh, replicas_for, simulate_devices
 
-    simulated = devices_to_simulate(parallel)
+    multi = job is not None and job.multi
+    simulated = devices_to_simulate(parallel) if not multi else None
     try:
         if simulated is not None:
             simulate_devices(simulated)
-        return make_mesh(parallel.devices or jax.device_count()), simulated
+        if multi:
+            simulated = job.simulate_devices if jax.default_backend() == "cpu" else None
+            if parallel.devices not in (None, jax.device_count()):
+                raise ConfigError(
+                    f"parallel.devices={parallel.devices}: a multi-process run trains on all "
+                    f"{jax.device_count()} devices of its {job.world_size} processes; leave it "
+                    "unset"
+                )
+        n = parallel.devices or jax.device_count()
+        node = jax.local_device_count() * (job.local_world_size if multi else 1)
+        return make_mesh(n, replicas=replicas_for(group_size, n, node)), simulated
     except (RuntimeError, ValueError) as e:
         raise ConfigError(" ".join(str(e).split())) from None
 
@@ -272,8 +292,8 @@ def build(cfg: Config, mesh: Any) -> tuple[Any, Any, Any]:
     return model, engine, schedule
 
 
-def train(cfg: Config, started: float | None = None, resume: list[str] | None = None
-          ) -> dict[str, Any]:
+def train(cfg: Config, started: float | None = None, resume: list[str] | None = None,
+          init_timeout: float | None = None) -> dict[str, Any]:
     """Runs the whole training job described by ``cfg`` and returns its summary.
 
     Args:
@@ -282,8 +302,13 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
         wall time includes start-up (default: now).
       resume: continue the run in ``cfg``'s run directory from its latest
         checkpoint; the list names the config changes (said at start-up).
+      init_timeout: seconds a multi-process run waits for all processes to connect.
     """
     watch = metrics_lib.Stopwatch(started)
+    # Joins the job when launched as one of several processes (a no-op otherwise): first,
+    # so that a wrong RANK or an absent coordinator fails before any data is read.
+    job = distributed.initialize(simulate_devices=cfg.parallel.simulate_devices,
+                                 init_timeout=init_timeout)
     corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)
     seq = cfg.model.seq_len
     data_lib.check_length(corpus.train, seq, "training")
@@ -294,7 +319,9 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
             f"model.vocab_size={vocab} is smaller than the data's {corpus.vocab_size}"
         )
 
-    mesh, simulated = setup_devices(cfg.parallel)
+    # every process writes its own shards; a run restarted by `jaxzero launch
+    # --max-restarts` (JAXZERO_RESTART_COUNT > 0) is resumed with --resume by the command
+    mesh, simulated = setup_devices(cfg.parallel, job, cfg.mesh.group_size)
     import jax
 
     n_dev = mesh.size
@@ -323,7 +350,9 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
             writer.text("config", config_lib.dump_yaml(cfg))
         if resume is None:
             state = engine.init_from(model.init, jax.random.key(cfg.train.seed))
-        progress.print(metrics_lib.banner(cfg, corpus, engine.num_params, simulated, run_dir))
+        per_run = None if job.multi else simulated  # multi-process: the mesh line says it
+        progress.print(metrics_lib.banner(cfg, corpus, engine.num_params, per_run, run_dir)
+                       + "\n  mesh   " + _mesh_line(job, mesh))
         if resume is not None:
             progress.print(f"  resume from {ckpt.directory / str(int(state.step))} (step "
                            f"{int(state.step)})" + "".join(f"\n  changed {c}" for c in resume))
@@ -336,6 +365,14 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
         progress.close()
         writer.close()
         ckpt.close()
+
+
+def _mesh_line(job: Any, mesh: Any) -> str:
+    """Processes x local devices and the mesh's axes, for the banner."""
+    import jax
+
+    procs = distributed.describe_processes(job, jax.local_device_count(), jax.device_count())
+    return f"{procs}, {distributed.describe_mesh(mesh)}"
 
 
 def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress, watch,
@@ -477,22 +514,33 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(printable_config(cfg), end="")
             return 0
-        train(cfg, started, getattr(args, "resume_changes", None) if args.resume else None)
-    except (ArgError, ConfigError, DataError, CheckpointError) as e:
-        print(f"jaxzero train: error: {e}", file=sys.stderr)
-        return 2
+        train(cfg, started, getattr(args, "resume_changes", None) if args.resume else None,
+              args.init_timeout)
+    except (ArgError, ConfigError, DataError, CheckpointError,
+            distributed.DistributedError) as e:
+        return _leave(f"jaxzero train: error: {e}", 2)
     except resume_lib.Stopped as e:
-        print(f"jaxzero train: {e}", file=sys.stderr)
-        return 128 + e.signum
+        return _leave(f"jaxzero train: {e}", 128 + e.signum)
     except SystemExit as e:  # --help
         return int(e.code or 0)
     except Diverged as e:
-        print(f"jaxzero train: {e}", file=sys.stderr)
-        return 1
+        return _leave(f"jaxzero train: {e}", 1)
     except KeyboardInterrupt:
-        print("jaxzero train: interrupted", file=sys.stderr)
-        return 130
+        return _leave("jaxzero train: interrupted", 130)
+    distributed.shutdown()  # every process leaves together
     return 0
+
+
+def _leave(message: str, status: int) -> int:
+    """Prints ``message``; a process of a multi-process job then leaves it at once.
+
+    See :func:`jaxzero.distributed.leave`: waiting for peers that wait for us would
+    hang. (Uncaught exceptions leave through the hook ``initialize`` installs.)
+    """
+    print(message, file=sys.stderr, flush=True)
+    if "jax" in sys.modules:  # not imported yet: certainly a single process
+        distributed.leave(status, sys.exc_info()[1])
+    return status
 
 
 if __name__ == "__main__":

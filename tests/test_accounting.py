@@ -462,3 +462,41 @@ def test_report_dump_hlo_bad_path_fails_before_compiling(tmp_path, capsys, monke
     assert out == "" and len(err.strip().splitlines()) == 1
     assert err.startswith("jaxzero report: error: --dump-hlo: cannot write")
     assert "is a file, not a directory" in err
+
+
+def test_scope_of_replica_groups_on_a_hybrid_mesh():
+    # 2 groups of 4: devices 0-3 and 4-7
+    assert hlo.scope(((0, 1, 2, 3), (4, 5, 6, 7)), 4) == "intra"
+    assert hlo.scope(((0, 4), (1, 5), (2, 6), (3, 7)), 4) == "inter"
+    assert hlo.scope(((0, 4, 1, 5, 2, 6, 3, 7),), 4) == "both"
+    assert hlo.scope(((0, 1, 2, 3, 4, 5, 6, 7),), 8) == "intra"  # one group: a plain mesh
+    assert hlo.scope(((0, 1), (4, 5)), 4) == "intra" and hlo.scope(((0, 5),), 4) == "both"
+
+
+def test_hybrid_2x4_stage3_intra_and_inter_group_bytes_match_the_formulas():
+    """Shard over 4, replicate over 2: ZeRO-3 traffic inside a group, one all-reduce across."""
+    import optax
+
+    import jaxzero
+    from jaxzero.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=64, n_layers=4, n_heads=4)
+    model = GPT(cfg)
+    engine = model.engine(optax.adamw(1e-3), mesh=jaxzero.make_mesh(8, replicas=2), stage=3)
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    state = engine.init(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes))
+    tokens = jnp.zeros((16, cfg.seq_len), jnp.int32)
+    r = acc.report(engine, state, {"inputs": tokens, "targets": tokens})
+    psi, b = r.config["num_params"], 4
+    assert (r.config["num_shards"], r.config["replicas"]) == (4, 2)
+    intra_formula = 3 * psi * b * 3 / 4  # gather fwd + gather bwd + reduce-scatter, N = 4
+    inter_formula = 2 * (psi * b / 4) * 1 / 2  # all-reduce of the gradient shard, R = 2
+    assert r.theory.comm_intra == pytest.approx(intra_formula)
+    assert r.theory.comm_inter == pytest.approx(inter_formula)
+    measured = r.traffic.by_scope
+    assert measured["intra"] == pytest.approx(intra_formula, rel=0.02), r.table()
+    assert measured["inter"] == pytest.approx(inter_formula, rel=0.02), r.table()
+    assert measured["both"] == 0.0  # nothing big spans both
+    assert sum(measured.values()) == pytest.approx(r.traffic.grad_param)
+    assert "across groups (R = 2)" in r.table()
+    assert r.to_dict()["ratios"]["comm_inter"] == pytest.approx(1.0, abs=0.02)

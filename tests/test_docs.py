@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
 MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh",
-           "jaxzero.models.gpt"]  # fmt: skip
+           "jaxzero.models.gpt", "jaxzero.job", "jaxzero.checkpoint"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -2,29 +2,27 @@
 
 import json
 import os
-import socket
+import re
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import numpy as np
 import optax
 import pytest
-from _models import mlp_batches, mlp_loss, mlp_params, rel_diff, train_reference
+from _models import mlp_batches, mlp_loss, mlp_params, rel_diff, train_engine, train_reference
+from _procs import alive_with, free_port
 
 HERE = Path(__file__).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 3])
 def test_two_processes_match_one_device(stage, tmp_path):
-    port, out = _free_port(), tmp_path / "final.npz"
+    port, out = free_port(), tmp_path / "final.npz"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     procs = [subprocess.Popen([sys.executable, str(HERE / "_mp_worker.py"), str(i), str(port),
@@ -39,3 +37,194 @@ def test_two_processes_match_one_device(stage, tmp_path):
     final = dict(np.load(out))
     assert rel_diff(np.array(losses), ref_losses) <= 1e-5
     assert rel_diff(final, ref_params) <= 1e-5
+
+
+# --------------------------------------------------------------------------- jaxzero.distributed
+
+TINY = str(HERE.parent / "experiments" / "configs" / "tiny.yaml")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This environment without the 8 simulated devices of conftest, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(HERE),
+                                                                env.get("PYTHONPATH", "")]))
+    env.update(extra)
+    return env
+
+
+def _torchrun_env(rank: int, port: int, world: int = 2, **extra: str) -> dict[str, str]:
+    return _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **extra)
+
+
+@pytest.mark.slow
+def test_torchrun_variables_alone_stage3_and_hybrid_match_one_process_of_4():
+    """2 processes x 2 devices, set up by jaxzero.distributed.initialize() with no arguments."""
+    import jaxzero
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "_mp_env_worker.py")],
+                              env=_torchrun_env(i, port, XLA_FLAGS=
+                                                "--xla_force_host_platform_device_count=2"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    got = json.loads(results[0][0].strip().splitlines()[-1])
+    assert (got["rank"], got["world_size"], got["local_rank"]) == (0, 2, 0)
+    assert "rank 1 of 2 | local rank 1 of 2" in results[1][1]
+    assert "2 process(es) x 2 local device(s) = 4 devices" in results[0][1]  # rank 0's summary
+    assert got["hybrid_groups"] == [[0, 0], [1, 1]]  # a group is one process's devices
+    engine = jaxzero.Engine(mlp_loss, optax.adamw(1e-3), mesh=jaxzero.make_mesh(4), stage=3)
+    ref_losses, ref_params, _ = train_engine(engine, mlp_params(), mlp_batches(5))
+    for name in ("stage3", "hybrid"):
+        assert rel_diff(np.array(got[name]), ref_losses) <= 1e-5, name
+        params = {k: np.array(v, np.float32) for k, v in got[name + "_params"].items()}
+        assert rel_diff(params, ref_params) <= 1e-5, name
+
+
+def _train_args(root: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "--config", TINY, "--name", name, "--set", f"logging.root={root}",
+        "--set", "logging.log_every=1", "--set", "logging.eval_batches=1",
+        "--set", "logging.sample_tokens=0", "--set", "logging.tensorboard=false",
+        "--set", "data.max_bytes=100000", "--set", "model.d_model=32",
+        "--set", "model.seq_len=16", "--set", "model.n_layers=1", *extra,
+    ]  # fmt: skip
+
+
+def _launch(*argv: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jaxzero.cli", "launch", *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 3])
+def test_launch_train_matches_one_process(stage, tmp_path, capsys):
+    from jaxzero import metrics, train
+
+    args = _train_args(tmp_path, f"launched{stage}", "--stage", str(stage), "--steps", "3")
+    proc = _launch("--nproc-per-node", "2", "--simulate-devices", "2", "--", "jaxzero", "train",
+                   *args, env=_env())
+    out, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-3000:]
+    assert "[rank 0]   mesh   2 process(es) x 2 local device(s) = 4 devices, mesh (data=4)" in out
+    assert "[rank 0] step 3/3" in out and "[rank 1] step" not in out  # rank 0 reports alone
+    assert "rank 1 of 2 | local rank 1 of 2" in err
+    ref = _train_args(tmp_path, f"single{stage}", "--stage", str(stage), "--steps", "3",
+                      "--devices", "4")
+    assert train.main(ref) == 0  # one process, 4 of the 8 simulated devices
+    capsys.readouterr()
+    launched, single = (np.array([r["loss"] for r in metrics.read_jsonl(
+        tmp_path / f"{name}{stage}" / metrics.METRICS_FILE)]) for name in ("launched", "single"))
+    assert len(launched) == 3
+    np.testing.assert_allclose(launched, single, rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_killing_a_training_process_ends_the_run_naming_it(tmp_path):
+    marker = f"JAXZERO_RUN_{uuid.uuid4().hex}"
+    args = _train_args(tmp_path, "killed", "--stage", "3", "--steps", "100000")
+    proc = _launch("--nproc-per-node", "2", "--simulate-devices", "2", "--", "jaxzero", "train",
+                   *args, env=_env(**{marker: "1"}))
+    pids = None
+    for line in proc.stderr:
+        if "pids" in line:
+            pids = [int(x) for x in line.split("pids")[1].split()]
+            break
+    assert pids is not None and len(pids) == 2
+    for line in proc.stdout:  # training is under way: both processes are in collectives
+        if re.match(r"\[rank 0\] step +2/", line):
+            break
+    else:
+        pytest.fail(f"the run ended before step 2: {proc.stderr.read()[-2000:]}")
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    out, err = proc.communicate(timeout=90)
+    took = time.monotonic() - killed
+    assert proc.returncode != 0 and took < 60, (took, err[-2000:])
+    assert f"rank 1 (local rank 1, pid {pids[1]}) was killed by SIGKILL" in err
+    assert "failed: rank 1 was killed by SIGKILL" in err
+    survivor = [line for line in err.splitlines() if line.startswith(
+        f"jaxzero launch: rank 0 (pid {pids[0]})")]
+    assert survivor and "exited with code 0" not in survivor[0]  # non-zero or by a signal
+    assert alive_with(marker) == []
+    print(f"failure test: launcher exited {took:.1f} s after the SIGKILL")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["rank_too_big", "nobody_listens"])
+def test_misconfiguration_is_one_clear_line_within_the_timeout(case, tmp_path):
+    port = free_port()
+    env = _torchrun_env(2 if case == "rank_too_big" else 1, port)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "jaxzero.cli", "train", "--init-timeout", "3",
+                           *_train_args(tmp_path, case)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    took = time.monotonic() - started
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    if case == "rank_too_big":
+        assert "RANK=2 must be below WORLD_SIZE=2" in proc.stderr
+    else:
+        assert f"nobody listens at the coordinator 127.0.0.1:{port} (MASTER_ADDR=127.0.0.1, " \
+               f"MASTER_PORT={port})" in proc.stderr
+        assert took >= 3
+    assert took < 3 + 30  # the timeout, plus starting Python and importing JAX
+
+
+@pytest.mark.slow
+def test_world_size_that_disagrees_with_the_processes_fails_within_the_timeout():
+    """WORLD_SIZE=3 but only ranks 0 and 1 start: both stop after the init timeout."""
+    port = free_port()
+    code = "import jaxzero.distributed as d; d.initialize(init_timeout=4); print('joined')"
+    started = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=_torchrun_env(i, port, world=3),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert time.monotonic() - started < 4 + 30
+    for p, (out, err) in zip(procs, results, strict=True):
+        assert p.returncode == 2 and "joined" not in out
+        assert "waited 4 s (init timeout) for WORLD_SIZE=3 processes to connect to the " \
+               f"coordinator at 127.0.0.1:{port}" in err, err[-2000:]
+
+
+@pytest.mark.slow
+def test_without_a_launcher_the_survivor_stops_and_names_the_lost_rank():
+    """JAX's heartbeats (JAXZERO_HEARTBEAT_TIMEOUT) end a survivor blocked in a collective."""
+    port = free_port()
+    env = dict(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAXZERO_HEARTBEAT_TIMEOUT="10")
+    procs = [subprocess.Popen([sys.executable, str(HERE / "_mp_loop_worker.py")],
+                              env=_torchrun_env(i, port, **env), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for line in procs[0].stdout:
+        if line.startswith("step 3 "):
+            break
+    else:
+        pytest.fail(procs[0].stderr.read()[-2000:])
+    procs[1].kill()
+    killed = time.monotonic()
+    _, err = procs[0].communicate(timeout=90)
+    procs[1].communicate()
+    assert procs[0].returncode != 0 and time.monotonic() - killed < 60
+    # JAX's coordination service names the silent task, or jaxzero does after a failed collective
+    assert re.search(r"stopped sending heartbeats\):\s*1\b|lost rank\(s\) 1 of 2", err), err[-3000:]
+
+
+@pytest.mark.slow
+def test_world_sizes_that_differ_between_processes_are_refused():
+    port = free_port()
+    code = "import jaxzero.distributed as d; d.initialize(init_timeout=10); print('joined')"
+    beat = {"JAXZERO_HEARTBEAT_TIMEOUT": "5"}
+    procs = [subprocess.Popen([sys.executable, "-c", code],
+                              env=_torchrun_env(i, port, world=2 + i, **beat),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    results = [p.communicate(timeout=120) for p in procs]
+    out, err = results[1]
+    assert procs[1].returncode != 0 and "joined" not in out
+    assert f"WORLD_SIZE=3 but the coordinator at 127.0.0.1:{port} runs a job of 2 processes" \
+        in err, err[-2000:]

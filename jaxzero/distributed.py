@@ -1,0 +1,285 @@
+"""Joining a multi-process job: who am I (rank), how many are we (world size), where is the host.
+
+:func:`initialize` decides the coordinator ("host": rank 0's address and port),
+the world size (number of processes), this process's rank and local rank, from,
+in this order: explicit arguments; ``JAXZERO_*`` variables; torchrun's
+``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``; then whatever ``jax.distributed.initialize()`` detects
+itself (SLURM, Open MPI, Kubernetes). Each field is taken from the first place
+that sets it. A single process with none of them is a no-op.
+
+Nothing here may hang: a bad setting is refused before connecting, an
+unreachable coordinator is probed with a deadline, and a watchdog ends the
+process with a message naming the variables if connecting takes longer than
+``init_timeout`` (JAX's own timeout would abort with a C++ stack trace instead).
+Peers that die later are caught by JAX's heartbeats (``heartbeat_timeout``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jaxzero.job import EXIT_SETUP, VARIABLES, DistributedError, Job, resolve
+
+__all__ = [
+    "VARIABLES", "DistributedError", "Job", "describe_mesh", "describe_processes", "initialize",
+    "leave", "lost_ranks", "resolve", "shutdown",
+]
+
+
+def probe(host: str, port: int, waited: float, what: str) -> None:
+    """Waits up to ``waited`` s until ``host:port`` accepts TCP connections, or raises."""
+    deadline = time.monotonic() + waited
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise DistributedError(f"cannot resolve the coordinator's host ({what}): {e}") from None
+    while True:
+        for family, kind, proto, _, address in infos:
+            try:
+                with socket.socket(family, kind, proto) as s:
+                    s.settimeout(max(0.1, min(2.0, deadline - time.monotonic())))
+                    s.connect(address)
+                    return
+            except OSError:
+                continue
+        if time.monotonic() >= deadline:
+            raise DistributedError(
+                f"nobody listens at the coordinator {host}:{port} ({what}) after waiting "
+                f"{waited:g} s (init timeout): start rank 0 there, or fix the address and port")
+        time.sleep(0.25)
+
+
+class _Watchdog:
+    """Ends the process with ``message()`` if :meth:`done` is not called in ``seconds``.
+
+    JAX's own connect blocks in C++ (no Python exception can interrupt it) and
+    aborts with a stack trace on its timeout; this fires first, with one line.
+    """
+
+    def __init__(self, seconds: float, message: Callable[[], str]):
+        self._timer = threading.Timer(seconds, self._fire, args=(message,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    @staticmethod
+    def _fire(message: Callable[[], str]) -> None:
+        sys.stdout.flush()
+        print(f"jaxzero.distributed: error: {message()}", file=sys.stderr, flush=True)
+        os._exit(EXIT_SETUP)
+
+    def done(self) -> None:
+        self._timer.cancel()
+
+
+def _timeout_message(job: Job, waited: float) -> str:
+    where = job.coordinator or "the auto-detected coordinator"
+    if job.mode == "explicit":
+        return (f"waited {waited:g} s (init timeout) for {job.settings['world_size']} processes "
+                f"to connect to the coordinator at {where} ({job.named('host', 'port')}); not "
+                f"all did. Start every rank 0..{job.world_size - 1} with the same world size, "
+                f"or fix {job.settings['world_size']}")
+    return (f"waited {waited:g} s (init timeout) for the {job.mode} job's processes to connect "
+            f"to {where}; not all did (check the number of tasks and the job's variables)")
+
+
+def initialize(host: str | None = None, port: int | None = None, rank: int | None = None,
+               world_size: int | None = None, local_rank: int | None = None,
+               local_world_size: int | None = None, *, simulate_devices: int | None = None,
+               init_timeout: float | None = None, heartbeat_timeout: int | None = None,
+               local_device_ids: Sequence[int] | None = None, verbose: bool = True) -> Job:
+    """Joins the job (``jax.distributed.initialize``) if there is one; call before using JAX.
+
+    Args:
+      host, port: the coordinator (rank 0's address; ``host`` may be ``"addr:port"``).
+      rank, world_size: this process's id and the number of processes.
+      local_rank, local_world_size: the same within this node.
+      simulate_devices: CPU only: devices each process simulates.
+      init_timeout: seconds to wait for every process to connect (CPU default 60).
+      heartbeat_timeout: seconds after which a silent peer counts as dead (default 30).
+      local_device_ids: accelerator ids this process drives (default: ``[local_rank]``
+        when several processes share a node, else all).
+      verbose: print one line per process and a summary on rank 0 (stderr).
+
+    Returns:
+      The :class:`Job`. A single process with nothing set is left alone (mode "single");
+      in a multi-process job JAX's backend is started, to report the devices.
+    """
+    global _JOB
+    import jax
+
+    from jaxzero import mesh as mesh_lib
+
+    if jax.distributed.is_initialized():  # already joined (by us, or by a direct JAX call)
+        return _JOB or _current_job()
+    job = resolve(accelerator=mesh_lib.accelerator_expected(), host=host, port=port, rank=rank,
+                  world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
+                  simulate_devices=simulate_devices, init_timeout=init_timeout,
+                  heartbeat_timeout=heartbeat_timeout, local_device_ids=local_device_ids)
+    if not job.multi:
+        return job
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise DistributedError("JAX already started its backend: call "
+                               "jaxzero.distributed.initialize() before any JAX computation")
+    accelerator = mesh_lib.accelerator_expected()
+    if job.simulate_devices and not accelerator:
+        mesh_lib.simulate_devices(job.simulate_devices)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across
+    ids = job.local_device_ids
+    if ids is None and accelerator and job.local_world_size > 1:
+        ids = (job.local_rank,)  # torchrun's layout: one accelerator per process
+    started = time.monotonic()
+    deadline = started + job.init_timeout
+    if job.mode == "explicit" and job.rank != 0:
+        probe(job.host.value, job.port.value, job.init_timeout, job.named("host", "port"))
+    dog = _Watchdog(max(deadline - time.monotonic(), 0.1),
+                    lambda: _timeout_message(job, job.init_timeout))
+    kwargs: dict[str, Any] = dict(
+        initialization_timeout=int(job.init_timeout) + 30,  # the watchdog speaks first
+        heartbeat_timeout_seconds=job.heartbeat_timeout,
+        local_device_ids=list(ids) if ids is not None else None,
+    )
+    if job.mode == "explicit":
+        kwargs.update(coordinator_address=job.coordinator, num_processes=job.world_size,
+                      process_id=job.rank)
+    elif job.coordinator is not None:
+        kwargs["coordinator_address"] = job.coordinator
+    try:
+        jax.distributed.initialize(**kwargs)
+        devices = jax.devices()  # starts the backend: the topology exchange is covered too
+    except (RuntimeError, ValueError) as e:  # JAX refused before connecting
+        where = job.named("host", "port", "rank", "world_size") or job.mode
+        raise DistributedError(f"jax.distributed.initialize failed ({where}): "
+                               f"{str(e).strip().splitlines()[0]}") from e
+    finally:
+        dog.done()
+    _JOB = job = dataclasses.replace(job, rank=jax.process_index(),
+                                     world_size=jax.process_count())
+    previous = sys.excepthook  # an uncaught exception leaves the job at once (see leave)
+    sys.excepthook = lambda kind, value, tb: (previous(kind, value, tb), leave(1, value))
+    if job.mode == "explicit" and job.world_size != job.settings["world_size"].value:
+        raise DistributedError(f"{job.settings['world_size']} but the coordinator at "
+                               f"{job.coordinator} runs a job of {job.world_size} processes: "
+                               "every process must be given the same world size")
+    if verbose:
+        _announce(job, devices)
+    return job
+
+
+_JOB: Job | None = None  # the job this process joined
+
+
+def lost_ranks(wait: float) -> list[int] | None:
+    """Ranks JAX's coordination service no longer sees alive; None if it cannot tell in time.
+
+    ``get_live_nodes`` answers once every live process asks or a silent one has
+    missed its heartbeats, so a survivor learns who died within the heartbeat
+    timeout. (The client has no public accessor in JAX 0.10.2.)
+    """
+    import jax
+    from jax._src import distributed as jax_distributed
+
+    client = getattr(jax_distributed.global_state, "client", None)
+    if client is None:
+        return None
+    everyone, answer = list(range(jax.process_count())), {}
+
+    def ask() -> None:
+        try:
+            answer["live"] = set(client.get_live_nodes(everyone))
+        except Exception:  # noqa: BLE001 - the service itself is gone: rank 0 hosts it
+            answer["live"] = set(everyone) - {0}
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(wait)
+    return sorted(set(everyone) - answer["live"]) if "live" in answer else None
+
+
+def leave(status: int, error: BaseException | None = None) -> None:
+    """Ends this process of a multi-process job now, naming lost ranks after a collective failed.
+
+    Waiting in JAX's shutdown barrier would hang: the peers are blocked in a
+    collective waiting for this process. Leaving closes its connections, so they
+    fail fast (or see its heartbeats stop). No-op outside a multi-process job.
+    """
+    import jax
+
+    if _JOB is None or not jax.distributed.is_initialized():
+        return
+    if error is not None and type(error).__name__ == "JaxRuntimeError":
+        wait = _JOB.heartbeat_timeout + 5
+        print(f"jaxzero.distributed: rank {_JOB.rank}: a collective failed; asking the "
+              f"coordinator which process is gone (up to {wait} s)", file=sys.stderr, flush=True)
+        lost = lost_ranks(wait)
+        if lost:
+            print(f"jaxzero.distributed: rank {_JOB.rank}: lost rank(s) "
+                  f"{', '.join(map(str, lost))} of {_JOB.world_size} (killed, crashed or "
+                  "unreachable); leaving the job", file=sys.stderr, flush=True)
+    print(f"jaxzero.distributed: rank {_JOB.rank}: exiting with status {status}",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(status)
+
+
+def _current_job() -> Job:
+    import jax
+
+    return Job("explicit" if jax.process_count() > 1 else "single", jax.process_index(),
+               jax.process_count())
+
+
+def _announce(job: Job, devices: list[Any]) -> None:
+    """One line per process; a summary on rank 0 (stderr: stdout is the program's)."""
+    import jax
+
+    local = jax.local_devices()
+    ids = ",".join(str(d.id) for d in local)
+    print(f"jaxzero.distributed: rank {job.rank} of {job.world_size} | local rank "
+          f"{job.local_rank} of {job.local_world_size} | host {socket.gethostname()} "
+          f"(pid {os.getpid()}) | {len(local)} local {local[0].platform} device(s) [{ids}] | "
+          f"world size {job.world_size} processes, {len(devices)} devices",
+          file=sys.stderr, flush=True)
+    if job.rank == 0:
+        coll = " (gloo collectives)" if local[0].platform == "cpu" else ""
+        source = job.named("host", "port") if job.mode == "explicit" else f"from {job.mode}"
+        print(f"jaxzero.distributed: {describe_processes(job, len(local), len(devices))} | "
+              f"coordinator {job.coordinator or 'auto'} ({source}) | {local[0].platform}{coll} | "
+              f"heartbeat timeout {job.heartbeat_timeout} s", file=sys.stderr, flush=True)
+
+
+def describe_processes(job: Job, local_devices: int, devices: int) -> str:
+    """``"2 processes x 2 local devices = 4 devices"`` (or the total when they differ)."""
+    if job.world_size * local_devices == devices:
+        return (f"{job.world_size} process(es) x {local_devices} local device(s) = "
+                f"{devices} devices")
+    return f"{job.world_size} processes, {devices} devices in all"
+
+
+def describe_mesh(mesh: Any) -> str:
+    """``"(replica=2, data=4): state sharded over 4, replicated over 2 groups"``."""
+    axes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items())
+    from jaxzero.mesh import DATA
+
+    text = f"mesh ({axes}): state sharded over {mesh.shape[DATA]} device(s)"
+    replicas = mesh.size // mesh.shape[DATA]
+    if replicas > 1:
+        text += f", replicated over {replicas} groups (hybrid)"
+    return text
+
+
+def shutdown() -> None:
+    """Leaves the job cleanly (every process waits for the others); no-op if not joined."""
+    import jax
+
+    if jax.distributed.is_initialized():
+        jax.distributed.shutdown()
