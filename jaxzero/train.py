@@ -102,6 +102,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
                 cfg = config_lib.override(cfg, key, value)
         return config_lib.validate(config_lib.apply_overrides(cfg, args.assignments))
 
+    if not args.resume and os.environ.get("JAXZERO_RESTART_COUNT", "0") != "0":
+        args.resume = _restarted_run(apply(config_lib.load_file(args.config) if args.config
+                                           else Config()))
+        args.config = None if args.resume else args.config
     if args.resume:
         if args.config:
             raise ArgError("--resume continues a run with its own config: drop --config")
@@ -115,6 +119,17 @@ def config_from_args(args: argparse.Namespace) -> Config:
             fresh = f"{lg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
             cfg = dataclasses.replace(cfg, logging=dataclasses.replace(lg, name=fresh))
     return cfg
+
+
+def _restarted_run(cfg: Config) -> str | bool:
+    """A group restarted by ``jaxzero launch --max-restarts`` continues its named run from
+    the latest checkpoint, if it has one (else it starts again)."""
+    if cfg.logging.name is None:
+        return False
+    run = Path(cfg.logging.root) / cfg.logging.name
+    ckpts = resume_lib.checkpoint_dir(cfg, run)
+    has = ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())
+    return str(run) if (run / RESOLVED_CONFIG).is_file() and has else False
 
 
 def _names_the_run(args: argparse.Namespace) -> bool:
@@ -319,8 +334,6 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
             f"model.vocab_size={vocab} is smaller than the data's {corpus.vocab_size}"
         )
 
-    # every process writes its own shards; a run restarted by `jaxzero launch
-    # --max-restarts` (JAXZERO_RESTART_COUNT > 0) is resumed with --resume by the command
     mesh, simulated = setup_devices(cfg.parallel, job, cfg.mesh.group_size)
     import jax
 

@@ -318,3 +318,26 @@ def test_nan_rollback_restores_and_skips_the_batch(tmp_path, monkeypatch, capsys
     # the replayed step 5 read the same batch, the new step 6 the one after the bad one
     extra = json.loads((ckpt.directory / "8" / "extra" / "metadata").read_text())
     assert extra["loader"]["step"] == 9 and extra["config"]["checkpoint"]["on_nan"] == "rollback"
+
+
+def test_a_launch_restart_resumes_the_named_run(tmp_path, monkeypatch):
+    """`jaxzero launch --max-restarts` reruns the same command: it continues the run."""
+    from jaxzero import config as C
+
+    argv = ["--name", "r", "--set", f"logging.root={tmp_path}", "--stage", "1"]
+    run = tmp_path / "r"
+    run.mkdir()
+    cfg = C.override(C.override(C.Config(), "logging.name", "r"), "logging.root", str(tmp_path))
+    (run / "config.yaml").write_text(C.dump_yaml(cfg))
+    monkeypatch.setenv("JAXZERO_RESTART_COUNT", "1")
+    args = train.build_parser().parse_args(argv)
+    train.config_from_args(args)
+    assert not args.resume  # no checkpoint yet: the command starts the run again
+    (run / "checkpoints" / "4").mkdir(parents=True)
+    args = train.build_parser().parse_args(argv)
+    cfg = train.config_from_args(args)
+    assert args.resume == str(run) and args.resume_changes == ["parallel.stage: 3 -> 1"]
+    monkeypatch.setenv("JAXZERO_RESTART_COUNT", "0")
+    args = train.build_parser().parse_args(argv)
+    train.config_from_args(args)
+    assert not args.resume  # a first start never resumes by itself
