@@ -55,7 +55,7 @@ def leaf_names(state: TrainState) -> dict[str, Any]:
     return out
 
 
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
     """``{"a/b": x}`` → ``{"a": {"b": x}}`` (orbax names files by the nesting)."""
     out: dict[str, Any] = {}
     for name, x in flat.items():
@@ -239,7 +239,7 @@ class CheckpointManager:
         ocp = self._ocp
         meta = metadata(engine, state)
         args = ocp.args.Composite(
-            state=ocp.args.PyTreeSave(_nest(leaf_names(state))),
+            state=ocp.args.PyTreeSave(nest(leaf_names(state))),
             meta=ocp.args.JsonSave(meta),
             extra=ocp.args.JsonSave(extra or {}),
         )
@@ -337,9 +337,9 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint {self.directory / str(step)} {what}: it was saved with a "
                 "different optimizer or model")
-        item = _nest({n: jax.ShapeDtypeStruct(s, d, sharding=sh)
+        item = nest({n: jax.ShapeDtypeStruct(s, d, sharding=sh)
                       for n, (s, d, sh) in want.items()})
-        restore_args = _nest({n: ocp.ArrayRestoreArgs(sharding=sh, global_shape=tuple(s),
+        restore_args = nest({n: ocp.ArrayRestoreArgs(sharding=sh, global_shape=tuple(s),
                                                       dtype=d, strict=False)
                               for n, (s, d, sh) in want.items()})
         try:

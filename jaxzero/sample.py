@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxzero.checkpoint import nest
 from jaxzero.cli import ArgError, Parser
 from jaxzero.export import (
     CONFIG,
@@ -33,17 +34,6 @@ from jaxzero.export import (
     run_config,
     token_kind,
 )
-
-
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, x in flat.items():
-        *parents, last = name.split("/")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = x
-    return out
 
 
 def load_model(path: str | Path, step: int | None = None) -> tuple[Any, dict[str, Any], str]:
@@ -76,7 +66,7 @@ def load_model(path: str | Path, step: int | None = None) -> tuple[Any, dict[str
     kind = config.get("tokens", "bytes")
     if kind not in ("bytes", "uint16"):
         raise ExportError(f"{source}: tokens must be bytes or uint16, not {kind!r}")
-    return model, _nest(flat), kind
+    return model, nest(flat), kind
 
 
 def _check_shapes(model: Any, flat: dict[str, np.ndarray], source: str) -> None:
