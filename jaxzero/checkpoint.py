@@ -307,14 +307,11 @@ class CheckpointManager:
         step = self._step(step)
         meta = self.metadata(step)
         saved = meta["leaves"]
-        shapes = _params_from_meta(meta)
         if engine.layouts is None:
-            target = engine.abstract_state(shapes)
+            target = engine.abstract_state(_params_from_meta(meta))
         else:
             _check_same_params(engine, meta)
-            target = engine.abstract_state(jax.tree.map(
-                lambda lay: jax.ShapeDtypeStruct(lay.shape, jnp.float32), engine.layouts,
-                is_leaf=is_layout))
+            target = engine.state_shapes()  # no new layouts: the step stays compiled
 
         # fp32 truth: the master when the run kept one, else the (fp32) params
         src = "master" if any(n.startswith("master/") for n in saved) else "params"

@@ -266,6 +266,11 @@ class Engine:
         step (:meth:`compile`) for models too large to create here.
         """
         self._set_layouts(params_shapes)
+        return self.state_shapes()
+
+    def state_shapes(self) -> TrainState:
+        """:meth:`abstract_state` of an initialised engine (its layouts and jits stay)."""
+        self._require_init()
         master = stored_shapes(self.layouts, master_sharded(self.stage), jnp.float32)
         shapes = jax.eval_shape(self._state_from_padded, master)
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),

@@ -102,9 +102,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
                 cfg = config_lib.override(cfg, key, value)
         return config_lib.validate(config_lib.apply_overrides(cfg, args.assignments))
 
+    base = lambda: config_lib.load_file(args.config) if args.config else Config()
     if not args.resume and os.environ.get("JAXZERO_RESTART_COUNT", "0") != "0":
-        args.resume = _restarted_run(apply(config_lib.load_file(args.config) if args.config
-                                           else Config()))
+        args.resume = _restarted_run(apply(base()))
         args.config = None if args.resume else args.config
     if args.resume:
         if args.config:
@@ -112,7 +112,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         run = resume_lib.run_dir_to_resume(args.resume, apply(Config()))
         cfg, args.resume_changes = resume_lib.resumed_config(run, apply)
         return cfg
-    cfg = apply(config_lib.load_file(args.config) if args.config else Config())
+    cfg = apply(base())
     lg = cfg.logging
     if lg.name is not None and not _names_the_run(args) and not lg.overwrite:
         if metrics_lib.holds_run(Path(lg.root) / lg.name):
