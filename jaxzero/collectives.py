@@ -60,15 +60,6 @@ def all_reduce(g: jax.Array, extra_axes: Sequence[str] = ()) -> jax.Array:
     return jax.lax.psum(g, (DATA, *extra_axes))
 
 
-def local_slice(x: jax.Array, layout: LeafLayout) -> jax.Array:
-    """This device's slice of a replicated logical leaf (no communication)."""
-    if layout.dim is None:
-        return x
-    chunk = layout.shard_shape[layout.dim]
-    start = jax.lax.axis_index(DATA) * chunk
-    return jax.lax.dynamic_slice_in_dim(pad(x, layout), start, chunk, axis=layout.dim)
-
-
 # --- packed: one collective for many leaves (a layer's params) -----------------------
 #
 # Each sharded leaf is viewed as N rows (its sharded dim moved first, padded), the rows
