@@ -1,42 +1,67 @@
-"""Step time of each ZeRO stage next to a GSPMD baseline, measured in the same run.
+"""Step time of each ZeRO stage next to plain ``jax.jit`` and GSPMD baselines, in one run.
 
-The baseline trains the same model on the same state, stored with the same
-shardings, with plain ``jax.jit`` (in/out ``NamedSharding``s, no ``shard_map``):
-XLA's partitioner inserts the collectives. jaxzero's step writes them by hand, so
-the ratio says what the explicit step costs or saves. Also: stage 3 on one
-device against a plain single-device ``jax.jit`` step.
+Every contestant trains the same model on the same batches, steps interleaved one by
+one so that load from other processes hits all alike:
 
-    python experiments/bench_step.py                 # 8 simulated CPU devices
+* **plain jit**: the data-parallel step a new user writes first: replicated params and
+  optimizer state, the batch split with a ``NamedSharding``, ``jax.jit``, XLA inserts
+  the gradient all-reduce. Timed donating its state and not; the faster is the bar.
+* **GSPMD**: per stage, the same update on jaxzero's stored state and shardings, by
+  plain ``jax.jit`` (XLA's partitioner inserts the collectives, no ``shard_map``).
+* **jaxzero**: ``Engine`` with its defaults, collectives written by hand.
+
+Models: ``gpt``, the reference Flax GPT (scanned blocks, per-layer gathering), and
+``plain``, the GPT of ``plain_gpt.py`` as a new user writes it (a pytree, layers
+unrolled by a Python loop, ``per_layer=False``).
+
+    python experiments/bench_step.py --model plain --runs 3   # 2 simulated CPU devices
+    python experiments/bench_step.py --model gpt --runs 3     # 8 simulated CPU devices
     python experiments/bench_step.py --devices 1 --stages 0 3 --precision bf16 \
-        --d-model 1024 --layers 24 --seq-len 1024 --batch 8   # one GPU
+        --d-model 1024 --layers 24 --seq-len 1024 --batch 8   # one GPU: tokens/s, MFU
+
+Targets (issue 11): on ``plain``, stages 0-2 at most 1.10x and stage 3 at most 1.25x
+the plain-jit bar; on ``gpt``, stage 1 at most 1.10x GSPMD.
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
 import sys
 import time
 
+HERE = pathlib.Path(__file__).parent
+DEFAULTS = {  # devices, d_model, layers, heads, seq_len, vocab, batch, steps
+    "gpt": dict(devices=8, d_model=128, layers=4, heads=4, seq_len=64, vocab=256, batch=16,
+                steps=20),
+    "plain": dict(devices=2, d_model=256, layers=4, heads=4, seq_len=128, vocab=256, batch=16,
+                  steps=22),
+}
+TARGETS = {"plain": {"jit": {0: 1.10, 1: 1.10, 2: 1.10, 3: 1.25}}, "gpt": {"gspmd": {1: 1.10}}}
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--model", choices=sorted(DEFAULTS), default="gpt")
+    p.add_argument("--devices", type=int)
     p.add_argument("--simulate", type=int, default=None,
                    help="simulated CPU devices (default: --devices when no accelerator)")
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warm-up)")
+    for name in ("d-model", "layers", "heads", "seq-len", "vocab", "batch"):
+        p.add_argument(f"--{name}", type=int)
+    p.add_argument("--steps", type=int, help="timed steps per run (after 2 warm-up)")
+    p.add_argument("--runs", type=int, default=1, help="timing passes (compiled once)")
     p.add_argument("--remat", default="none")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="dense bf16 peak of one device, for MFU (H100/H200: 989)")
-    return p.parse_args(argv)
+    p.add_argument("--csv", type=pathlib.Path, help="write per-run medians here")
+    args = p.parse_args(argv)
+    for k, v in DEFAULTS[args.model].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
 
 
 def main(argv=None) -> int:
@@ -50,48 +75,69 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import jaxzero
-    from jaxzero.models.gpt import GPT, GPTConfig
     from jaxzero.partition import pad, unpad
 
-    model = GPT(GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
-                          n_layers=args.layers, n_heads=args.heads, remat=args.remat))
     tx = optax.adamw(1e-4)
     mesh = jaxzero.make_mesh(args.devices)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, args.vocab, (args.batch, args.seq_len + 1)).astype(np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    n_params = model.num_params(jax.eval_shape(model.init, jax.random.key(0)))
-    tokens_per_step = args.batch * args.seq_len
+    cdt = jnp.bfloat16 if args.precision == "bf16" else jnp.float32
+    if args.model == "gpt":
+        from jaxzero.models.gpt import GPT, GPTConfig
 
-    def timed(runs):
-        """Median seconds per step of each (step, state, batch), interleaved step by step
-        so that load from other processes hits every contestant alike."""
-        states = [state for _, state, _ in runs]
-        for _ in range(2):  # compile and warm up
-            for i, (step, _, b) in enumerate(runs):
-                states[i], m = step(states[i], b)
-                jax.block_until_ready(m)
-        times = [[] for _ in runs]
-        for _ in range(args.steps):
-            for i, (step, _, b) in enumerate(runs):
-                t = time.perf_counter()
-                states[i], m = step(states[i], b)
-                jax.block_until_ready(m)
-                times[i].append(time.perf_counter() - t)
-        return [statistics.median(t) for t in times]
+        model = GPT(GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
+                              n_layers=args.layers, n_heads=args.heads, remat=args.remat))
+        loss_fn, init_fn = model.loss_fn, model.init
+        new_engine = lambda stage: model.engine(tx, mesh=mesh, stage=stage,
+                                                precision=args.precision)
+    else:
+        sys.path.insert(0, str(HERE))
+        import plain_gpt
+
+        loss_fn = lambda p, b: plain_gpt.loss_fn(p, b, n_heads=args.heads)
+        init_fn = lambda key: plain_gpt.init(key, args.vocab, args.seq_len, args.d_model,
+                                             args.layers)
+        new_engine = lambda stage: jaxzero.Engine(loss_fn, tx, mesh=mesh, stage=stage,
+                                                  precision=args.precision)
+    key = jax.random.key(0)
+    n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(init_fn, key)))
+    tokens_per_step = args.batch * args.seq_len
+    flops_per_step = (6.0 * n_params + 12.0 * args.layers * args.d_model * args.seq_len) \
+        * tokens_per_step
+    tokens = np.random.default_rng(0).integers(0, args.vocab, (args.batch, args.seq_len + 1))
+    batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+
+    def plain_jit(donate: bool):
+        """The data-parallel step without jaxzero: replicated state, sharded batch."""
+        rep = NamedSharding(mesh, P())
+
+        def step(state, b):  # state: (params, fp32 master params or None, optimizer state)
+            params, master, opt = state
+            master = params if master is None else master
+            loss, g = jax.value_and_grad(loss_fn)(params, b)
+            g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+            u, opt = tx.update(g, opt, master)
+            master = optax.apply_updates(master, u)
+            if cdt == jnp.float32:
+                return (master, None, opt), {"loss": loss}
+            return (jax.tree.map(lambda x: x.astype(cdt), master), master, opt), {"loss": loss}
+
+        master = jax.jit(init_fn, out_shardings=rep)(key)
+        state = (master, None, tx.init(master)) if cdt == jnp.float32 else (
+            jax.tree.map(lambda x: x.astype(cdt), master), master, tx.init(master))
+        return jax.jit(step, donate_argnums=0 if donate else ()), state
 
     def gspmd_step_for(engine):
         """The same update on the same stored state, partitioned by XLA."""
         lays, stage = engine.layouts, engine.stage
-        cdt = engine.compute_dtype
 
         def step(state, b):
             params = state.params
             if stage == 3:
                 params = jax.tree.map(lambda x, lay: unpad(x, lay), params, lays)
-            loss, grads = jax.value_and_grad(model.loss_fn)(params, b)
+            loss, grads = jax.value_and_grad(loss_fn)(params, b)
             if stage >= 1:
                 grads = jax.tree.map(lambda g, lay: pad(g, lay), grads, lays)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
@@ -107,46 +153,85 @@ def main(argv=None) -> int:
                                       master if engine.mixed else None, opt), {"loss": loss}
 
         sh = engine.state_shardings
-        return jax.jit(step, in_shardings=(sh, engine.batch_sharding),
-                       out_shardings=(sh, None), donate_argnums=0)
+        return jax.jit(step, in_shardings=(sh, engine.batch_sharding), out_shardings=(sh, None),
+                       donate_argnums=0)
 
-    print(f"GPT {n_params / 1e6:.1f}M params, {args.devices} {jax.default_backend()} device(s), "
-          f"{args.precision}, global batch {args.batch} x {args.seq_len} tokens")
-    print(f"{'stage':>5} {'jaxzero ms':>11} {'GSPMD ms':>9} {'ratio':>6} {'tokens/s':>10} "
-          f"{'MFU %':>6}")
-    flops_per_step = model.flops_per_token(n_params) * tokens_per_step
-    results = {}
+    # (name, step, state, batch)
+    runs = [(f"plain jit, donate={d}", *plain_jit(d),
+             jax.device_put(batch, NamedSharding(mesh, P(mesh.axis_names)))) for d in (True, False)]
     for stage in args.stages:
-        engine = model.engine(tx, mesh=mesh, stage=stage, precision=args.precision)
+        engine = new_engine(stage)
         b = engine.shard_batch(batch)
-        t_zero, t_base = timed([
-            (engine.step, engine.init_from(model.init, jax.random.key(0)), b),
-            (gspmd_step_for(engine), engine.init_from(model.init, jax.random.key(0)), b)])
-        mfu = flops_per_step / t_zero / (args.peak_tflops * 1e12 * args.devices) * 100
+        runs.append((f"jaxzero {stage}", engine.step, engine.init_from(init_fn, key), b))
+        runs.append((f"GSPMD {stage}", gspmd_step_for(engine), engine.init_from(init_fn, key), b))
+    donates = engine.donate
+
+    states = [r[2] for r in runs]
+
+    def timed() -> list[float]:
+        """Median seconds per step of every contestant, interleaved step by step."""
+        times = [[] for _ in runs]
+        for _ in range(args.steps):
+            for i, (_, step, _, b) in enumerate(runs):
+                t = time.perf_counter()
+                states[i], m = step(states[i], b)
+                jax.block_until_ready(m)
+                times[i].append(time.perf_counter() - t)
+        return [statistics.median(t) for t in times]
+
+    for _ in range(2):  # compile and warm up
+        for i, (_, step, _, b) in enumerate(runs):
+            states[i], m = step(states[i], b)
+            jax.block_until_ready(m)
+
+    print(f"{args.model}: {n_params / 1e6:.1f}M params, {args.devices} {jax.default_backend()} "
+          f"device(s), {args.precision}, global batch {args.batch} x {args.seq_len} tokens, "
+          f"median of {args.steps} steps, jaxzero donate={donates}")
+    per_run = []
+    for r in range(args.runs):
+        med = dict(zip([name for name, *_ in runs], timed(), strict=True))
+        per_run.append(med)
+        jit = min(med["plain jit, donate=True"], med["plain jit, donate=False"])
+        print(f"run {r + 1}: plain jit {med['plain jit, donate=True'] * 1e3:.1f} ms donating, "
+              f"{med['plain jit, donate=False'] * 1e3:.1f} ms not; " + ", ".join(
+                  f"stage {s} {med[f'jaxzero {s}'] / jit:.3f}x jit "
+                  f"{med[f'jaxzero {s}'] / med[f'GSPMD {s}']:.3f}x GSPMD" for s in args.stages))
+
+    def spread(values: list[float]) -> str:
+        mid = statistics.median(values)
+        return f"{mid:.3f}" + (f" ({min(values):.3f}-{max(values):.3f})" if len(values) > 1 else "")
+
+    print(f"\n{'stage':>5} {'jaxzero ms':>11} {'GSPMD ms':>9} {'vs jit':>19} {'vs GSPMD':>19} "
+          f"{'tokens/s':>9} {'MFU %':>6}")
+    rows, misses = [], []
+    for s in args.stages:
+        zero = [m[f"jaxzero {s}"] for m in per_run]
+        vs_jit = [m[f"jaxzero {s}"] / min(m["plain jit, donate=True"],
+                                          m["plain jit, donate=False"]) for m in per_run]
+        vs_gspmd = [m[f"jaxzero {s}"] / m[f"GSPMD {s}"] for m in per_run]
+        t = statistics.median(zero)
+        mfu = flops_per_step / t / (args.peak_tflops * 1e12 * args.devices) * 100
         mfu = f"{mfu:>6.2f}" if jax.default_backend() == "gpu" else f"{'n/a':>6}"
-        results[stage] = (t_zero, t_base)
-        print(f"{stage:>5} {t_zero * 1e3:>11.1f} {t_base * 1e3:>9.1f} {t_zero / t_base:>6.3f} "
-              f"{tokens_per_step / t_zero:>10.0f} {mfu}")
+        base = statistics.median(m[f"GSPMD {s}"] for m in per_run)
+        print(f"{s:>5} {t * 1e3:>11.1f} {base * 1e3:>9.1f} {spread(vs_jit):>19} "
+              f"{spread(vs_gspmd):>19} {tokens_per_step / t:>9.0f} {mfu}")
+        for base, ratios in (("jit", vs_jit), ("gspmd", vs_gspmd)):
+            bar = TARGETS.get(args.model, {}).get(base, {}).get(s)
+            if bar is not None and statistics.median(ratios) > bar:
+                misses.append(f"stage {s} is {statistics.median(ratios):.3f}x {base} > {bar}")
+        for r, m in enumerate(per_run):
+            rows.append({"model": args.model, "run": r + 1, "stage": s,
+                         "jaxzero_ms": m[f"jaxzero {s}"] * 1e3, "gspmd_ms": m[f"GSPMD {s}"] * 1e3,
+                         "jit_donate_ms": m["plain jit, donate=True"] * 1e3,
+                         "jit_no_donate_ms": m["plain jit, donate=False"] * 1e3})
+    if args.model in TARGETS:
+        print("targets: " + ("all met" if not misses else "MISSED: " + "; ".join(misses)))
+    if args.csv:
+        sys.path.insert(0, str(HERE))
+        from results_io import write_csv
 
-    if args.devices == 1 and 3 in results:
-        p = jax.device_put(model.init(jax.random.key(0)), jax.devices()[0])
-        cdt = jnp.bfloat16 if args.precision == "bf16" else jnp.float32
-        state = (jax.tree.map(lambda x: x.astype(cdt), p), p, tx.init(p))
-
-        @jax.jit
-        def plain(state, b):
-            params, master, opt = state
-            loss, g = jax.value_and_grad(model.loss_fn)(params, b)
-            u, opt = tx.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), opt, master)
-            master = optax.apply_updates(master, u)
-            return (jax.tree.map(lambda x: x.astype(cdt), master), master, opt), {"loss": loss}
-
-        engine = model.engine(tx, mesh=mesh, stage=3, precision=args.precision)
-        zero_state = engine.init_from(model.init, jax.random.key(0))
-        t_zero3, t_plain = timed([(engine.step, zero_state, engine.shard_batch(batch)),
-                                  (plain, state, jax.device_put(batch))])
-        print(f"stage 3 at N=1 vs plain single-device jit: {t_zero3 * 1e3:.1f} ms / "
-              f"{t_plain * 1e3:.1f} ms = {t_zero3 / t_plain:.3f}")
+        write_csv(args.csv, [{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}
+                             for r in rows])
     return 0
 
 

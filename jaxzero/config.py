@@ -43,6 +43,7 @@ class ModelConfig:
     d_ff: int | None = None  # None: 4 * d_model
     tie_embeddings: bool = True
     remat: Literal["none", "full", "dots"] = "none"  # activation checkpointing policy
+    attention: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cuDNN on GPUs in bf16
 
 
 @dataclass(frozen=True)

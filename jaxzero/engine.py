@@ -1,7 +1,8 @@
 """``Engine``: a loss function and an optimizer, trained at a ZeRO stage on a mesh.
 
 The engine owns the static decisions (layouts, shardings, the jitted step) and
-holds no arrays: state goes in and out of :meth:`Engine.step`, which donates it.
+holds no arrays: state goes in and out of :meth:`Engine.step`, which donates it
+(where the backend profits, see :mod:`jaxzero.backend`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxzero import backend
 from jaxzero import step as step_lib
 from jaxzero.mesh import batch_axes, make_mesh, num_shards
 from jaxzero.partition import Rule, is_layout, layouts_for, pad, path_str, unpad
@@ -65,6 +67,13 @@ class Engine:
       rules: ``(regex, dim | PartitionSpec | "replicate")`` overrides per leaf path.
       stacked: regex of leaf paths whose leading dim stacks scanned layers.
       min_shard_size: leaves with fewer elements are replicated.
+      donate: whether the step donates (consumes) its input state, so the new state
+        reuses its buffers. None: the backend's default (:data:`jaxzero.backend.DONATE`).
+        Either way, use only the state a step returns.
+      compiler_options: XLA options for the step, updating the backend's preset
+        (on GPUs :data:`jaxzero.backend.GPU_OPTIONS`: the latency-hiding scheduler
+        and pipelined collectives that overlap gathers with compute); a value of
+        None removes that option.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxzero
@@ -98,6 +107,8 @@ class Engine:
         rules: Sequence[Rule] = (),
         stacked: str | None = None,
         min_shard_size: int = 64,
+        donate: bool | None = None,
+        compiler_options: dict[str, Any] | None = None,
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -118,6 +129,8 @@ class Engine:
         self.micro_batches, self.max_grad_norm = micro_batches, max_grad_norm
         self.per_layer, self.rules, self.stacked = per_layer, tuple(rules), stacked
         self.min_shard_size = min_shard_size
+        self.donate = backend.donate(donate, self.mesh)
+        self.compiler_options = backend.compiler_options(self.mesh, compiler_options)
         self.num_shards = num_shards(self.mesh)
         self.batch_devices = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))
         self.batch_sharding = NamedSharding(self.mesh, P(batch_axes(self.mesh)))
@@ -286,11 +299,12 @@ class Engine:
         self._step = jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=(self.state_shardings,
                                             NamedSharding(mesh, P())),
-                             donate_argnums=0)
+                             donate_argnums=0 if self.donate else (),
+                             compiler_options=self.compiler_options or None)
         ev = functools.partial(step_lib.eval_loss, cfg, lays, self.loss_fn)
         ev_sharded = jax.shard_map(ev, mesh=mesh, in_specs=(self.specs.params, bspec),
                                    out_specs=P(), check_vma=False)
-        self._eval = jax.jit(ev_sharded)
+        self._eval = jax.jit(ev_sharded, compiler_options=self.compiler_options or None)
 
     def _check_batch(self, batch: Any) -> None:
         leaves, treedef = jax.tree.flatten(batch)
@@ -353,7 +367,7 @@ class Engine:
         return batch
 
     def step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One optimizer step on the global ``batch``; ``state`` is donated (consumed).
+        """One optimizer step on the global ``batch``; ``state`` is consumed (donated).
 
         Returns the new state and ``{"loss", "grad_norm"}`` (replicated scalars).
         """

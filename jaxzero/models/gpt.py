@@ -26,6 +26,36 @@ REMAT_POLICIES = {
 }
 
 
+ATTENTION = ("auto", "xla", "cudnn")
+
+
+def attention_impl(choice: str, dtype: Any, backend: str | None = None) -> str:
+    """``"cudnn"`` or ``"xla"``: ``"auto"`` takes cuDNN's fused (flash) attention on
+    GPUs for 16-bit inputs, where it exists, and XLA's einsum-softmax otherwise."""
+    if choice != "auto":
+        return choice
+    backend = backend or jax.default_backend()
+    return "cudnn" if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 else "xla"
+
+
+def causal_attention(q_BxSxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array,
+                     choice: str = "auto") -> jax.Array:
+    """Causal multi-head attention with the implementation ``choice`` resolves to.
+
+    ``"auto"`` falls back to XLA when cuDNN refuses the shapes (e.g. a head dim it
+    does not support); an explicit ``"cudnn"`` raises instead.
+    """
+    impl = attention_impl(choice, q_BxSxHxK.dtype)
+    attend = lambda i: jax.nn.dot_product_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK,
+                                                    is_causal=True, implementation=i)
+    if impl == "cudnn" and choice == "auto":
+        try:
+            return attend("cudnn")
+        except (NotImplementedError, ValueError, RuntimeError):
+            return attend("xla")
+    return attend(impl)
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """Shape of the model. ``d_ff`` defaults to ``4 * d_model``."""
@@ -38,6 +68,7 @@ class GPTConfig:
     d_ff: int | None = None
     tie_embeddings: bool = True
     remat: str = "none"  # activation checkpointing of each block: none | full | dots
+    attention: str = "auto"  # auto (cuDNN's fused kernel on GPUs in bf16) | xla | cudnn
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
@@ -49,6 +80,8 @@ class GPTConfig:
             )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat {self.remat!r}: use one of {list(REMAT_POLICIES)}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"unknown attention {self.attention!r}: use one of {ATTENTION}")
 
     @property
     def ff(self) -> int:
@@ -71,7 +104,7 @@ class Block(nn.Module):
         # no qkv bias: the key bias has no gradient (softmax ignores it), only noise
         qkv_BxSx3D = nn.Dense(3 * d, dtype=dt, use_bias=False, kernel_init=init, name="qkv")(y)
         q, k, v = jnp.split(qkv_BxSx3D.reshape(b, s, 3 * h, dh), 3, axis=2)
-        att_BxSxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        att_BxSxHxK = causal_attention(q, k, v, cfg.attention)
         x_BxSxD = x_BxSxD + nn.Dense(d, dtype=dt, kernel_init=out_init, name="proj")(
             att_BxSxHxK.reshape(b, s, d))
         y = nn.LayerNorm(dtype=dt, name="ln2")(x_BxSxD)

@@ -1,0 +1,117 @@
+"""How the step is compiled on each backend: buffer donation and XLA's overlap passes.
+
+Two choices depend on the hardware, not on the model:
+
+* **Donation.** Donating the train state lets XLA write the new state into the
+  old buffers, so a step needs one copy of the state, not two. That is the point
+  on accelerators, where the state is what fills the device. On XLA:CPU the
+  aliasing can serialise the in-place updates and memory is the host's, so the
+  default there is the measured faster choice (:data:`DONATE`).
+* **Overlap (GPU).** ZeRO-3 pays only if layer i+1's all-gather runs while layer
+  i computes, and stage 2–3's reduce-scatters while the backward goes on. XLA's
+  GPU compiler does exactly this (FSDP's prefetch, done by the scheduler) when
+  its latency-hiding scheduler and collective pipelining are on; they are off by
+  default because they lengthen compilation. :data:`GPU_OPTIONS` turns them on
+  for the step only (per-``jit`` ``compiler_options``, not a process-wide
+  ``XLA_FLAGS``), and ``Engine(compiler_options=...)`` overrides any of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, SingleDeviceSharding
+
+# Whether the step donates its state by default, per platform (others: True).
+# On XLA:CPU donation was measured at 0.98-1.02x the non-donating step time on the
+# plain-pytree GPT (experiments/bench_step.py --model plain), so memory decides.
+DONATE: dict[str, bool] = {"cpu": True, "gpu": True, "tpu": True}
+
+MiB = 1 << 20
+
+# XLA:GPU options for the train step (the same passes XLA's -O1 enables, plus
+# combine thresholds sized for layer-sized collectives).
+GPU_OPTIONS: dict[str, Any] = {
+    # schedule async collectives to overlap with independent compute
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    # move the next iteration's all-gather / this iteration's reduce-scatter and
+    # all-reduce across the while-loop boundary of scanned layers (prefetch)
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    # unroll loops by two so a gather can be in flight across iterations
+    "xla_gpu_enable_while_loop_double_buffering": True,
+    # combine small collectives (norm scales, biases) up to these sizes; a whole
+    # layer's packed gather is one collective already
+    "xla_gpu_all_gather_combine_threshold_bytes": 256 * MiB,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 256 * MiB,
+    "xla_gpu_all_reduce_combine_threshold_bytes": 256 * MiB,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {"gpu": GPU_OPTIONS}
+
+
+def platform(mesh: Mesh) -> str:
+    """``"cpu"``, ``"gpu"`` or ``"tpu"``: where the mesh's devices are."""
+    p = mesh.devices.flat[0].platform
+    return "gpu" if p in ("cuda", "rocm") else p
+
+
+def donate(choice: bool | None, mesh: Mesh) -> bool:
+    """``choice``, or the platform's default (:data:`DONATE`) when it is None."""
+    if choice is None:
+        return DONATE.get(platform(mesh), True)
+    if not isinstance(choice, bool):
+        raise TypeError(f"donate must be True, False or None (the backend's default), "
+                        f"got {choice!r}")
+    return choice
+
+
+@functools.cache
+def _known(backend: str, name: str, value: Any) -> bool:
+    """Whether this XLA build takes option ``name`` (flags come and go between versions).
+
+    Compiles an identity once per option; a wrongly typed value raises here too.
+    """
+    device = jax.local_devices(backend=backend)[0]
+    x = jax.ShapeDtypeStruct((), "float32", sharding=SingleDeviceSharding(device))
+    try:
+        jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(x).compile()
+    except Exception as e:  # noqa: BLE001 - XLA raises a generic runtime error
+        if "No such compile option" in str(e):
+            return False
+        reason = str(e).strip().splitlines()[0]
+        raise ValueError(f"XLA cannot compile with option {name}={value!r}: {reason}") from None
+    return True
+
+
+def compiler_options(mesh: Mesh, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The step's XLA options: the platform's preset, updated by ``overrides``.
+
+    An override of ``None`` drops that option from the preset; ``{}`` keeps the
+    preset; pass ``{name: None for name in GPU_OPTIONS}`` for XLA's own defaults.
+    Preset options this XLA build does not know are dropped with a warning, so a
+    newer or older jaxlib never fails to compile the step because of the preset.
+    """
+    plat = platform(mesh)
+    preset = dict(PRESETS.get(plat, {}))
+    unknown = [k for k, v in preset.items() if not _known(plat, k, v)]
+    for k in unknown:
+        del preset[k]
+    if unknown:
+        warnings.warn(f"this XLA build does not know {', '.join(unknown)}; the step is "
+                      "compiled without them", stacklevel=3)
+    for k, v in (overrides or {}).items():
+        if v is None:
+            preset.pop(k, None)
+        elif not _known(plat, k, v):
+            raise ValueError(
+                f"compiler_options: {k!r} is not an option of this XLA build ({plat}); "
+                "see the XLA flags of your jaxlib version (XLA_FLAGS=--help)")
+        else:
+            preset[k] = v
+    return preset

@@ -1,0 +1,102 @@
+"""Per-backend compilation choices: donation and the XLA option presets."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import mlp_batches, mlp_loss, mlp_params, rel_diff
+
+import jaxzero
+from jaxzero import backend
+from jaxzero.models.gpt import GPT, GPTConfig, attention_impl
+
+
+@pytest.mark.parametrize("name", sorted(backend.GPU_OPTIONS))
+def test_gpu_preset_options_exist_in_this_xla(name):
+    """XLA rejects an unknown option at compile time; the GPU plugin ships the same XLA
+    as this jaxlib, so every preset option must be a known one here."""
+    assert backend._known("cpu", name, backend.GPU_OPTIONS[name])
+
+
+def test_options_per_platform_and_overrides(monkeypatch):
+    mesh = jaxzero.make_mesh(2)
+    assert backend.platform(mesh) == "cpu"
+    assert backend.compiler_options(mesh) == {}
+    assert backend.compiler_options(mesh, {"xla_cpu_enable_fast_math": False}) == {
+        "xla_cpu_enable_fast_math": False}
+
+    monkeypatch.setattr(backend, "platform", lambda m: "gpu")
+    monkeypatch.setattr(backend, "_known", lambda plat, k, v: True)
+    assert backend.compiler_options(mesh) == backend.GPU_OPTIONS
+    opts = backend.compiler_options(mesh, {
+        "xla_gpu_enable_while_loop_double_buffering": None,  # drop from the preset
+        "xla_gpu_all_gather_combine_threshold_bytes": 1 << 20,  # change
+    })
+    assert "xla_gpu_enable_while_loop_double_buffering" not in opts
+    assert opts["xla_gpu_all_gather_combine_threshold_bytes"] == 1 << 20
+    assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True
+
+
+def test_preset_option_unknown_to_this_xla_is_dropped_with_a_warning(monkeypatch):
+    monkeypatch.setitem(backend.PRESETS, "cpu", {"xla_gpu_no_such_pass": True,
+                                                 "xla_cpu_enable_fast_math": False})
+    with pytest.warns(UserWarning, match="xla_gpu_no_such_pass"):
+        opts = backend.compiler_options(jaxzero.make_mesh(1))
+    assert opts == {"xla_cpu_enable_fast_math": False}
+
+
+def test_bad_user_option_is_a_clear_error():
+    with pytest.raises(ValueError, match="xla_no_such_option.*not an option"):
+        jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1),
+                       compiler_options={"xla_no_such_option": True})
+
+
+def test_compiler_options_reach_the_compiled_step():
+    """An option that visibly changes the program: without the main fusion pass, XLA:CPU
+    falls back to many small loop fusions."""
+    params, batch = mlp_params(), mlp_batches(1)[0]
+    fusions = {}
+    for opts in (None, {"xla_disable_hlo_passes": "fusion"}):
+        engine = jaxzero.Engine(mlp_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=1,
+                                compiler_options=opts)
+        fusions[bool(opts)] = engine.compile(engine.init(params), batch).as_text().count(
+            " fusion(")
+    assert fusions[True] > 2 * fusions[False] > 0
+
+
+def test_donation_switch():
+    """Both settings train identically; only a donating step consumes its input."""
+    params, batches = mlp_params(), mlp_batches(3)
+    finals = {}
+    for donate in (True, False):
+        engine = jaxzero.Engine(mlp_loss, optax.adam(1e-2), mesh=jaxzero.make_mesh(2), stage=1,
+                                donate=donate)
+        assert engine.donate is donate
+        state = engine.init(params)
+        for b in batches:
+            old = state
+            state, _ = engine.step(state, b)
+            assert jax.tree.leaves(old.opt_state)[1].is_deleted() is donate
+        finals[donate] = engine.gather_params(state)
+    assert rel_diff(finals[True], finals[False]) == 0
+    default = jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1))
+    assert default.donate is backend.DONATE["cpu"]
+    with pytest.raises(TypeError, match="donate must be True, False or None"):
+        jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1), donate="yes")
+
+
+def test_attention_choice():
+    assert attention_impl("auto", jnp.bfloat16, "gpu") == "cudnn"
+    assert attention_impl("auto", jnp.float16, "gpu") == "cudnn"
+    assert attention_impl("auto", jnp.float32, "gpu") == "xla"  # cuDNN's kernel is 16-bit
+    assert attention_impl("auto", jnp.bfloat16, "cpu") == "xla"
+    assert attention_impl("xla", jnp.bfloat16, "gpu") == "xla"
+    with pytest.raises(ValueError, match="unknown attention 'flash'"):
+        GPTConfig(attention="flash")
+    cfg = dict(seq_len=8, d_model=16, n_layers=1, n_heads=2)
+    params = GPT(GPTConfig(**cfg)).init(jax.random.key(0))
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    auto = GPT(GPTConfig(**cfg, attention="auto")).apply(params, tokens)
+    xla = GPT(GPTConfig(**cfg, attention="xla")).apply(params, tokens)
+    np.testing.assert_array_equal(auto, xla)  # on CPU, auto is XLA's attention
