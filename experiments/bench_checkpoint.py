@@ -85,8 +85,8 @@ def bench(name: str, stage: int, args: argparse.Namespace, root: pathlib.Path) -
     import optax
 
     import jaxzero
-    from jaxzero import export as ex
     from jaxzero.models.gpt import GPT, GPTConfig
+    from jaxzero.train import export as ex
 
     kwargs, batch_size = MODELS[name]
     model = GPT(GPTConfig(**kwargs))

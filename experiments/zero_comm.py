@@ -31,7 +31,7 @@ import optax  # noqa: E402
 from results_io import read_csv, write_csv  # noqa: E402
 
 import jaxzero  # noqa: E402
-from jaxzero import accounting  # noqa: E402
+from jaxzero.accounting import measure as accounting  # noqa: E402
 from jaxzero.models.gpt import GPT, GPTConfig  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"

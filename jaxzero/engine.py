@@ -406,6 +406,6 @@ class Engine:
 
     def report(self, state: TrainState, batch: Any):
         """Measured memory and communication beside the ZeRO formulas."""
-        from jaxzero import accounting
+        from jaxzero.accounting import measure as accounting
 
         return accounting.report(self, state, batch)

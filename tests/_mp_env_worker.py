@@ -17,7 +17,7 @@ import optax  # noqa: E402
 from _models import mlp_batches, mlp_loss, mlp_params  # noqa: E402
 
 import jaxzero  # noqa: E402
-from jaxzero.data import process_rows  # noqa: E402
+from jaxzero.train.data import process_rows  # noqa: E402
 
 out = {"rank": job.rank, "world_size": job.world_size, "local_rank": job.local_rank}
 for name, mesh in [("stage3", jaxzero.make_mesh(4)), ("hybrid", jaxzero.make_mesh(4, replicas=2))]:

@@ -14,9 +14,9 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxzero import accounting as acc
-from jaxzero import estimate as est
-from jaxzero import hlo
+from jaxzero.accounting import estimate as est
+from jaxzero.accounting import hlo
+from jaxzero.accounting import measure as acc
 
 # A GPU-style module written by hand: async collectives, iota replica groups, tuple
 # shapes, a while loop nested in a while loop, a collective in a called computation
@@ -414,7 +414,7 @@ def test_stage3_traffic_scales_with_scanned_layers():
 
 
 def test_report_cli_json(capsys, tmp_path):
-    from jaxzero import report
+    from jaxzero.accounting import report
 
     hlo = tmp_path / "new" / "dir" / "step.txt"  # missing parents are created
     argv = ["--stage", "2", "--layers", "2", "--d-model", "64", "--heads", "2",
@@ -434,7 +434,7 @@ def test_report_cli_json(capsys, tmp_path):
     "argv", [["--heads", "3"], ["--stage", "5"], ["--micro-batches", "0"], ["--devices", "x"]]
 )
 def test_report_cli_nonsense_is_one_line(argv, capsys):
-    from jaxzero import report
+    from jaxzero.accounting import report
 
     assert report.main(argv) == 2
     out, err = capsys.readouterr()
@@ -443,14 +443,14 @@ def test_report_cli_nonsense_is_one_line(argv, capsys):
 
 
 def test_report_hlo_path_puts_the_stage_before_the_extension():
-    from jaxzero import report
+    from jaxzero.accounting import report
 
     assert report.hlo_path("out/x.txt", 3) == Path("out/x.stage3.txt")
     assert report.hlo_path("x", 0) == Path("x.stage0")
 
 
 def test_report_dump_hlo_bad_path_fails_before_compiling(tmp_path, capsys, monkeypatch):
-    from jaxzero import report
+    from jaxzero.accounting import report
 
     def no_compile(*args):
         raise AssertionError("compiled before checking --dump-hlo")

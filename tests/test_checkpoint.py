@@ -16,8 +16,9 @@ import pytest
 from _models import mlp_batches, mlp_loss, mlp_params
 
 import jaxzero
-from jaxzero import metrics, train
 from jaxzero.checkpoint import leaf_names
+from jaxzero.train import loop as train
+from jaxzero.train import metrics
 
 TX = optax.adamw(1e-2, weight_decay=0.1)
 ROOT = Path(__file__).parent.parent
@@ -282,7 +283,7 @@ def test_resume_errors_are_one_line(tmp_path, capsys, extra, expected):
 def test_resume_refuses_a_model_change_and_an_empty_run(tmp_path, capsys):
     run = tmp_path / "r"
     run.mkdir()
-    from jaxzero import config as C
+    from jaxzero.train import config as C
 
     cfg = C.override(C.override(C.Config(), "logging.name", "r"), "logging.root", str(tmp_path))
     cfg = C.override(cfg, "data.max_bytes", 100000)
@@ -324,7 +325,7 @@ def test_nan_rollback_restores_and_skips_the_batch(tmp_path, monkeypatch, capsys
 
 def test_a_launch_restart_resumes_the_named_run(tmp_path, monkeypatch):
     """`jaxzero launch --max-restarts` reruns the same command: it continues the run."""
-    from jaxzero import config as C
+    from jaxzero.train import config as C
 
     argv = ["--name", "r", "--set", f"logging.root={tmp_path}", "--stage", "1"]
     run = tmp_path / "r"

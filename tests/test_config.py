@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxzero import config as C
-from jaxzero import train
+from jaxzero.train import config as C
+from jaxzero.train import loop as train
 
 CONFIGS = sorted((Path(__file__).parent.parent / "experiments" / "configs").glob("*.yaml"))
 

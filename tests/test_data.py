@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxzero import data as D
-from jaxzero.config import DataConfig
+from jaxzero.train import data as D
+from jaxzero.train.config import DataConfig
 
 
 @dataclass(frozen=True)

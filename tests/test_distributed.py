@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from _procs import alive_with
 
-from jaxzero import launch
 from jaxzero.job import DistributedError, detect_cluster, resolve
 from jaxzero.mesh import replicas_for
+from jaxzero.train import launch
 
 TORCH = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "4",
          "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
@@ -194,8 +194,8 @@ def test_signals_are_forwarded_to_every_process(sig):
 
 
 def test_train_builds_the_hybrid_mesh_from_group_size():
-    from jaxzero import config as C
-    from jaxzero import train
+    from jaxzero.train import config as C
+    from jaxzero.train import loop as train
 
     mesh, _ = train.setup_devices(C.ParallelConfig(devices=8), None, 4)
     assert dict(mesh.shape) == {"replica": 2, "data": 4}

@@ -7,7 +7,7 @@ from decimal import ROUND_HALF_UP, Decimal
 
 import pytest
 
-from jaxzero import estimate as est
+from jaxzero.accounting import estimate as est
 
 GB = 1e9
 

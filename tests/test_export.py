@@ -19,11 +19,11 @@ from safetensors.numpy import load_file
 
 import jaxzero
 from jaxzero import cli
-from jaxzero import config as C
-from jaxzero import export as ex
-from jaxzero import sample as sm
 from jaxzero.models.gpt import GPT, GPTConfig
 from jaxzero.partition import path_str
+from jaxzero.train import config as C
+from jaxzero.train import export as ex
+from jaxzero.train import sample as sm
 
 # d_model 20 and qkv 60 do not divide by 8: stored leaves carry padding the export must drop
 CFG = GPTConfig(vocab_size=256, seq_len=16, d_model=20, n_layers=2, n_heads=2)
@@ -130,7 +130,7 @@ MEASURE = textwrap.dedent("""
     import json, re, sys
     from pathlib import Path
     import tensorstore  # noqa: F401 - imported before the baseline: not the export's cost
-    from jaxzero import export as ex
+    from jaxzero.train import export as ex
 
     def status(key):
         return int(re.search(key + r":\\s+(\\d+)", Path("/proc/self/status").read_text())[1]) * 1024

@@ -103,7 +103,8 @@ def _launch(*argv: str, env: dict[str, str]) -> subprocess.Popen:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 3])
 def test_launch_train_matches_one_process(stage, tmp_path, capsys):
-    from jaxzero import metrics, train
+    from jaxzero.train import loop as train
+    from jaxzero.train import metrics
 
     args = _train_args(tmp_path, f"launched{stage}", "--stage", str(stage), "--steps", "3")
     proc = _launch("--nproc-per-node", "2", "--simulate-devices", "2", "--", "jaxzero", "train",

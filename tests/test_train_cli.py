@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxzero import config as C
-from jaxzero import metrics, plot, train
+from jaxzero.train import config as C
+from jaxzero.train import loop as train
+from jaxzero.train import metrics, plot
 
 TINY = str(Path(__file__).parent.parent / "experiments" / "configs" / "tiny.yaml")
 STEPS = 4

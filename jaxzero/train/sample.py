@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxzero.checkpoint import nest
 from jaxzero.cli import ArgError, Parser
-from jaxzero.export import (
+from jaxzero.train.export import (
     CONFIG,
     DTYPES,
     MODEL_FIELDS,
@@ -101,7 +101,7 @@ def sample(path: str | Path, prompt: str = "def ", tokens: int = 200,
     """``(generated token ids, prompt + generated text)``; deterministic given ``seed``."""
     import jax
 
-    from jaxzero.data import decode
+    from jaxzero.train.data import decode
 
     model, params, kind = load_model(path, step)
     ids = encode_prompt(prompt, kind)

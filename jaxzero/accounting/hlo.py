@@ -4,7 +4,7 @@ A collective inside a ``while`` body (scanned layers, micro-batches) appears onc
 ``compiled.as_text()`` but runs ``known_trip_count`` times, so the module's
 computations are parsed into a call graph and each collective is weighted by the
 number of times its computation runs, summed over every path from ENTRY. Bytes on
-the wire use the ring formulas of the design doc (:func:`jaxzero.estimate.ring_bytes`).
+the wire use the ring formulas of the design doc (:func:`jaxzero.accounting.estimate.ring_bytes`).
 Only the text is needed: :func:`collectives_from_hlo` works on any SPMD program.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxzero import estimate as est
+from jaxzero.accounting import estimate as est
 
 COLLECTIVE_KINDS = (
     "all-reduce",

@@ -1,7 +1,7 @@
 """``jaxzero report``: compile one training step and print what it really costs.
 
 Builds the reference GPT and an Engine for the requested stage, mesh and precision,
-compiles the step without running it, and prints :mod:`jaxzero.accounting`'s
+compiles the step without running it, and prints :mod:`jaxzero.accounting.measure`'s
 measured memory and communication beside the ZeRO formulas. On a machine without
 an accelerator it simulates CPU devices (default 8), so the sharding is real even
 on a laptop: the collectives and per-device bytes are those a cluster would see.
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help
         return int(e.code or 0)
 
-    from jaxzero import accounting
+    from jaxzero.accounting import measure as accounting
     from jaxzero.mesh import accelerator_expected, simulate_devices
 
     n_sim = args.simulate_devices

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from jaxzero.config import DataConfig
+from jaxzero.train.config import DataConfig
 
 TOKEN_SUFFIX = ".bin"  # nanoGPT's uint16 token files
 BYTE_VOCAB = 256

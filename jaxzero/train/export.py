@@ -11,7 +11,7 @@ dtype/shape/offsets, then the raw bytes in order).
 
 bf16 runs export their fp32 master params (``master/...``), the truth the
 optimizer updates, not the rounded working copy; ``--dtype bf16`` rounds that
-once, as ``astype`` does. ``jaxzero sample`` (:mod:`jaxzero.sample`) reads through here.
+once, as ``astype`` does. ``jaxzero sample`` (:mod:`jaxzero.train.sample`) reads through here.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from jaxzero.cli import ArgError, Parser
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-RUN_CONFIG = "config.yaml"  # jaxzero.train.RESOLVED_CONFIG (not imported: it pulls in JAX)
+RUN_CONFIG = "config.yaml"  # jaxzero.train.loop.RESOLVED_CONFIG (not imported: it pulls in JAX)
 MODEL_FIELDS = ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
                 "tie_embeddings", "remat")
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}
@@ -127,7 +127,8 @@ def run_config(step_dir: Path) -> dict[str, Any]:
 
 
 def token_kind(config: dict[str, Any]) -> str:
-    """``bytes`` or ``uint16``, by the rule ``jaxzero.data.load_corpus`` read the data with."""
+    """``bytes`` or ``uint16``, by the rule ``jaxzero.train.data.load_corpus`` read the
+    data with."""
     data = config.get("data") or {}
     if data.get("format") in ("bytes", "uint16"):
         return data["format"]

@@ -4,7 +4,7 @@
 anyone rents a cluster. It applies the design doc's per-device formulas
 (``shared/design/zero.md``): model states (params, gradients, optimizer state),
 activations (Korthikanti et al. 2022) and ring communication per step. The same
-functions give :mod:`jaxzero.accounting` its theoretical side, so measured and
+functions give :mod:`jaxzero.accounting.measure` its theoretical side, so measured and
 predicted numbers always come from one definition.
 
 GB here means 1e9 bytes, as in the ZeRO paper.

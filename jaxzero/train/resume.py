@@ -17,8 +17,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from jaxzero import config as config_lib
-from jaxzero.config import Config, ConfigError
+from jaxzero.train import config as config_lib
+from jaxzero.train.config import Config, ConfigError
 
 CHECKPOINTS = "checkpoints"
 # fields a resumed run may change; anything under model.* may not

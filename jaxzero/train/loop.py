@@ -3,7 +3,7 @@
 With no arguments it trains a small byte-level GPT on this Python's standard
 library sources at stage 3 over 8 simulated CPU devices, so the first thing a
 researcher runs already shards parameters, gradients and optimizer state.
-Everything else is a config field (:mod:`jaxzero.config`); this module turns a
+Everything else is a config field (:mod:`jaxzero.train.config`); this module turns a
 config into an engine, a loader and a loop, and reports what happened.
 
 Order matters: arguments are parsed and the config validated before JAX does
@@ -24,15 +24,15 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from jaxzero import config as config_lib
-from jaxzero import data as data_lib
 from jaxzero import distributed
-from jaxzero import metrics as metrics_lib
-from jaxzero import resume as resume_lib
 from jaxzero.checkpoint import CheckpointError, CheckpointManager
 from jaxzero.cli import ArgError, Parser
-from jaxzero.config import Config, ConfigError
-from jaxzero.data import DataError
+from jaxzero.train import config as config_lib
+from jaxzero.train import data as data_lib
+from jaxzero.train import metrics as metrics_lib
+from jaxzero.train import resume as resume_lib
+from jaxzero.train.config import Config, ConfigError
+from jaxzero.train.data import DataError
 
 DEFAULT_SIMULATED_DEVICES = 8
 MAX_ROLLBACKS = 3  # checkpoint.on_nan=rollback: then stop, the run is not recovering

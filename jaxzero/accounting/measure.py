@@ -14,9 +14,9 @@ trusting the code that asked for it:
   computation runs, summed over every path from ENTRY;
 * bytes on the wire per device with the ring formulas of the design doc;
 
-and puts the formulas of :mod:`jaxzero.estimate` next to them.
+and puts the formulas of :mod:`jaxzero.accounting.estimate` next to them.
 
-The HLO parser lives in :mod:`jaxzero.hlo` and needs only the text; :func:`report`
+The HLO parser lives in :mod:`jaxzero.accounting.hlo` and needs only the text; :func:`report`
 ties everything to an Engine.
 """
 
@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxzero import estimate as est
-from jaxzero.hlo import (
+from jaxzero.accounting import estimate as est
+from jaxzero.accounting.hlo import (
     SCALAR_ELEMENTS,
     Buffer,
     Collective,
@@ -137,7 +137,7 @@ def theory(
     param_gathers: int = 2,
     replicas: int = 1,
 ) -> Theory:
-    """Model-state memory and communication from :mod:`jaxzero.estimate`'s formulas.
+    """Model-state memory and communication from :mod:`jaxzero.accounting.estimate`'s formulas.
 
     Args:
       psi: logical parameter count.

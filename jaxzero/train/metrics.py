@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from jaxzero.cli import os_reason
-from jaxzero.config import Config, ConfigError
+from jaxzero.train.config import Config, ConfigError
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"

@@ -1,0 +1,10 @@
+"""The training app behind ``jaxzero train``: everything around the engine that a run needs.
+
+:mod:`~jaxzero.train.config` (the run's typed config), :mod:`~jaxzero.train.data`
+(corpora and the resumable loader), :mod:`~jaxzero.train.loop` (``jaxzero train``
+itself), :mod:`~jaxzero.train.metrics` and :mod:`~jaxzero.train.plot` (where the
+numbers go), :mod:`~jaxzero.train.resume` (checkpoints, signals),
+:mod:`~jaxzero.train.export` and :mod:`~jaxzero.train.sample` (weights out, text out)
+and :mod:`~jaxzero.train.launch` (``jaxzero launch``: the processes of one node).
+``python -m jaxzero.train`` runs ``jaxzero train``.
+"""
