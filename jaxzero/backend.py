@@ -4,9 +4,9 @@ Two choices depend on the hardware, not on the model:
 
 * **Donation.** Donating the train state lets XLA write the new state into the
   old buffers, so a step needs one copy of the state, not two. That is the point
-  on accelerators, where the state is what fills the device. On XLA:CPU the
-  aliasing can serialise the in-place updates and memory is the host's, so the
-  default there is the measured faster choice (:data:`DONATE`).
+  on accelerators, where the state is what fills the device. On XLA:CPU it was
+  measured slightly slower (:data:`DONATE`), and memory is the host's, so CPU
+  steps do not donate by default.
 * **Overlap (GPU).** ZeRO-3 pays only if layer i+1's all-gather runs while layer
   i computes, and stage 2–3's reduce-scatters while the backward goes on. XLA's
   GPU compiler does exactly this (FSDP's prefetch, done by the scheduler) when
@@ -26,10 +26,13 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, SingleDeviceSharding
 
-# Whether the step donates its state by default, per platform (others: True).
-# On XLA:CPU donation was measured at 0.98-1.02x the non-donating step time on the
-# plain-pytree GPT (experiments/bench_step.py --model plain), so memory decides.
-DONATE: dict[str, bool] = {"cpu": True, "gpu": True, "tpu": True}
+# Whether the step donates its state by default, per platform (others: True). On
+# XLA:CPU the donating step measured 1.00-1.04x the non-donating one on the plain
+# GPT of experiments/plain_gpt.py (three interleaved runs, stages 0-3): with stage
+# 1-2 the aliasing adds a copy of every replicated param at entry, and the step is
+# never faster for it. CPU runs are simulations and tests, where speed matters and
+# a second copy of the state is affordable; accelerators keep the memory.
+DONATE: dict[str, bool] = {"cpu": False, "gpu": True, "tpu": True}
 
 MiB = 1 << 20
 

@@ -124,6 +124,7 @@ def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any]:
         precision=args.precision,
         reduce_dtype=args.reduce_dtype,
         micro_batches=args.micro_batches,
+        donate=True,  # as on accelerators, whatever this machine's default
     )
     state = engine.init_from(model.init, jax.random.key(0))
     batch_size = args.batch or 2 * engine.batch_devices * args.micro_batches
