@@ -57,6 +57,8 @@ def parse_args(argv):
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="dense bf16 peak of one device, for MFU (H100/H200: 989)")
     p.add_argument("--csv", type=pathlib.Path, help="write per-run medians here")
+    p.add_argument("--both-donations", action="store_true",
+                   help="also time jaxzero with the other donation setting")
     args = p.parse_args(argv)
     for k, v in DEFAULTS[args.model].items():
         if getattr(args, k) is None:
@@ -90,8 +92,8 @@ def main(argv=None) -> int:
         model = GPT(GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
                               n_layers=args.layers, n_heads=args.heads, remat=args.remat))
         loss_fn, init_fn = model.loss_fn, model.init
-        new_engine = lambda stage: model.engine(tx, mesh=mesh, stage=stage,
-                                                precision=args.precision)
+        new_engine = lambda stage, donate=None: model.engine(
+            tx, mesh=mesh, stage=stage, precision=args.precision, donate=donate)
     else:
         sys.path.insert(0, str(HERE))
         import plain_gpt
@@ -99,8 +101,8 @@ def main(argv=None) -> int:
         loss_fn = lambda p, b: plain_gpt.loss_fn(p, b, n_heads=args.heads)
         init_fn = lambda key: plain_gpt.init(key, args.vocab, args.seq_len, args.d_model,
                                              args.layers)
-        new_engine = lambda stage: jaxzero.Engine(loss_fn, tx, mesh=mesh, stage=stage,
-                                                  precision=args.precision)
+        new_engine = lambda stage, donate=None: jaxzero.Engine(
+            loss_fn, tx, mesh=mesh, stage=stage, precision=args.precision, donate=donate)
     key = jax.random.key(0)
     n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(init_fn, key)))
     tokens_per_step = args.batch * args.seq_len
@@ -163,6 +165,10 @@ def main(argv=None) -> int:
         engine = new_engine(stage)
         b = engine.shard_batch(batch)
         runs.append((f"jaxzero {stage}", engine.step, engine.init_from(init_fn, key), b))
+        if args.both_donations:  # the other setting too, to compare
+            other = new_engine(stage, donate=not engine.donate)
+            runs.append((f"jaxzero {stage} donate={other.donate}", other.step,
+                         other.init_from(init_fn, key), b))
         runs.append((f"GSPMD {stage}", gspmd_step_for(engine), engine.init_from(init_fn, key), b))
     donates = engine.donate
 
@@ -224,6 +230,11 @@ def main(argv=None) -> int:
                          "jaxzero_ms": m[f"jaxzero {s}"] * 1e3, "gspmd_ms": m[f"GSPMD {s}"] * 1e3,
                          "jit_donate_ms": m["plain jit, donate=True"] * 1e3,
                          "jit_no_donate_ms": m["plain jit, donate=False"] * 1e3})
+    if args.both_donations:
+        other = not donates
+        print(f"jaxzero donate={other} / donate={donates}, median (range) over runs: " + ", ".join(
+            f"stage {s} " + spread([m[f"jaxzero {s} donate={other}"] / m[f"jaxzero {s}"]
+                                    for m in per_run]) for s in args.stages))
     if args.model in TARGETS:
         print("targets: " + ("all met" if not misses else "MISSED: " + "; ".join(misses)))
     if args.csv:

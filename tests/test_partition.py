@@ -29,6 +29,11 @@ def test_divisible_dim_is_preferred_and_no_padding():
     assert lay.dim == 1 and lay.padded_shape == (37, 64)
 
 
+def test_ties_go_to_the_first_dim_for_contiguous_slices():
+    assert leaf_layout("w", (64, 128), 8).dim == 0
+    assert leaf_layout("w", (16, 64, 128), 8, stacked=r"^w").dim == 1
+
+
 def test_small_leaves_are_replicated():
     assert leaf_layout("b", (11,), 8).dim is None
     assert leaf_layout("s", (), 8).dim is None

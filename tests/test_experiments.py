@@ -1,0 +1,41 @@
+"""The speed scripts still run end to end (tiny shapes, a step or two: no timing asserted)."""
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXPERIMENTS = Path(__file__).parent.parent / "experiments"
+
+
+def _run(script: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, str(EXPERIMENTS / script), *args],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_bench_step_plain_model_prints_every_contestant(tmp_path):
+    path = tmp_path / "bench.csv"
+    out = _run("bench_step.py", "--model", "plain", "--stages", "0", "3", "--steps", "1",
+               "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch", "4",
+               "--csv", str(path))
+    assert "plain jit" in out and "targets:" in out
+    rows = list(csv.DictReader(path.open()))
+    assert [r["stage"] for r in rows] == ["0", "3"]
+    assert all(float(r["jaxzero_ms"]) > 0 and float(r["jit_no_donate_ms"]) > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_mfu_script_runs_one_config(tmp_path):
+    path = tmp_path / "mfu.csv"
+    out = _run("mfu.py", "--tiny", "--batch", "2", "--steps", "1", "--configs", "3,dots,auto",
+               "--csv", str(path))
+    assert "failed" not in out
+    (row,) = csv.DictReader(path.open())
+    assert (row["stage"], row["remat"], row["batch"], row["backend"]) == ("3", "dots", "2", "cpu")
+    assert row["fused_attention"] == "False"  # XLA's attention on CPU
+    assert float(row["tokens_per_s"]) > 0 and float(row["loss"]) > 0
