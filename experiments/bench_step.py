@@ -41,6 +41,26 @@ DEFAULTS = {  # devices, d_model, layers, heads, seq_len, vocab, batch, steps
 TARGETS = {"plain": {"jit": {0: 1.10, 1: 1.10, 2: 1.10, 3: 1.25}}, "gpt": {"gspmd": {1: 1.10}}}
 
 
+def readme_table(path: pathlib.Path) -> str:
+    """The README's table from a ``--csv`` file: medians over runs, ratio ranges."""
+    sys.path.insert(0, str(HERE))
+    from results_io import read_csv
+
+    rows = read_csv(path)
+    out = ["| stage | jaxzero ms | plain jit ms (donating / not) | GSPMD ms | vs plain jit "
+           "| vs GSPMD |", "| --- | --- | --- | --- | --- | --- |"]
+    for stage in sorted({int(r["stage"]) for r in rows}):
+        rs = [r for r in rows if int(r["stage"]) == stage]
+        med = lambda k, rs=rs: f"{statistics.median(float(r[k]) for r in rs):.1f}"
+        ratio = lambda base, rs=rs: [float(r["jaxzero_ms"]) / base(r) for r in rs]
+        span = lambda v: f"{statistics.median(v):.2f} ({min(v):.2f}–{max(v):.2f})"
+        jit = ratio(lambda r: min(float(r["jit_donate_ms"]), float(r["jit_no_donate_ms"])))
+        out.append(f"| {stage} | {med('jaxzero_ms')} | {med('jit_donate_ms')} / "
+                   f"{med('jit_no_donate_ms')} | {med('gspmd_ms')} | {span(jit)} | "
+                   f"{span(ratio(lambda r: float(r['gspmd_ms'])))} |")
+    return "\n".join(out)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=sorted(DEFAULTS), default="gpt")
@@ -57,6 +77,7 @@ def parse_args(argv):
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="dense bf16 peak of one device, for MFU (H100/H200: 989)")
     p.add_argument("--csv", type=pathlib.Path, help="write per-run medians here")
+    p.add_argument("--table", type=pathlib.Path, help="print README's table of a --csv file")
     p.add_argument("--both-donations", action="store_true",
                    help="also time jaxzero with the other donation setting")
     args = p.parse_args(argv)
@@ -68,6 +89,9 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.table:
+        print(readme_table(args.table))
+        return 0
     from jaxzero.mesh import accelerator_expected, simulate_devices
 
     if args.simulate or not accelerator_expected():

@@ -5,8 +5,8 @@ Two choices depend on the hardware, not on the model:
 * **Donation.** Donating the train state lets XLA write the new state into the
   old buffers, so a step needs one copy of the state, not two. That is the point
   on accelerators, where the state is what fills the device. On XLA:CPU it was
-  measured slightly slower (:data:`DONATE`), and memory is the host's, so CPU
-  steps do not donate by default.
+  measured within a few percent either way, model by model (:data:`DONATE`), so
+  every backend donates by default and ``Engine(donate=False)`` is the switch.
 * **Overlap (GPU).** ZeRO-3 pays only if layer i+1's all-gather runs while layer
   i computes, and stage 2–3's reduce-scatters while the backward goes on. XLA's
   GPU compiler does exactly this (FSDP's prefetch, done by the scheduler) when
@@ -27,12 +27,10 @@ import jax
 from jax.sharding import Mesh, SingleDeviceSharding
 
 # Whether the step donates its state by default, per platform (others: True). On
-# XLA:CPU the donating step measured 1.00-1.04x the non-donating one on the plain
-# GPT of experiments/plain_gpt.py (three interleaved runs, stages 0-3): with stage
-# 1-2 the aliasing adds a copy of every replicated param at entry, and the step is
-# never faster for it. CPU runs are simulations and tests, where speed matters and
-# a second copy of the state is affordable; accelerators keep the memory.
-DONATE: dict[str, bool] = {"cpu": False, "gpu": True, "tpu": True}
+# XLA:CPU neither setting is faster across models (experiments/bench_step.py
+# --both-donations: donating 1.00-1.04x the other's step time on the plain-pytree
+# GPT at 2 devices, 0.96-1.00x on the reference GPT at 8), so memory decides here too.
+DONATE: dict[str, bool] = {"cpu": True, "gpu": True, "tpu": True}
 
 MiB = 1 << 20
 

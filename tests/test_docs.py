@@ -4,6 +4,7 @@ import doctest
 import importlib
 import math
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -120,3 +121,13 @@ def test_readme_accounting_table_quotes_the_experiment_results():
         assert comm1.split(" / ")[0] == comm[s, "fp32", 1]
         assert comm4.split(" / ")[0] == comm[s, "fp32", 4]
         assert peak == f"{float(memory[s][5]):.1f}"
+
+
+@pytest.mark.parametrize("model", ["plain", "gpt"])
+def test_readme_speed_tables_quote_the_benchmark_results(model):
+    """README's speed tables are what experiments/bench_step.py --csv wrote, not typed."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from bench_step import readme_table
+
+    table = readme_table(ROOT / "experiments" / "results" / f"bench_step_{model}.csv")
+    assert table in README, f"README's {model} speed table differs from the CSV:\n{table}"
