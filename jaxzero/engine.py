@@ -2,7 +2,7 @@
 
 The engine owns the static decisions (layouts, shardings, the jitted step) and
 holds no arrays: state goes in and out of :meth:`Engine.step`, which donates it
-(where the backend profits, see :mod:`jaxzero.backend`).
+by default (``donate=``, see :mod:`jaxzero.backend`).
 """
 
 from __future__ import annotations
