@@ -15,6 +15,7 @@ with no JAX, so tests can check the sharded code against arithmetic anyone can r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -110,6 +111,71 @@ def reduce_scatter_packed(grads: Sequence[jax.Array], layouts: Sequence[LeafLayo
         out.append(jnp.moveaxis(piece, 0, _local_dim(lay, o)))
         start += r.shape[1]
     return out
+
+
+# --- bucketed: a whole tree in a few packed collectives (stages 1-2) -------------------
+#
+# Stages 1-2 reduce-scatter every gradient and all-gather every updated param once a
+# step. One collective per leaf makes each device wait at one rendezvous per leaf;
+# packing them into buckets of at most ``bucket_bytes`` (DeepSpeed's
+# reduce_bucket_size / allgather_bucket_size) pays one per bucket, and bounds the
+# extra memory of packing to one bucket.
+
+
+def buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive indices grouped so each group's total ``sizes`` stays within
+    ``bucket_bytes`` (a larger single item gets its own group); 0: one item a group.
+
+    >>> buckets([4, 4, 8, 2], 8)
+    [[0, 1], [2], [3]]
+    """
+    out: list[list[int]] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if not out or total + size > bucket_bytes:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += size
+    return out
+
+
+def _bucketed(fn, xs: Sequence[jax.Array], layouts: Sequence[LeafLayout], bucket_bytes: int,
+              per_leaf) -> list[jax.Array]:
+    """Packed ``fn`` on buckets of same-dtype sharded leaves (sized by their whole padded
+    bytes), ``per_leaf`` on the rest."""
+    out = list(xs)
+    idx = [i for i, lay in enumerate(layouts) if lay.dim is not None]
+    for i in (i for i, lay in enumerate(layouts) if lay.dim is None):
+        out[i] = per_leaf(xs[i], layouts[i])
+    for dtype in dict.fromkeys(xs[i].dtype for i in idx):
+        same = [i for i in idx if xs[i].dtype == dtype]
+        full = [math.prod(layouts[i].padded_shape) * dtype.itemsize for i in same]
+        for group in buckets(full, bucket_bytes):
+            members = [same[j] for j in group]
+            if len(members) == 1:
+                out[members[0]] = per_leaf(xs[members[0]], layouts[members[0]])
+                continue
+            packed = fn([xs[i] for i in members], [layouts[i] for i in members])
+            for i, x in zip(members, packed, strict=True):
+                out[i] = x
+    return out
+
+
+def gather_buckets(values: Sequence[jax.Array], layouts: Sequence[LeafLayout],
+                   bucket_bytes: int) -> list[jax.Array]:
+    """:func:`gather` of every leaf, one all-gather per bucket of slices."""
+    return _bucketed(lambda v, lay: gather_packed(v, lay, [0] * len(v)), values, layouts,
+                     bucket_bytes, gather)
+
+
+def reduce_scatter_buckets(grads: Sequence[jax.Array], layouts: Sequence[LeafLayout],
+                           bucket_bytes: int, extra_axes: Sequence[str] = ()
+                           ) -> list[jax.Array]:
+    """:func:`reduce_scatter` of every leaf, one reduce-scatter per bucket of gradients."""
+    return _bucketed(
+        lambda g, lay: reduce_scatter_packed(g, lay, [0] * len(g), extra_axes), grads, layouts,
+        bucket_bytes, lambda g, lay: reduce_scatter(g, lay, extra_axes))
 
 
 # --- references: lists of per-device numpy arrays in, lists out -----------------------

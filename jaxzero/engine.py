@@ -67,6 +67,11 @@ class Engine:
       rules: ``(regex, dim | PartitionSpec | "replicate")`` overrides per leaf path.
       stacked: regex of leaf paths whose leading dim stacks scanned layers.
       min_shard_size: leaves with fewer elements are replicated.
+      bucket_mb: stages 1–2 reduce-scatter the gradients and all-gather the updated
+        params in packed collectives of at most this many MiB (DeepSpeed's
+        ``reduce_bucket_size`` / ``allgather_bucket_size``): one rendezvous a bucket
+        instead of one a leaf, for at most one bucket of extra memory. 0: one
+        collective per leaf.
       donate: whether the step donates (consumes) its input state, so the new state
         reuses its buffers. None: the backend's default (:data:`jaxzero.backend.DONATE`).
         Either way, use only the state a step returns.
@@ -107,6 +112,7 @@ class Engine:
         rules: Sequence[Rule] = (),
         stacked: str | None = None,
         min_shard_size: int = 64,
+        bucket_mb: float = 64,
         donate: bool | None = None,
         compiler_options: dict[str, Any] | None = None,
     ):
@@ -118,6 +124,8 @@ class Engine:
             raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
+            raise ValueError(f"bucket_mb must be a non-negative number of MiB, got {bucket_mb!r}")
         optimizer = optax.adamw(1e-3) if optimizer is None else optimizer
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(f"optimizer must be an optax.GradientTransformation, got {optimizer!r}")
@@ -129,6 +137,7 @@ class Engine:
         self.micro_batches, self.max_grad_norm = micro_batches, max_grad_norm
         self.per_layer, self.rules, self.stacked = per_layer, tuple(rules), stacked
         self.min_shard_size = min_shard_size
+        self.bucket_bytes = int(bucket_mb * 2**20)
         self.donate = backend.donate(donate, self.mesh)
         self.compiler_options = backend.compiler_options(self.mesh, compiler_options)
         self.num_shards = num_shards(self.mesh)
@@ -159,6 +168,7 @@ class Engine:
             per_layer=self.per_layer,
             batch_axes=batch_axes(self.mesh),
             batch_devices=self.batch_devices,
+            bucket_bytes=self.bucket_bytes,
         )
 
     def _set_layouts(self, shapes: Any) -> None:

@@ -59,6 +59,7 @@ class StepConfig:
     per_layer: bool  # the model calls use_params per layer
     batch_axes: tuple[str, ...]
     batch_devices: int  # devices the global batch is split over
+    bucket_bytes: int = 0  # stages 1-2: pack gradient/param collectives up to this size
 
     @property
     def extra_axes(self) -> tuple[str, ...]:
@@ -133,15 +134,14 @@ def reduce_gradients(cfg: StepConfig, layouts: Any, grads: Any) -> Any:
     """Stage 0: all-reduce; stage 1: reduce-scatter. Returns fp32 global-mean gradients."""
     rd, scale = cfg.reduce_dtype, 1.0 / cfg.batch_devices
 
-    def one(lay: LeafLayout, g):
-        g = g.astype(rd) * jnp.asarray(scale, rd)
-        if cfg.stage == 0:
-            g = collectives.all_reduce(g, cfg.extra_axes)
-        else:
-            g = collectives.reduce_scatter(g, lay, cfg.extra_axes)
-        return g.astype(jnp.float32)
-
-    return _map(one, layouts, grads)
+    lays = jax.tree.leaves(layouts, is_leaf=is_layout)
+    gs, treedef = jax.tree.flatten(grads)
+    gs = [g.astype(rd) * jnp.asarray(scale, rd) for g in gs]
+    if cfg.stage == 0:  # XLA combines these all-reduces itself
+        gs = [collectives.all_reduce(g, cfg.extra_axes) for g in gs]
+    else:
+        gs = collectives.reduce_scatter_buckets(gs, lays, cfg.bucket_bytes, cfg.extra_axes)
+    return treedef.unflatten([g.astype(jnp.float32) for g in gs])
 
 
 def global_norm(cfg: StepConfig, layouts: Any, grads: Any) -> jax.Array:
@@ -181,9 +181,11 @@ def gradient_step(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, b
     return jax.lax.pmean(loss, cfg.batch_axes), grads, norm
 
 
-def gather_params(layouts: Any, params: Any) -> Any:
-    """Per device: all-gather the updated working params (stages 1–2)."""
-    return _map(lambda lay, p: collectives.gather(p, lay), layouts, params)
+def gather_params(cfg: StepConfig, layouts: Any, params: Any) -> Any:
+    """Per device: all-gather the updated working params (stages 1–2), in buckets."""
+    values, treedef = jax.tree.flatten(params)
+    lays = jax.tree.leaves(layouts, is_leaf=is_layout)
+    return treedef.unflatten(collectives.gather_buckets(values, lays, cfg.bucket_bytes))
 
 
 def _logical(layouts: Any, tree: Any) -> Any:
@@ -225,7 +227,7 @@ def make_train_step(cfg: StepConfig, mesh: Mesh, layouts: Any, opt_lays: Any, sp
     grads_of = jax.shard_map(functools.partial(gradient_step, cfg, layouts, loss_fn), mesh=mesh,
                              in_specs=(specs.params, P(cfg.batch_axes)),
                              out_specs=(P(), grad_specs, P()), check_vma=False)
-    gather = jax.shard_map(functools.partial(gather_params, layouts), mesh=mesh,
+    gather = jax.shard_map(functools.partial(gather_params, cfg, layouts), mesh=mesh,
                            in_specs=(grad_specs,), out_specs=specs.params, check_vma=False)
     place = lambda tree: jax.tree.map(
         lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),

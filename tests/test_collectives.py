@@ -1,6 +1,7 @@
 """Each collective inside shard_map equals its plain numpy reference."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -71,3 +72,48 @@ def test_packed_collectives_match_per_leaf():
     for i, lay in enumerate(lays):
         want = collectives.reference_gather([s[i] for s in shards], lay)
         np.testing.assert_allclose(gathered[i], np.stack(want), rtol=1e-6)
+
+
+@pytest.mark.parametrize("bucket_bytes, n_buckets", [(0, 3), (8448, 2), (1 << 30, 1)])
+def test_bucketed_collectives_match_references(bucket_bytes, n_buckets):
+    """Stages 1-2 pack a tree into buckets: same values, one collective per bucket.
+
+    Three f32 sharded leaves (1,280, 7,168 and 768 bytes padded; the last sharded on
+    dim 1), one bf16 leaf (its own
+    dtype, its own collective) and one replicated leaf (all-reduced, never packed).
+    """
+    mesh = jaxzero.make_mesh(N)
+    shapes = [(25, 10), (56, 32), (3, 64), (64, 3), (3,)]
+    dtypes = [np.float32, np.float32, np.float32, jnp.bfloat16, np.float32]
+    lays = [leaf_layout(str(i), s, N, min_shard_size=16) for i, s in enumerate(shapes)]
+    assert [lay.dim for lay in lays] == [0, 0, 1, 0, None]
+    rng = np.random.default_rng(3)
+    grads = [[rng.standard_normal(s).astype(dt) for s, dt in zip(shapes, dtypes, strict=True)]
+             for _ in range(N)]
+
+    def run(fn, per_device):
+        f = jax.jit(jax.shard_map(lambda *xs: [y[None] for y in fn([x[0] for x in xs])],
+                                  mesh=mesh, in_specs=tuple(P("data") for _ in lays),
+                                  out_specs=[P("data") for _ in lays], check_vma=False))
+        stacked = [np.stack([d[i] for d in per_device]) for i in range(len(lays))]
+        return [np.asarray(o, np.float32) for o in f(*stacked)], f.lower(*stacked).compile()
+
+    scattered, rs = run(lambda gs: collectives.reduce_scatter_buckets(gs, lays, bucket_bytes),
+                        grads)
+    for i, lay in enumerate(lays):
+        want = collectives.reference_reduce_scatter(
+            [np.asarray(g[i], np.float32) for g in grads], lay)
+        np.testing.assert_allclose(scattered[i], np.stack(want), rtol=2e-2 if i == 3 else 1e-5,
+                                   atol=0.1 if i == 3 else 1e-5)
+    shards = [[scattered[i][d].astype(dtypes[i]) for i in range(len(lays))] for d in range(N)]
+    gathered, ag = run(lambda vs: collectives.gather_buckets(vs, lays, bucket_bytes), shards)
+    for i, lay in enumerate(lays):
+        want = collectives.reference_gather([np.asarray(s[i], np.float32) for s in shards], lay)
+        np.testing.assert_array_equal(gathered[i], np.stack(want))
+
+    # the f32 leaves in n_buckets collectives, the bf16 leaf in one more
+    count = lambda compiled, op: sum(
+        f" {op}(" in line or f" {op}-start(" in line for line in compiled.as_text().splitlines())
+    assert count(rs, "reduce-scatter") == n_buckets + 1
+    assert count(ag, "all-gather") == n_buckets + 1
+    assert count(rs, "all-reduce") == 1

@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
 MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh",
-           "jaxzero.models.gpt", "jaxzero.job", "jaxzero.checkpoint"]  # fmt: skip
+           "jaxzero.collectives", "jaxzero.models.gpt", "jaxzero.job", "jaxzero.checkpoint",
+           "jaxzero.train.data", "jaxzero.accounting.estimate"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MODULES)

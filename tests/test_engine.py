@@ -55,6 +55,18 @@ def test_odd_mlp_matches_one_device(mlp_reference, stage, n):
     assert rel_diff(final, ref_params) <= 1e-5
 
 
+@pytest.mark.parametrize("bucket_mb", [0, 0.002])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bucket_sizes_match_one_device(mlp_reference, stage, bucket_mb):
+    """One collective per leaf (0) and ~2 KB buckets (w1 and w2 apart) train alike."""
+    params, batches, (ref_losses, ref_params) = mlp_reference
+    engine = jaxzero.Engine(mlp_loss, TX, mesh=jaxzero.make_mesh(8), stage=stage,
+                            bucket_mb=bucket_mb)
+    losses, final, _ = train_engine(engine, params, batches)
+    assert rel_diff(losses, ref_losses) <= 1e-5
+    assert rel_diff(final, ref_params) <= 1e-5
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_micro_batches_and_clipping_match(mlp_reference, stage):
     params, batches, _ = mlp_reference
@@ -109,6 +121,7 @@ def test_init_from_creates_sharded_state():
         ({"precision": "fp8"}, "unknown precision"),
         ({"reduce_dtype": "int8"}, "unknown reduce_dtype"),
         ({"micro_batches": 0}, "micro_batches"),
+        ({"bucket_mb": -1}, "bucket_mb must be a non-negative"),
     ],
 )
 def test_bad_engine_arguments(kwargs, match):

@@ -43,8 +43,11 @@ def test_collectives_per_stage(stage):
     gather_loops = _in_layer_loop(found["all-gather"])
     if stage == 1:  # full gradients first, one reduce-scatter after the backward pass
         assert not scatter_loops and not gather_loops
+        assert len(found["reduce-scatter"]) == 1  # every leaf in one bucket
     if stage == 2:  # reduce-scatter per layer, inside the backward loop
         assert scatter_loops and not gather_loops
+    if stage in (1, 2):  # the updated params: one bucket, one all-gather
+        assert len(found["all-gather"]) == 1
     if stage == 3:  # gathered per layer in the forward loop and again in the backward loop
         assert len(gather_loops) == 2 and scatter_loops <= gather_loops
 

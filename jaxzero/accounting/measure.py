@@ -536,6 +536,7 @@ def report(
         "compute_dtype": str(np.dtype(engine.compute_dtype)),
         "reduce_dtype": str(np.dtype(reduce_dtype)),
         "micro_batches": k,
+        "bucket_mb": engine.bucket_bytes / 2**20,
         "donate": engine.donate,  # without donation the peak holds two states
         "num_params": psi,
         "padded_params": ex.padded_params,
