@@ -41,7 +41,6 @@ class UseOp:
     layout: LeafLayout
     gather: bool  # value is a slice to all-gather (stage 3), else already whole (stage 2)
     reduce_dtype: str
-    scale: float  # 1 / (devices in the batch): the gradient of a global mean
     extra_axes: tuple[str, ...] = ()
     offset: int = 0  # leading dims indexed away (scan over stacked layers)
 
@@ -101,7 +100,7 @@ def _use_fwd(ops, values, slots):
 def _use_bwd(ops, _, cotangents):
     """Reduce the layer's gradients into the slots: one packed reduce-scatter."""
     op = ops[0]
-    gs = [g.astype(op.reduce_dtype) * jnp.asarray(op.scale, op.reduce_dtype) for g in cotangents]
+    gs = [g.astype(op.reduce_dtype) for g in cotangents]  # already each device's share
     sharded = [i for i, o in enumerate(ops) if o.layout.dim is not None]
     whole = [i for i, o in enumerate(ops) if o.layout.dim is None]
     out = list(gs)

@@ -76,8 +76,7 @@ def model_view(cfg: StepConfig, layouts: Any, params: Any, slots: Any) -> Any:
         return params
 
     def wrap(lay: LeafLayout, value, slot):
-        op = UseOp(lay, cfg.stage == 3, jnp.dtype(cfg.reduce_dtype).name,
-                   1.0 / cfg.batch_devices, cfg.extra_axes)
+        op = UseOp(lay, cfg.stage == 3, jnp.dtype(cfg.reduce_dtype).name, cfg.extra_axes)
         return Stored(value, slot, op)
 
     stored = _map(wrap, layouts, params, slots)
@@ -98,22 +97,32 @@ def _slots(layouts: Any, sharded: bool) -> Any:
 
 
 def local_gradients(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any):
-    """Mean loss and gradients of this device's batch, summed over micro-batches.
+    """Mean loss of this device's batch and the gradient of its share of the global mean
+    loss (the mean over the batch devices), summed over micro-batches.
 
     Stages 0–1 return full, unreduced gradients w.r.t. the working params; stages
     2–3 return this device's slice of the already reduced (global-mean) gradient.
     """
     hooked = cfg.stage >= 2
     diff0 = _slots(layouts, True) if hooked else params
+    share = 1.0 / cfg.batch_devices
 
     def loss_of(diff, mb):
         view = model_view(cfg, layouts, params, diff) if hooked else diff
         loss = _loss(cfg, loss_fn, view, mb)
         if jnp.shape(loss) != ():
             raise TypeError(f"loss_fn must return a scalar, got shape {jnp.shape(loss)}")
-        return loss.astype(jnp.float32)
+        loss = loss.astype(jnp.float32)
+        # differentiate this device's share of the global mean: the 1/N rides the
+        # backward pass instead of costing a multiply per gradient leaf
+        return loss * share, loss
 
-    grad_fn = jax.value_and_grad(loss_of)
+    value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
+
+    def grad_fn(diff, mb):
+        (_, loss), grads = value_and_grad(diff, mb)
+        return loss, grads
+
     k = cfg.micro_batches
     if k == 1:
         return grad_fn(diff0, batch)
@@ -132,11 +141,11 @@ def local_gradients(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any,
 
 def reduce_gradients(cfg: StepConfig, layouts: Any, grads: Any) -> Any:
     """Stage 0: all-reduce; stage 1: reduce-scatter. Returns fp32 global-mean gradients."""
-    rd, scale = cfg.reduce_dtype, 1.0 / cfg.batch_devices
+    rd = cfg.reduce_dtype
 
     lays = jax.tree.leaves(layouts, is_leaf=is_layout)
     gs, treedef = jax.tree.flatten(grads)
-    gs = [g.astype(rd) * jnp.asarray(scale, rd) for g in gs]
+    gs = [g.astype(rd) for g in gs]
     if cfg.stage == 0:  # XLA combines these all-reduces itself
         gs = [collectives.all_reduce(g, cfg.extra_axes) for g in gs]
     else:
