@@ -141,11 +141,9 @@ def local_gradients(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any,
 
 def reduce_gradients(cfg: StepConfig, layouts: Any, grads: Any) -> Any:
     """Stage 0: all-reduce; stage 1: reduce-scatter. Returns fp32 global-mean gradients."""
-    rd = cfg.reduce_dtype
-
     lays = jax.tree.leaves(layouts, is_leaf=is_layout)
     gs, treedef = jax.tree.flatten(grads)
-    gs = [g.astype(rd) for g in gs]
+    gs = [g.astype(cfg.reduce_dtype) for g in gs]
     if cfg.stage == 0:  # XLA combines these all-reduces itself
         gs = [collectives.all_reduce(g, cfg.extra_axes) for g in gs]
     else:
