@@ -14,8 +14,8 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from jaxzero.accounting import comm, hlo
 from jaxzero.accounting import estimate as est
-from jaxzero.accounting import hlo
 from jaxzero.accounting import measure as acc
 
 # A GPU-style module written by hand: async collectives, iota replica groups, tuple
@@ -110,15 +110,15 @@ def test_parse_type_tuples_layouts_and_comments():
 
 
 def test_replica_group_forms():
-    assert hlo.parse_replica_groups("{{0,1},{2,3}}", 4) == ((0, 1), (2, 3))
-    assert hlo.parse_replica_groups("{}", 4) == ((0, 1, 2, 3),)
-    assert hlo.parse_replica_groups("[1,8]<=[8]", 8) == (tuple(range(8)),)
-    assert hlo.parse_replica_groups("[2,4]<=[4,2]T(1,0)", 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
-    assert hlo.parse_replica_groups("[4,2]<=[8]", 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert comm.parse_replica_groups("{{0,1},{2,3}}", 4) == ((0, 1), (2, 3))
+    assert comm.parse_replica_groups("{}", 4) == ((0, 1, 2, 3),)
+    assert comm.parse_replica_groups("[1,8]<=[8]", 8) == (tuple(range(8)),)
+    assert comm.parse_replica_groups("[2,4]<=[4,2]T(1,0)", 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert comm.parse_replica_groups("[4,2]<=[8]", 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
 
 
 def test_hand_written_module_counts_every_collective_once_with_its_loops():
-    found = hlo.collectives_from_hlo(HAND_HLO)
+    found = comm.collectives_from_hlo(HAND_HLO)
     cols = _by_name(found.collectives)
     # the -done halves are skipped; the async-wrapped reduce-scatter counts once
     assert set(cols) == {"ags", "rs", "ar", "ar2", "ars", "cps"}
@@ -138,7 +138,7 @@ def test_hand_written_module_counts_every_collective_once_with_its_loops():
     assert cols["cps"].kind == "collective-permute"
     assert cols["cps"].buffers == (hlo.Buffer("f32", (8, 8)),)
 
-    tr = hlo.traffic(found.collectives)
+    tr = comm.traffic(found.collectives)
     frac = 7 / 8
     expected_big = (
         12 * 512 * frac  # all-gather, 16x8 f32
@@ -156,7 +156,7 @@ def test_hand_written_module_counts_every_collective_once_with_its_loops():
 
 def test_unknown_trip_count_is_noted():
     text = HAND_HLO.replace('"known_trip_count":{"n":"4"}', '"other":1')
-    found = hlo.collectives_from_hlo(text)
+    found = comm.collectives_from_hlo(text)
     assert _by_name(found.collectives)["ags"].runs == 3
     assert any("no known_trip_count" in n for n in found.notes)
 
@@ -198,8 +198,8 @@ def _fsdp_mlp_text(mesh, layers: int, width: int = 64) -> str:
 
 def test_scanned_collectives_scale_with_layers_not_ops(mesh8):
     width = 64
-    t4 = hlo.traffic(hlo.collectives_from_hlo(_fsdp_mlp_text(mesh8, 4, width)).collectives)
-    t8 = hlo.traffic(hlo.collectives_from_hlo(_fsdp_mlp_text(mesh8, 8, width)).collectives)
+    t4 = comm.traffic(comm.collectives_from_hlo(_fsdp_mlp_text(mesh8, 4, width)).collectives)
+    t8 = comm.traffic(comm.collectives_from_hlo(_fsdp_mlp_text(mesh8, 8, width)).collectives)
     assert t4.ops == t8.ops  # the same distinct HLO ops ...
     assert t8.grad_param == pytest.approx(2 * t4.grad_param)  # ... but twice the traffic
     # gather fwd + gather bwd + reduce-scatter per layer: 3 Ψ b (N-1)/N
@@ -220,7 +220,7 @@ def test_psum_psum_scatter_all_gather_sizes(mesh8):
     b = jnp.ones((8, 8 * 40))
     c = jnp.ones((8 * 5, 7))
     text = _compile_text(f, mesh8, (P("data"), P("data"), P("data")), (P("data"),) * 3, a, b, c)
-    cols = {c.kind: c for c in hlo.collectives_from_hlo(text).collectives}
+    cols = {c.kind: c for c in comm.collectives_from_hlo(text).collectives}
     # the CPU backend widens bf16 collectives to f32 (convert before and after); the
     # logical buffer keeps the type the program asked for
     assert cols["all-reduce"].logical_buffers == (hlo.Buffer("bf16", (3, 100)),)
@@ -231,7 +231,7 @@ def test_psum_psum_scatter_all_gather_sizes(mesh8):
     assert all(c.runs == 1 and c.group_size == 8 for c in cols.values())
     assert cols["all-reduce"].bytes_per_step == 2 * wire_bytes * 7 / 8
     assert not cols["all-gather"].promoted
-    tr = hlo.traffic(list(cols.values()))
+    tr = comm.traffic(list(cols.values()))
     f32_bytes = 2 * 300 * 4 * 7 / 8 + (320 * 4 + 280 * 4) * 7 / 8
     assert tr.grad_param_logical == pytest.approx(f32_bytes - 2 * 300 * 2 * 7 / 8)
 
@@ -249,7 +249,7 @@ def test_nested_scan_multiplies_trip_counts(mesh8):
     text = _compile_text(
         f, mesh8, (P(None, "data"), P("data")), P(), jnp.ones((5, 64, 64)), jnp.ones((8, 64))
     )
-    runs = {c.kind: c.runs for c in hlo.collectives_from_hlo(text).collectives}
+    runs = {c.kind: c.runs for c in comm.collectives_from_hlo(text).collectives}
     assert runs == {"all-gather": 15, "all-reduce": 1}
 
 
@@ -261,7 +261,7 @@ def test_two_axis_mesh_groups():
 
     spec = P(("r", "d"))
     text = _compile_text(f, mesh, spec, (spec, spec), jnp.ones((64, 128)))
-    cols = {c.kind: c for c in hlo.collectives_from_hlo(text).collectives}
+    cols = {c.kind: c for c in comm.collectives_from_hlo(text).collectives}
     assert cols["all-reduce"].group_size == 2 and len(cols["all-reduce"].replica_groups) == 4
     assert cols["reduce-scatter"].group_size == 4
     assert cols["reduce-scatter"].buffers == (hlo.Buffer("f32", (8, 128)),)
@@ -466,11 +466,11 @@ def test_report_dump_hlo_bad_path_fails_before_compiling(tmp_path, capsys, monke
 
 def test_scope_of_replica_groups_on_a_hybrid_mesh():
     # 2 groups of 4: devices 0-3 and 4-7
-    assert hlo.scope(((0, 1, 2, 3), (4, 5, 6, 7)), 4) == "intra"
-    assert hlo.scope(((0, 4), (1, 5), (2, 6), (3, 7)), 4) == "inter"
-    assert hlo.scope(((0, 4, 1, 5, 2, 6, 3, 7),), 4) == "both"
-    assert hlo.scope(((0, 1, 2, 3, 4, 5, 6, 7),), 8) == "intra"  # one group: a plain mesh
-    assert hlo.scope(((0, 1), (4, 5)), 4) == "intra" and hlo.scope(((0, 5),), 4) == "both"
+    assert comm.scope(((0, 1, 2, 3), (4, 5, 6, 7)), 4) == "intra"
+    assert comm.scope(((0, 4), (1, 5), (2, 6), (3, 7)), 4) == "inter"
+    assert comm.scope(((0, 4, 1, 5, 2, 6, 3, 7),), 4) == "both"
+    assert comm.scope(((0, 1, 2, 3, 4, 5, 6, 7),), 8) == "intra"  # one group: a plain mesh
+    assert comm.scope(((0, 1), (4, 5)), 4) == "intra" and comm.scope(((0, 5),), 4) == "both"
 
 
 def test_hybrid_2x4_stage3_intra_and_inter_group_bytes_match_the_formulas():

@@ -10,7 +10,7 @@ from _models import rel_diff, train_engine, train_reference
 from flax import nnx
 
 import jaxzero
-from jaxzero.accounting.hlo import collectives_from_hlo
+from jaxzero.accounting.comm import collectives_from_hlo
 
 D = 64
 TX = optax.adam(1e-2)

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxzero
 from jaxzero import step as step_lib
-from jaxzero.accounting.hlo import collectives_from_hlo
+from jaxzero.accounting.comm import collectives_from_hlo
 from jaxzero.partition import is_layout
 from jaxzero.state import master_specs
 

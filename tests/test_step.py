@@ -8,7 +8,7 @@ import pytest
 from _models import TINY_GPT, gpt, gpt_batches
 
 import jaxzero
-from jaxzero.accounting.hlo import collectives_from_hlo
+from jaxzero.accounting.comm import collectives_from_hlo
 from jaxzero.models.gpt import GPT, GPTConfig
 
 N = 8

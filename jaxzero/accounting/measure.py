@@ -16,7 +16,8 @@ trusting the code that asked for it:
 
 and puts the formulas of :mod:`jaxzero.accounting.estimate` next to them.
 
-The HLO parser lives in :mod:`jaxzero.accounting.hlo` and needs only the text; :func:`report`
+The HLO parser (:mod:`jaxzero.accounting.hlo`) and the collectives found with it
+(:mod:`jaxzero.accounting.comm`) need only the text; :func:`report`
 ties everything to an Engine.
 """
 
@@ -30,14 +31,14 @@ from typing import Any
 import numpy as np
 
 from jaxzero.accounting import estimate as est
-from jaxzero.accounting.hlo import (
+from jaxzero.accounting.comm import (
     SCALAR_ELEMENTS,
-    Buffer,
     Collective,
     Traffic,
     collectives_from_hlo,
     traffic,
 )
+from jaxzero.accounting.hlo import Buffer
 
 # ----------------------------------------------------------------------------- memory
 
