@@ -113,10 +113,11 @@ def reduce_scatter_packed(grads: Sequence[jax.Array], layouts: Sequence[LeafLayo
     return out
 
 
-# --- bucketed: a whole tree in a few packed collectives (stages 1-2) -------------------
+# --- bucketed: many leaves in a few packed collectives --------------------------------
 #
 # Stages 1-2 reduce-scatter every gradient and all-gather every updated param once a
-# step. One collective per leaf makes each device wait at one rendezvous per leaf;
+# step; stages 2-3 do it for each use_params call (a layer, or the whole tree with
+# per_layer=False). One collective per leaf makes each device wait at one rendezvous per leaf;
 # packing them into buckets of at most ``bucket_bytes`` (DeepSpeed's
 # reduce_bucket_size / allgather_bucket_size) pays one per bucket, and bounds the
 # extra memory of packing to one bucket.
@@ -140,42 +141,44 @@ def buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     return out
 
 
-def _bucketed(fn, xs: Sequence[jax.Array], layouts: Sequence[LeafLayout], bucket_bytes: int,
-              per_leaf) -> list[jax.Array]:
-    """Packed ``fn`` on buckets of same-dtype sharded leaves (sized by their whole padded
-    bytes), ``per_leaf`` on the rest."""
+def _bucketed(packed, per_leaf, xs: Sequence[jax.Array], layouts: Sequence[LeafLayout],
+              offsets: Sequence[int] | None, bucket_bytes: int) -> list[jax.Array]:
+    """``packed`` on buckets of same-dtype sharded leaves (sized by their whole padded
+    bytes), ``per_leaf`` on the rest; both take ``(x(s), layout(s), offset(s))``."""
+    offsets = [0] * len(xs) if offsets is None else offsets
     out = list(xs)
     idx = [i for i, lay in enumerate(layouts) if lay.dim is not None]
     for i in (i for i, lay in enumerate(layouts) if lay.dim is None):
-        out[i] = per_leaf(xs[i], layouts[i])
+        out[i] = per_leaf(xs[i], layouts[i], offsets[i])
     for dtype in dict.fromkeys(xs[i].dtype for i in idx):
         same = [i for i in idx if xs[i].dtype == dtype]
-        full = [math.prod(layouts[i].padded_shape) * dtype.itemsize for i in same]
+        full = [math.prod(layouts[i].padded_shape[offsets[i]:]) * dtype.itemsize for i in same]
         for group in buckets(full, bucket_bytes):
             members = [same[j] for j in group]
             if len(members) == 1:
-                out[members[0]] = per_leaf(xs[members[0]], layouts[members[0]])
+                i = members[0]
+                out[i] = per_leaf(xs[i], layouts[i], offsets[i])
                 continue
-            packed = fn([xs[i] for i in members], [layouts[i] for i in members])
-            for i, x in zip(members, packed, strict=True):
+            results = packed([xs[i] for i in members], [layouts[i] for i in members],
+                             [offsets[i] for i in members])
+            for i, x in zip(members, results, strict=True):
                 out[i] = x
     return out
 
 
 def gather_buckets(values: Sequence[jax.Array], layouts: Sequence[LeafLayout],
-                   bucket_bytes: int) -> list[jax.Array]:
+                   bucket_bytes: int, offsets: Sequence[int] | None = None) -> list[jax.Array]:
     """:func:`gather` of every leaf, one all-gather per bucket of slices."""
-    return _bucketed(lambda v, lay: gather_packed(v, lay, [0] * len(v)), values, layouts,
-                     bucket_bytes, gather)
+    return _bucketed(gather_packed, gather, values, layouts, offsets, bucket_bytes)
 
 
 def reduce_scatter_buckets(grads: Sequence[jax.Array], layouts: Sequence[LeafLayout],
-                           bucket_bytes: int, extra_axes: Sequence[str] = ()
-                           ) -> list[jax.Array]:
+                           bucket_bytes: int, extra_axes: Sequence[str] = (),
+                           offsets: Sequence[int] | None = None) -> list[jax.Array]:
     """:func:`reduce_scatter` of every leaf, one reduce-scatter per bucket of gradients."""
-    return _bucketed(
-        lambda g, lay: reduce_scatter_packed(g, lay, [0] * len(g), extra_axes), grads, layouts,
-        bucket_bytes, lambda g, lay: reduce_scatter(g, lay, extra_axes))
+    return _bucketed(lambda g, lay, o: reduce_scatter_packed(g, lay, o, extra_axes),
+                     lambda g, lay, o: reduce_scatter(g, lay, extra_axes, o),
+                     grads, layouts, offsets, bucket_bytes)
 
 
 # --- references: lists of per-device numpy arrays in, lists out -----------------------

@@ -67,11 +67,12 @@ class Engine:
       rules: ``(regex, dim | PartitionSpec | "replicate")`` overrides per leaf path.
       stacked: regex of leaf paths whose leading dim stacks scanned layers.
       min_shard_size: leaves with fewer elements are replicated.
-      bucket_mb: stages 1–2 reduce-scatter the gradients and all-gather the updated
-        params in packed collectives of at most this many MiB (DeepSpeed's
-        ``reduce_bucket_size`` / ``allgather_bucket_size``): one rendezvous a bucket
-        instead of one a leaf, for at most one bucket of extra memory. 0: one
-        collective per leaf.
+      bucket_mb: gradients and params travel in packed collectives of at most this
+        many MiB (DeepSpeed's ``reduce_bucket_size`` / ``allgather_bucket_size``):
+        stages 1–2's reduce-scatter and all-gather of the whole model, and each
+        ``use_params`` call's gather and reduce-scatter at stages 2–3. One rendezvous
+        a bucket instead of one a leaf, for at most one bucket of extra memory. 0:
+        one collective per leaf.
       donate: whether the step donates (consumes) its input state, so the new state
         reuses its buffers. None: the backend's default (:data:`jaxzero.backend.DONATE`).
         Either way, use only the state a step returns.

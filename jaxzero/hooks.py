@@ -43,6 +43,7 @@ class UseOp:
     reduce_dtype: str
     extra_axes: tuple[str, ...] = ()
     offset: int = 0  # leading dims indexed away (scan over stacked layers)
+    bucket_bytes: int = 0  # pack a call's collectives up to this size (0: one a leaf)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -76,12 +77,12 @@ class Stored:
 
 
 def _forward(ops: tuple[UseOp, ...], values: tuple) -> tuple:
-    """Whole working arrays: one packed all-gather of the sharded leaves (stage 3)."""
+    """Whole working arrays: packed all-gathers of the sharded leaves (stage 3)."""
     out = list(values)
-    idx = [i for i, op in enumerate(ops) if op.gather and op.layout.dim is not None]
+    idx = [i for i, op in enumerate(ops) if op.gather]
     if idx:
-        full = collectives.gather_packed([values[i] for i in idx], [ops[i].layout for i in idx],
-                                         [ops[i].offset for i in idx])
+        full = collectives.gather_buckets([values[i] for i in idx], [ops[i].layout for i in idx],
+                                          ops[0].bucket_bytes, [ops[i].offset for i in idx])
         for i, x in zip(idx, full, strict=True):
             out[i] = x
     return tuple(out)
@@ -98,23 +99,12 @@ def _use_fwd(ops, values, slots):
 
 
 def _use_bwd(ops, _, cotangents):
-    """Reduce the layer's gradients into the slots: one packed reduce-scatter."""
+    """Reduce the layer's gradients into the slots: packed reduce-scatters."""
     op = ops[0]
     gs = [g.astype(op.reduce_dtype) for g in cotangents]  # already each device's share
-    sharded = [i for i, o in enumerate(ops) if o.layout.dim is not None]
-    whole = [i for i, o in enumerate(ops) if o.layout.dim is None]
-    out = list(gs)
-    if sharded:
-        red = collectives.reduce_scatter_packed([gs[i] for i in sharded],
-                                                [ops[i].layout for i in sharded],
-                                                [ops[i].offset for i in sharded], op.extra_axes)
-        for i, g in zip(sharded, red, strict=True):
-            out[i] = g
-    if whole:
-        red = collectives.all_reduce([gs[i] for i in whole], op.extra_axes)
-        for i, g in zip(whole, red, strict=True):
-            out[i] = g
-    return tuple(None for _ in ops), tuple(g.astype(jnp.float32) for g in out)
+    red = collectives.reduce_scatter_buckets(gs, [o.layout for o in ops], op.bucket_bytes,
+                                             op.extra_axes, [o.offset for o in ops])
+    return tuple(None for _ in ops), tuple(g.astype(jnp.float32) for g in red)
 
 
 _use.defvjp(_use_fwd, _use_bwd)

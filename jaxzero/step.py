@@ -59,7 +59,7 @@ class StepConfig:
     per_layer: bool  # the model calls use_params per layer
     batch_axes: tuple[str, ...]
     batch_devices: int  # devices the global batch is split over
-    bucket_bytes: int = 0  # stages 1-2: pack gradient/param collectives up to this size
+    bucket_bytes: int = 0  # pack gradient/param collectives up to this size
 
     @property
     def extra_axes(self) -> tuple[str, ...]:
@@ -76,7 +76,8 @@ def model_view(cfg: StepConfig, layouts: Any, params: Any, slots: Any) -> Any:
         return params
 
     def wrap(lay: LeafLayout, value, slot):
-        op = UseOp(lay, cfg.stage == 3, jnp.dtype(cfg.reduce_dtype).name, cfg.extra_axes)
+        op = UseOp(lay, cfg.stage == 3, jnp.dtype(cfg.reduce_dtype).name, cfg.extra_axes,
+                   bucket_bytes=cfg.bucket_bytes)
         return Stored(value, slot, op)
 
     stored = _map(wrap, layouts, params, slots)

@@ -56,7 +56,7 @@ def test_odd_mlp_matches_one_device(mlp_reference, stage, n):
 
 
 @pytest.mark.parametrize("bucket_mb", [0, 0.002])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bucket_sizes_match_one_device(mlp_reference, stage, bucket_mb):
     """One collective per leaf (0) and ~2 KB buckets (w1 and w2 apart) train alike."""
     params, batches, (ref_losses, ref_params) = mlp_reference
