@@ -17,6 +17,7 @@ from _models import mlp_batches, mlp_loss, mlp_params
 
 import jaxzero
 from jaxzero.checkpoint import leaf_names
+from jaxzero.train import args as train_args
 from jaxzero.train import loop as train
 from jaxzero.train import metrics
 
@@ -333,14 +334,14 @@ def test_a_launch_restart_resumes_the_named_run(tmp_path, monkeypatch):
     cfg = C.override(C.override(C.Config(), "logging.name", "r"), "logging.root", str(tmp_path))
     (run / "config.yaml").write_text(C.dump_yaml(cfg))
     monkeypatch.setenv("JAXZERO_RESTART_COUNT", "1")
-    args = train.build_parser().parse_args(argv)
-    train.config_from_args(args)
+    args = train_args.build_parser().parse_args(argv)
+    train_args.config_from_args(args)
     assert not args.resume  # no checkpoint yet: the command starts the run again
     (run / "checkpoints" / "4").mkdir(parents=True)
-    args = train.build_parser().parse_args(argv)
-    cfg = train.config_from_args(args)
+    args = train_args.build_parser().parse_args(argv)
+    cfg = train_args.config_from_args(args)
     assert args.resume == str(run) and args.resume_changes == ["parallel.stage: 3 -> 1"]
     monkeypatch.setenv("JAXZERO_RESTART_COUNT", "0")
-    args = train.build_parser().parse_args(argv)
-    train.config_from_args(args)
+    args = train_args.build_parser().parse_args(argv)
+    train_args.config_from_args(args)
     assert not args.resume  # a first start never resumes by itself

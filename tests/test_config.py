@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxzero.train import args as train_args
 from jaxzero.train import config as C
-from jaxzero.train import loop as train
 
 CONFIGS = sorted((Path(__file__).parent.parent / "experiments" / "configs").glob("*.yaml"))
 
@@ -139,7 +139,7 @@ def test_set_rejects_text_without_equals():
 
 
 def test_cli_shortcuts_map_to_fields_and_set_wins():
-    args = train.build_parser().parse_args(
+    args = train_args.build_parser().parse_args(
         [
             "--stage",
             "1",
@@ -157,7 +157,7 @@ def test_cli_shortcuts_map_to_fields_and_set_wins():
             "train.steps=7",
         ]
     )
-    cfg = train.config_from_args(args)
+    cfg = train_args.config_from_args(args)
     assert cfg.parallel.stage == 1 and cfg.parallel.devices == 2
     assert cfg.data.path == "x.txt" and cfg.logging.name == "r"
     assert cfg.precision.compute == "bf16"

@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxzero.train import args as train_args
 from jaxzero.train import config as C
 from jaxzero.train import loop as train
-from jaxzero.train import metrics, plot
+from jaxzero.train import metrics, optimizer, plot
 
 TINY = str(Path(__file__).parent.parent / "experiments" / "configs" / "tiny.yaml")
 STEPS = 4
@@ -173,8 +174,8 @@ def test_rerunning_a_saved_config_gets_a_fresh_name(tmp_path):
     saved.write_text(C.dump_yaml(C.Config(logging=C.LoggingConfig(root=str(tmp_path), name="r"))))
 
     def name(*argv: str) -> str:
-        args = train.build_parser().parse_args(["--config", str(saved), *argv])
-        return train.config_from_args(args).logging.name
+        args = train_args.build_parser().parse_args(["--config", str(saved), *argv])
+        return train_args.config_from_args(args).logging.name
 
     assert name() == "r"  # nothing logged there yet
     (run / metrics.METRICS_FILE).write_text('{"step": 1, "loss": 2.0}\n')
@@ -247,7 +248,7 @@ def test_cli_subprocess_error_exit_code(tmp_path):
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
     opt = C.OptimizerConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
-    sched = train.lr_schedule(opt, steps=100)
+    sched = optimizer.lr_schedule(opt, steps=100)
     lrs = np.array([float(sched(i)) for i in range(100)])
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert np.all(np.diff(lrs[:10]) > 0) and np.all(np.diff(lrs[10:]) <= 1e-7)
@@ -261,7 +262,7 @@ def test_weight_decay_only_on_kernels():
 
     model = GPT(GPTConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, tie_embeddings=False))
     shapes = jax.eval_shape(model.init, jax.random.key(0))
-    mask = train.decay_mask(shapes)
+    mask = optimizer.decay_mask(shapes)
     flat = {jax.tree_util.keystr(p, simple=True, separator="/"): v
             for p, v in jax.tree_util.tree_leaves_with_path(mask)}  # fmt: skip
     decayed = sorted(k for k, v in flat.items() if v)

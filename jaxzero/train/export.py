@@ -34,7 +34,7 @@ from jaxzero.cli import ArgError, Parser
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-RUN_CONFIG = "config.yaml"  # jaxzero.train.loop.RESOLVED_CONFIG (not imported: it pulls in JAX)
+RUN_CONFIG = "config.yaml"  # jaxzero.train.args.RESOLVED_CONFIG (not imported: it pulls in JAX)
 MODEL_FIELDS = ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
                 "tie_embeddings", "remat")
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}

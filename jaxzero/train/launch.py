@@ -290,7 +290,7 @@ def run(plan: Plan) -> int:
         for restart in range(plan.max_restarts + 1):
             port = plan.port if plan.port is not None else free_port(plan.host)
             # JAXZERO_RESTART_COUNT > 0 tells the program it is a restart: `jaxzero train
-            # --name N` then resumes run N from its latest checkpoint (train._restarted_run).
+            # --name N` then resumes run N from its latest checkpoint (args._restarted_run).
             group = Group(plan, command, port, restart)
             status = _watch(group, received)
             if status is None:

@@ -13,7 +13,6 @@ the backend starts.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -21,33 +20,22 @@ import re
 import sys
 import time
 from dataclasses import fields
-from pathlib import Path
 from typing import Any
 
 from jaxzero import distributed
 from jaxzero.checkpoint import CheckpointError, CheckpointManager
-from jaxzero.cli import ArgError, Parser
+from jaxzero.cli import ArgError
 from jaxzero.train import config as config_lib
 from jaxzero.train import data as data_lib
 from jaxzero.train import metrics as metrics_lib
 from jaxzero.train import resume as resume_lib
+from jaxzero.train.args import RESOLVED_CONFIG, build_parser, config_from_args
 from jaxzero.train.config import Config, ConfigError
 from jaxzero.train.data import DataError
+from jaxzero.train.optimizer import make_optimizer
 
 DEFAULT_SIMULATED_DEVICES = 8
 MAX_ROLLBACKS = 3  # checkpoint.on_nan=rollback: then stop, the run is not recovering
-RESOLVED_CONFIG = "config.yaml"
-SHORTCUTS = {  # --flag: (config key, type, help); applied before --set, so --set wins
-    "stage": ("parallel.stage", int, "ZeRO stage 0-3 (default 3)"),
-    "devices": ("parallel.devices", int, "devices to train on (default: all)"),
-    "simulate_devices": ("parallel.simulate_devices", int, "CPU only: simulate N devices "
-                         "(default 8 when only one CPU device would exist)"),
-    "micro_batches": ("parallel.micro_batches", int, "gradient accumulation steps"),
-    "precision": ("precision.compute", str, "fp32 or bf16"),
-    "data": ("data.path", str, "text file, directory of text files, or uint16 token file/dir"),
-    "steps": ("train.steps", int, "optimizer steps"),
-    "name": ("logging.name", str, "run name: results go to runs/NAME/"),
-}  # fmt: skip
 
 
 class Diverged(RuntimeError):
@@ -60,86 +48,6 @@ class Diverged(RuntimeError):
             f"step {step - 1} was the last with finite values. Lower optimizer.lr or "
             "set optimizer.max_grad_norm."
         )
-
-
-# --------------------------------------------------------------------------- arguments
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
-        prog="jaxzero train",
-        description="Train a GPT with ZeRO sharding. Defaults: byte-level GPT on this Python's "
-        "stdlib sources, stage 3, 8 simulated CPU devices when only a CPU is present.",
-    )
-    p.add_argument("--config", help="YAML or JSON config file (see experiments/configs/)")
-    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set optimizer.lr=3e-4 (repeatable)")  # fmt: skip
-    for flag, (_, type_, help_) in SHORTCUTS.items():
-        metavar = "N" if type_ is int else flag.upper()
-        p.add_argument("--" + flag.replace("_", "-"), type=type_, metavar=metavar, help=help_)
-    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
-                   help="continue RUN_DIR (or --name NAME) from its latest checkpoint")
-    p.add_argument("--print-config", action="store_true", help="print the config and exit")
-    p.add_argument("--init-timeout", type=float, default=None, metavar="SECONDS",
-                   help="multi-process: how long to wait for every process to connect "
-                   "(default 60 on CPU; JAXZERO_INIT_TIMEOUT)")
-    return p
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    """The config file, then the typed shortcuts, then ``--set`` (later wins); validated.
-
-    With ``--resume`` the base is the run's own saved config instead of a file.
-    Otherwise a name that comes from the config file (a run's own ``config.yaml``,
-    say) is a default: if that run directory already holds a run, this run is
-    named ``NAME-TIMESTAMP`` instead, so rerunning a saved config just works. A
-    name given on the command line is used as given.
-    """
-    def apply(cfg: Config) -> Config:
-        for flag, (key, _, _) in SHORTCUTS.items():
-            value = getattr(args, flag)
-            if value is not None:
-                cfg = config_lib.override(cfg, key, value)
-        return config_lib.validate(config_lib.apply_overrides(cfg, args.assignments))
-
-    base = lambda: config_lib.load_file(args.config) if args.config else Config()
-    if not args.resume and os.environ.get("JAXZERO_RESTART_COUNT", "0") != "0":
-        args.resume = _restarted_run(apply(base()))
-        args.config = None if args.resume else args.config
-    if args.resume:
-        if args.config:
-            raise ArgError("--resume continues a run with its own config: drop --config")
-        run = resume_lib.run_dir_to_resume(args.resume, apply(Config()))
-        cfg, args.resume_changes = resume_lib.resumed_config(run, apply)
-        return cfg
-    cfg = apply(base())
-    lg = cfg.logging
-    if lg.name is not None and not _names_the_run(args) and not lg.overwrite:
-        if metrics_lib.holds_run(Path(lg.root) / lg.name):
-            fresh = f"{lg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-            cfg = dataclasses.replace(cfg, logging=dataclasses.replace(lg, name=fresh))
-    return cfg
-
-
-def _restarted_run(cfg: Config) -> str | bool:
-    """A group restarted by ``jaxzero launch --max-restarts`` continues its named run from
-    the latest checkpoint, if it has one (else it starts again)."""
-    if cfg.logging.name is None:
-        return False
-    run = Path(cfg.logging.root) / cfg.logging.name
-    ckpts = resume_lib.checkpoint_dir(cfg, run)
-    has = ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())
-    return str(run) if (run / RESOLVED_CONFIG).is_file() and has else False
-
-
-def _names_the_run(args: argparse.Namespace) -> bool:
-    """Whether the command line sets ``logging.name`` (``--name`` or ``--set``)."""
-    if args.name is not None:
-        return True
-    for key, value in map(config_lib.parse_assignment, args.assignments):
-        if key == "logging.name" or (key == "logging" and "name" in (value or {})):
-            return True
-    return False
 
 
 # --------------------------------------------------------------------------- devices
@@ -195,50 +103,6 @@ def setup_devices(parallel: config_lib.ParallelConfig, job: Any = None,
         return make_mesh(n, replicas=replicas_for(group_size, n, node)), simulated
     except (RuntimeError, ValueError) as e:
         raise ConfigError(" ".join(str(e).split())) from None
-
-
-# --------------------------------------------------------------------------- optimizer
-
-
-def lr_schedule(opt: config_lib.OptimizerConfig, steps: int):
-    """Linear warmup from ``lr / warmup`` to ``lr``, then cosine to ``lr * min_lr_ratio``.
-
-    Warmup starts above zero (unlike ``optax.warmup_cosine_decay_schedule``) so
-    that no step of a short run is wasted on a zero learning rate.
-    """
-    import jax.numpy as jnp
-
-    warmup, floor = min(opt.warmup_steps, steps), opt.lr * opt.min_lr_ratio
-
-    def schedule(count):
-        count = jnp.asarray(count, jnp.float32)
-        warm = opt.lr * (count + 1) / max(warmup, 1)
-        progress = jnp.clip((count - warmup) / max(steps - warmup - 1, 1), 0.0, 1.0)
-        cosine = floor + 0.5 * (opt.lr - floor) * (1 + jnp.cos(jnp.pi * progress))
-        return jnp.where(count < warmup, warm, cosine)
-
-    return schedule
-
-
-def decay_mask(params: Any) -> Any:
-    """True for matrices (``.../kernel``): no weight decay on norms, biases and embeddings."""
-    import jax
-
-    def is_kernel(path, _):
-        return bool(path) and getattr(path[-1], "key", None) == "kernel"
-
-    return jax.tree_util.tree_map_with_path(is_kernel, params)
-
-
-def make_optimizer(opt: config_lib.OptimizerConfig, steps: int):
-    """AdamW with the schedule and mask above; clipping is the engine's ``max_grad_norm``."""
-    import optax
-
-    schedule = lr_schedule(opt, steps)
-    tx = optax.adamw(
-        schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay, mask=decay_mask
-    )
-    return tx, schedule
 
 
 # --------------------------------------------------------------------------- run directory
