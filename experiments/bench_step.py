@@ -1,7 +1,7 @@
 """Step time of each ZeRO stage next to plain ``jax.jit`` and GSPMD baselines, in one run.
 
 Every contestant trains the same model on the same batches, steps interleaved one by
-one so that load from other processes hits all alike:
+one (in a random order each round) so that load from other processes hits all alike:
 
 * **plain jit**: the data-parallel step a new user writes first: replicated params and
   optimizer state, the batch split with a ``NamedSharding``, ``jax.jit``, XLA inserts
@@ -47,8 +47,9 @@ def readme_table(path: pathlib.Path) -> str:
     from results_io import read_csv
 
     rows = read_csv(path)
-    out = ["| stage | jaxzero ms | plain jit ms (donating / not) | GSPMD ms | vs plain jit "
-           "| vs GSPMD |", "| --- | --- | --- | --- | --- | --- |"]
+    out = ["| stage | jaxzero ms | plain jit ms (donating / not) | GSPMD ms | shard_map pmean ms "
+           "| vs plain jit | vs GSPMD | vs shard_map pmean |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for stage in sorted({int(r["stage"]) for r in rows}):
         rs = [r for r in rows if int(r["stage"]) == stage]
         med = lambda k, rs=rs: f"{statistics.median(float(r[k]) for r in rs):.1f}"
@@ -56,8 +57,9 @@ def readme_table(path: pathlib.Path) -> str:
         span = lambda v: f"{statistics.median(v):.2f} ({min(v):.2f}–{max(v):.2f})"
         jit = ratio(lambda r: min(float(r["jit_donate_ms"]), float(r["jit_no_donate_ms"])))
         out.append(f"| {stage} | {med('jaxzero_ms')} | {med('jit_donate_ms')} / "
-                   f"{med('jit_no_donate_ms')} | {med('gspmd_ms')} | {span(jit)} | "
-                   f"{span(ratio(lambda r: float(r['gspmd_ms'])))} |")
+                   f"{med('jit_no_donate_ms')} | {med('gspmd_ms')} | {med('shard_map_ms')} | "
+                   f"{span(jit)} | {span(ratio(lambda r: float(r['gspmd_ms'])))} | "
+                   f"{span(ratio(lambda r: float(r['shard_map_ms'])))} |")
     return "\n".join(out)
 
 
@@ -135,14 +137,25 @@ def main(argv=None) -> int:
     tokens = np.random.default_rng(0).integers(0, args.vocab, (args.batch, args.seq_len + 1))
     batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
 
-    def plain_jit(donate: bool):
-        """The data-parallel step without jaxzero: replicated state, sharded batch."""
+    def plain_jit(donate: bool, explicit: bool = False):
+        """The data-parallel step without jaxzero: replicated state, sharded batch.
+
+        ``explicit``: the gradients by a hand-written ``shard_map`` with ``pmean`` instead
+        (what any explicit-collective step costs on this backend, jaxzero or not).
+        """
         rep = NamedSharding(mesh, P())
+
+        def grads(params, b):
+            if not explicit:
+                return jax.value_and_grad(loss_fn)(params, b)
+            local = lambda p, b: jax.lax.pmean(jax.value_and_grad(loss_fn)(p, b), mesh.axis_names)
+            return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(mesh.axis_names)),
+                                 out_specs=P(), check_vma=False)(params, b)
 
         def step(state, b):  # state: (params, fp32 master params or None, optimizer state)
             params, master, opt = state
             master = params if master is None else master
-            loss, g = jax.value_and_grad(loss_fn)(params, b)
+            loss, g = grads(params, b)
             g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
             u, opt = tx.update(g, opt, master)
             master = optax.apply_updates(master, u)
@@ -183,8 +196,9 @@ def main(argv=None) -> int:
                        donate_argnums=0)
 
     # (name, step, state, batch)
-    runs = [(f"plain jit, donate={d}", *plain_jit(d),
-             jax.device_put(batch, NamedSharding(mesh, P(mesh.axis_names)))) for d in (True, False)]
+    dp_batch = jax.device_put(batch, NamedSharding(mesh, P(mesh.axis_names)))
+    runs = [(f"plain jit, donate={d}", *plain_jit(d), dp_batch) for d in (True, False)]
+    runs.append(("shard_map pmean", *plain_jit(True, explicit=True), dp_batch))
     for stage in args.stages:
         engine = new_engine(stage)
         b = engine.shard_batch(batch)
@@ -198,14 +212,22 @@ def main(argv=None) -> int:
 
     states = [r[2] for r in runs]
 
+    order = np.random.default_rng(1)
+
     def timed() -> list[float]:
-        """Median seconds per step of every contestant, interleaved step by step."""
+        """Median seconds per step of every contestant, interleaved step by step.
+
+        Each round runs the contestants in a fresh random order: in a fixed order,
+        whoever follows a given contestant pays for its after-effects every time
+        (identical programs measured 2-4% apart by their place in the order).
+        """
         times = [[] for _ in runs]
         for _ in range(args.steps):
-            for i, (_, step, _, b) in enumerate(runs):
+            for i in order.permutation(len(runs)):
+                _, step, _, b = runs[i]
                 t = time.perf_counter()
                 states[i], m = step(states[i], b)
-                jax.block_until_ready(m)
+                jax.block_until_ready((states[i], m))  # the whole step, not just its loss
                 times[i].append(time.perf_counter() - t)
         return [statistics.median(t) for t in times]
 
@@ -223,7 +245,8 @@ def main(argv=None) -> int:
         per_run.append(med)
         jit = min(med["plain jit, donate=True"], med["plain jit, donate=False"])
         print(f"run {r + 1}: plain jit {med['plain jit, donate=True'] * 1e3:.1f} ms donating, "
-              f"{med['plain jit, donate=False'] * 1e3:.1f} ms not; " + ", ".join(
+              f"{med['plain jit, donate=False'] * 1e3:.1f} ms not; shard_map pmean "
+              f"{med['shard_map pmean'] / jit:.3f}x jit; " + ", ".join(
                   f"stage {s} {med[f'jaxzero {s}'] / jit:.3f}x jit "
                   f"{med[f'jaxzero {s}'] / med[f'GSPMD {s}']:.3f}x GSPMD" for s in args.stages))
 
@@ -231,20 +254,24 @@ def main(argv=None) -> int:
         mid = statistics.median(values)
         return f"{mid:.3f}" + (f" ({min(values):.3f}-{max(values):.3f})" if len(values) > 1 else "")
 
+    floor = [m["shard_map pmean"] / min(m["plain jit, donate=True"], m["plain jit, donate=False"])
+             for m in per_run]
+    print(f"\na hand-written shard_map + pmean step (no jaxzero): {spread(floor)}x plain jit")
     print(f"\n{'stage':>5} {'jaxzero ms':>11} {'GSPMD ms':>9} {'vs jit':>19} {'vs GSPMD':>19} "
-          f"{'tokens/s':>9} {'MFU %':>6}")
+          f"{'vs shard_map':>19} {'tokens/s':>9} {'MFU %':>6}")
     rows, misses = [], []
     for s in args.stages:
         zero = [m[f"jaxzero {s}"] for m in per_run]
         vs_jit = [m[f"jaxzero {s}"] / min(m["plain jit, donate=True"],
                                           m["plain jit, donate=False"]) for m in per_run]
         vs_gspmd = [m[f"jaxzero {s}"] / m[f"GSPMD {s}"] for m in per_run]
+        vs_sm = [m[f"jaxzero {s}"] / m["shard_map pmean"] for m in per_run]
         t = statistics.median(zero)
         mfu = flops_per_step / t / (args.peak_tflops * 1e12 * args.devices) * 100
         mfu = f"{mfu:>6.2f}" if jax.default_backend() == "gpu" else f"{'n/a':>6}"
         base = statistics.median(m[f"GSPMD {s}"] for m in per_run)
         print(f"{s:>5} {t * 1e3:>11.1f} {base * 1e3:>9.1f} {spread(vs_jit):>19} "
-              f"{spread(vs_gspmd):>19} {tokens_per_step / t:>9.0f} {mfu}")
+              f"{spread(vs_gspmd):>19} {spread(vs_sm):>19} {tokens_per_step / t:>9.0f} {mfu}")
         for base, ratios in (("jit", vs_jit), ("gspmd", vs_gspmd)):
             bar = TARGETS.get(args.model, {}).get(base, {}).get(s)
             if bar is not None and statistics.median(ratios) > bar:
@@ -253,7 +280,8 @@ def main(argv=None) -> int:
             rows.append({"model": args.model, "run": r + 1, "stage": s,
                          "jaxzero_ms": m[f"jaxzero {s}"] * 1e3, "gspmd_ms": m[f"GSPMD {s}"] * 1e3,
                          "jit_donate_ms": m["plain jit, donate=True"] * 1e3,
-                         "jit_no_donate_ms": m["plain jit, donate=False"] * 1e3})
+                         "jit_no_donate_ms": m["plain jit, donate=False"] * 1e3,
+                         "shard_map_ms": m["shard_map pmean"] * 1e3})
     if args.both_donations:
         other = not donates
         print(f"jaxzero donate={other} / donate={donates}, median (range) over runs: " + ", ".join(

@@ -23,10 +23,11 @@ def test_bench_step_plain_model_prints_every_contestant(tmp_path):
     out = _run("bench_step.py", "--model", "plain", "--stages", "0", "3", "--steps", "1",
                "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch", "4",
                "--csv", str(path))
-    assert "plain jit" in out and "targets:" in out
+    assert "plain jit" in out and "shard_map + pmean" in out and "targets:" in out
     rows = list(csv.DictReader(path.open()))
     assert [r["stage"] for r in rows] == ["0", "3"]
-    assert all(float(r["jaxzero_ms"]) > 0 and float(r["jit_no_donate_ms"]) > 0 for r in rows)
+    assert all(float(r[k]) > 0 for r in rows
+               for k in ("jaxzero_ms", "jit_no_donate_ms", "shard_map_ms", "gspmd_ms"))
 
 
 @pytest.mark.slow
