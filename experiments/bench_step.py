@@ -242,12 +242,12 @@ def main(argv=None) -> int:
     print(f"{args.model}: {n_params / 1e6:.1f}M params, {args.devices} {jax.default_backend()} "
           f"device(s), {args.precision}, global batch {args.batch} x {args.seq_len} tokens, "
           f"median of {args.steps} steps, jaxzero donate={donates}")
-    bar = lambda m: min(m["plain jit, donate=True"], m["plain jit, donate=False"])
+    fastest_jit = lambda m: min(m["plain jit, donate=True"], m["plain jit, donate=False"])
     per_run = []
     for r in range(args.runs):
         med = dict(zip([name for name, *_ in runs], timed(), strict=True))
         per_run.append(med)
-        jit = bar(med)
+        jit = fastest_jit(med)
         print(f"run {r + 1}: plain jit {med['plain jit, donate=True'] * 1e3:.1f} ms donating, "
               f"{med['plain jit, donate=False'] * 1e3:.1f} ms not; shard_map pmean "
               f"{med['shard_map pmean'] / jit:.3f}x jit; " + ", ".join(
@@ -258,14 +258,14 @@ def main(argv=None) -> int:
         mid = statistics.median(values)
         return f"{mid:.3f}" + (f" ({min(values):.3f}-{max(values):.3f})" if len(values) > 1 else "")
 
-    floor = [m["shard_map pmean"] / bar(m) for m in per_run]
+    floor = [m["shard_map pmean"] / fastest_jit(m) for m in per_run]
     print(f"\na hand-written shard_map + pmean step (no jaxzero): {spread(floor)}x plain jit")
     print(f"\n{'stage':>5} {'jaxzero ms':>11} {'GSPMD ms':>9} {'vs jit':>19} {'vs GSPMD':>19} "
           f"{'vs shard_map':>19} {'tokens/s':>9} {'MFU %':>6}")
     rows, misses = [], []
     for s in args.stages:
         zero = [m[f"jaxzero {s}"] for m in per_run]
-        vs_jit = [m[f"jaxzero {s}"] / bar(m) for m in per_run]
+        vs_jit = [m[f"jaxzero {s}"] / fastest_jit(m) for m in per_run]
         vs_gspmd = [m[f"jaxzero {s}"] / m[f"GSPMD {s}"] for m in per_run]
         vs_sm = [m[f"jaxzero {s}"] / m["shard_map pmean"] for m in per_run]
         t = statistics.median(zero)
