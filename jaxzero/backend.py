@@ -1,6 +1,6 @@
 """How the step is compiled on each backend: buffer donation and XLA's overlap passes.
 
-Two choices depend on the hardware, not on the model:
+Three choices depend on the hardware, not on the model:
 
 * **Donation.** Donating the train state lets XLA write the new state into the
   old buffers, so a step needs one copy of the state, not two. That is the point
@@ -14,6 +14,11 @@ Two choices depend on the hardware, not on the model:
   default because they lengthen compilation. :data:`GPU_OPTIONS` turns them on
   for the step only (per-``jit`` ``compiler_options``, not a process-wide
   ``XLA_FLAGS``), and ``Engine(compiler_options=...)`` overrides any of them.
+* **Weight-gradient dots (CPU).** A collective written right after autodiff lets
+  XLA fold a weight gradient's transpose into its dot, which XLA:CPU then runs
+  with Eigen instead of YNNPACK (:func:`jaxzero.collectives.dot_barrier`). That
+  was 6–7% of a step on the plain-pytree GPT; :data:`DOT_BARRIER` puts a barrier
+  there on CPUs only, ``Engine(dot_barrier=...)`` is the switch.
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ from jax.sharding import Mesh, SingleDeviceSharding
 # --both-donations: donating 1.00-1.04x the other's step time on the plain-pytree
 # GPT at 2 devices, 0.96-1.00x on the reference GPT at 8), so memory decides here too.
 DONATE: dict[str, bool] = {"cpu": True, "gpu": True, "tpu": True}
+
+# Whether reduced gradients pass collectives.dot_barrier, per platform (others:
+# False). On XLA:CPU the hand-written shard_map step of the plain-pytree GPT went
+# from 1.07x to 1.01x plain jit with it; GPUs and TPUs take transposed dots as they
+# are, so there it would only add a transpose per 2-D leaf.
+DOT_BARRIER: dict[str, bool] = {"cpu": True}
 
 MiB = 1 << 20
 
@@ -62,14 +73,24 @@ def platform(mesh: Mesh) -> str:
     return "gpu" if p in ("cuda", "rocm") else p
 
 
-def donate(choice: bool | None, mesh: Mesh) -> bool:
-    """``choice``, or the platform's default (:data:`DONATE`) when it is None."""
+def _switch(name: str, choice: bool | None, defaults: Mapping[str, bool], other: bool,
+            mesh: Mesh) -> bool:
     if choice is None:
-        return DONATE.get(platform(mesh), True)
+        return defaults.get(platform(mesh), other)
     if not isinstance(choice, bool):
-        raise TypeError(f"donate must be True, False or None (the backend's default), "
+        raise TypeError(f"{name} must be True, False or None (the backend's default), "
                         f"got {choice!r}")
     return choice
+
+
+def donate(choice: bool | None, mesh: Mesh) -> bool:
+    """``choice``, or the platform's default (:data:`DONATE`) when it is None."""
+    return _switch("donate", choice, DONATE, True, mesh)
+
+
+def dot_barrier(choice: bool | None, mesh: Mesh) -> bool:
+    """``choice``, or the platform's default (:data:`DOT_BARRIER`) when it is None."""
+    return _switch("dot_barrier", choice, DOT_BARRIER, False, mesh)
 
 
 @functools.cache

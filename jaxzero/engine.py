@@ -76,6 +76,11 @@ class Engine:
       donate: whether the step donates (consumes) its input state, so the new state
         reuses its buffers. None: the backend's default (:data:`jaxzero.backend.DONATE`).
         Either way, use only the state a step returns.
+      dot_barrier: pass each gradient through :func:`jaxzero.collectives.dot_barrier`
+        before it is reduced, so XLA:CPU keeps weight-gradient dots on its fast
+        kernels. None: the backend's default (:data:`jaxzero.backend.DOT_BARRIER`,
+        on for CPUs). The math is the same either way; only the dots' kernel, and so
+        their rounding, differs.
       compiler_options: XLA options for the step, updating the backend's preset
         (on GPUs :data:`jaxzero.backend.GPU_OPTIONS`: the latency-hiding scheduler
         and pipelined collectives that overlap gathers with compute); a value of
@@ -115,6 +120,7 @@ class Engine:
         min_shard_size: int = 64,
         bucket_mb: float = 64,
         donate: bool | None = None,
+        dot_barrier: bool | None = None,
         compiler_options: dict[str, Any] | None = None,
     ):
         if not callable(loss_fn):
@@ -140,6 +146,7 @@ class Engine:
         self.min_shard_size = min_shard_size
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.donate = backend.donate(donate, self.mesh)
+        self.dot_barrier = backend.dot_barrier(dot_barrier, self.mesh)
         self.compiler_options = backend.compiler_options(self.mesh, compiler_options)
         self.num_shards = num_shards(self.mesh)
         self.batch_devices = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))
@@ -170,6 +177,7 @@ class Engine:
             batch_axes=batch_axes(self.mesh),
             batch_devices=self.batch_devices,
             bucket_bytes=self.bucket_bytes,
+            dot_barrier=self.dot_barrier,
         )
 
     def _set_layouts(self, shapes: Any) -> None:

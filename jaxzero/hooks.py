@@ -44,6 +44,7 @@ class UseOp:
     extra_axes: tuple[str, ...] = ()
     offset: int = 0  # leading dims indexed away (scan over stacked layers)
     bucket_bytes: int = 0  # pack a call's collectives up to this size (0: one a leaf)
+    dot_barrier: bool = False  # collectives.dot_barrier on the cotangents
 
 
 @jax.tree_util.register_pytree_node_class
@@ -101,7 +102,8 @@ def _use_fwd(ops, values, slots):
 def _use_bwd(ops, _, cotangents):
     """Reduce the layer's gradients into the slots: packed reduce-scatters."""
     op = ops[0]
-    gs = [g.astype(op.reduce_dtype) for g in cotangents]  # already each device's share
+    gs = [collectives.dot_barrier(g) if op.dot_barrier else g for g in cotangents]
+    gs = [g.astype(op.reduce_dtype) for g in gs]  # already each device's share
     red = collectives.reduce_scatter_buckets(gs, [o.layout for o in ops], op.bucket_bytes,
                                              op.extra_axes, [o.offset for o in ops])
     return tuple(None for _ in ops), tuple(g.astype(jnp.float32) for g in red)

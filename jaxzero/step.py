@@ -60,6 +60,7 @@ class StepConfig:
     batch_axes: tuple[str, ...]
     batch_devices: int  # devices the global batch is split over
     bucket_bytes: int = 0  # pack gradient/param collectives up to this size
+    dot_barrier: bool = False  # collectives.dot_barrier on gradients before reducing
 
     @property
     def extra_axes(self) -> tuple[str, ...]:
@@ -77,7 +78,7 @@ def model_view(cfg: StepConfig, layouts: Any, params: Any, slots: Any) -> Any:
 
     def wrap(lay: LeafLayout, value, slot):
         op = UseOp(lay, cfg.stage == 3, jnp.dtype(cfg.reduce_dtype).name, cfg.extra_axes,
-                   bucket_bytes=cfg.bucket_bytes)
+                   bucket_bytes=cfg.bucket_bytes, dot_barrier=cfg.dot_barrier)
         return Stored(value, slot, op)
 
     stored = _map(wrap, layouts, params, slots)
@@ -144,6 +145,8 @@ def reduce_gradients(cfg: StepConfig, layouts: Any, grads: Any) -> Any:
     """Stage 0: all-reduce; stage 1: reduce-scatter. Returns fp32 global-mean gradients."""
     lays = jax.tree.leaves(layouts, is_leaf=is_layout)
     gs, treedef = jax.tree.flatten(grads)
+    if cfg.dot_barrier:
+        gs = [collectives.dot_barrier(g) for g in gs]
     gs = [g.astype(cfg.reduce_dtype) for g in gs]
     if cfg.stage == 0:  # XLA combines these all-reduces itself
         gs = [collectives.all_reduce(g, cfg.extra_axes) for g in gs]

@@ -29,6 +29,13 @@ def mlp_loss(p, batch):
     return jnp.mean((p["scale"] * (h @ p["w2"] + p["b2"]) - batch["y"]) ** 2)
 
 
+def entry_dots(hlo_text: str) -> int:
+    """Dots left in a compiled program's entry computation: the ones XLA:CPU runs with
+    Eigen rather than inside its fused (YNNPACK) kernels."""
+    entry = hlo_text.split("\nENTRY", 1)[1]
+    return sum(" dot(" in line for line in entry.splitlines())
+
+
 def mlp_batches(n: int, batch: int = 16, seed: int = 1) -> list[dict]:
     rng = np.random.default_rng(seed)
     return [{"x": rng.standard_normal((batch, 37)).astype(np.float32),

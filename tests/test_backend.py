@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import mlp_batches, mlp_loss, mlp_params, rel_diff
+from _models import entry_dots, mlp_batches, mlp_loss, mlp_params, rel_diff
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxzero
 from jaxzero import backend
@@ -84,6 +86,57 @@ def test_donation_switch():
     assert default.donate is backend.DONATE["cpu"]
     with pytest.raises(TypeError, match="donate must be True, False or None"):
         jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1), donate="yes")
+
+
+def _token_mlp_loss(p, batch):
+    """Three dense layers on B x S x D activations, as in a transformer's MLP."""
+    h = jnp.tanh(batch["x_BxSxD"] @ p["w0"])
+    h = jnp.tanh(h @ p["w1"])
+    return jnp.mean((h @ p["w2"] - batch["y"]) ** 2)
+
+
+def _token_mlp(d=16):
+    rng = np.random.default_rng(0)
+    params = {"w0": rng.standard_normal((d, 2 * d)), "w1": rng.standard_normal((2 * d, 2 * d)),
+              "w2": rng.standard_normal((2 * d, 4))}
+    params = jax.tree.map(lambda w: (0.3 * w).astype(np.float32), params)
+    batches = [{"x_BxSxD": rng.standard_normal((8, 8, d)).astype(np.float32),
+                "y": rng.standard_normal((8, 8, 4)).astype(np.float32)} for _ in range(3)]
+    return params, batches
+
+
+def _plain_jit_entry_dots(params, batch, tx, mesh):
+    def step(state, b):
+        p, opt = state
+        u, opt = tx.update(jax.grad(_token_mlp_loss)(p, b), opt, p)
+        return optax.apply_updates(p, u), opt
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    b = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    return entry_dots(jax.jit(step).lower((p, tx.init(p)), b).compile().as_text())
+
+
+@pytest.mark.parametrize("stage", [0, 2])  # reduce_gradients; the use_params backward
+def test_dot_barrier_switch(stage):
+    """The barrier changes which kernel XLA:CPU runs the weight-gradient dots with, not
+    the math: on and off train alike (to fp32 rounding: the kernels sum in different
+    orders). With it, as in plain jit, no dot is left to Eigen; without it all three
+    weight-gradient dots are."""
+    params, batches = _token_mlp()
+    tx, mesh = optax.adam(1e-2), jaxzero.make_mesh(2)
+    finals, eigen_dots = {}, {}
+    for on in (True, False):
+        engine = jaxzero.Engine(_token_mlp_loss, tx, mesh=mesh, stage=stage, dot_barrier=on)
+        state = engine.init(params)
+        eigen_dots[on] = entry_dots(engine.compile(state, batches[0]).as_text())
+        for b in batches:
+            state, _ = engine.step(state, b)
+        finals[on] = engine.gather_params(state)
+    assert rel_diff(finals[True], finals[False]) < 1e-5
+    assert eigen_dots == {True: _plain_jit_entry_dots(params, batches[0], tx, mesh), False: 3}
+    assert eigen_dots[True] == 0
+    assert jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1)).dot_barrier is True  # CPU
+    with pytest.raises(TypeError, match="dot_barrier must be True, False or None"):
+        jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1), dot_barrier=1)
 
 
 def test_attention_choice():

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _models import entry_dots
 from jax.sharding import PartitionSpec as P
 
 import jaxzero
@@ -44,6 +45,35 @@ def test_all_reduce():
     summed = _per_device(collectives.all_reduce, grads, (), ())
     for got, ref in zip(summed, collectives.reference_all_reduce(grads), strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reduce", ["all_reduce", "reduce_scatter"])
+def test_dot_barrier_keeps_the_weight_gradient_dot_fused(reduce):
+    """The gradient of ``x @ w`` (tokens x features) handed straight to a collective: XLA
+    folds autodiff's transpose into the dot and XLA:CPU runs it with Eigen, left in the
+    entry computation; through :func:`collectives.dot_barrier` it stays a fused kernel."""
+    mesh = jaxzero.make_mesh(2)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 8, 32)).astype(np.float32)  # B x S x D
+    w = rng.standard_normal((32, 48)).astype(np.float32)
+    lay = leaf_layout("w", w.shape, 2)
+    red = {"all_reduce": collectives.all_reduce,
+           "reduce_scatter": lambda g: collectives.reduce_scatter(g, lay)}[reduce]
+    out_spec = P() if reduce == "all_reduce" else P("data")
+
+    def step(barrier):
+        def local(x, w):
+            g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+            return red(collectives.dot_barrier(g) if barrier else g)
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P()),
+                                     out_specs=out_spec, check_vma=False))
+
+    texts = {b: step(b).lower(x, w).compile().as_text() for b in (True, False)}
+    assert (entry_dots(texts[True]), entry_dots(texts[False])) == (0, 1)
+    np.testing.assert_allclose(step(True)(x, w), step(False)(x, w), rtol=1e-5, atol=1e-5)
+    for shape in [(5,), (3, 4, 5)]:  # only 2-D leaves are touched
+        y = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)
+        assert collectives.dot_barrier(y) is y
 
 
 def test_packed_collectives_match_per_leaf():
