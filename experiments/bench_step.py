@@ -7,8 +7,9 @@ one (in a random order each round) so that load from other processes hits all al
   optimizer state, the batch split with a ``NamedSharding``, ``jax.jit``, XLA inserts
   the gradient all-reduce. Timed donating its state and not; the faster is the bar.
 * **shard_map pmean**: plain jit's step with its gradients taken in a hand-written
-  ``jax.shard_map`` and averaged by ``pmean``: what any explicit-collective step costs
-  on this backend, jaxzero or not.
+  ``jax.shard_map`` and averaged by ``pmean``, as a user would write it: what an
+  explicit-collective step costs without jaxzero (on XLA:CPU its weight-gradient dots
+  fall back to Eigen, which jaxzero's ``dot_barrier`` avoids).
 * **GSPMD**: per stage, the same update on jaxzero's stored state and shardings, by
   plain ``jax.jit`` (XLA's partitioner inserts the collectives, no ``shard_map``).
 * **jaxzero**: ``Engine`` with its defaults, collectives written by hand.

@@ -60,7 +60,7 @@ class StepConfig:
     batch_axes: tuple[str, ...]
     batch_devices: int  # devices the global batch is split over
     bucket_bytes: int = 0  # pack gradient/param collectives up to this size
-    dot_barrier: bool = False  # collectives.dot_barrier on gradients before reducing
+    dot_barrier: bool = False  # collectives.dot_barrier on each micro-batch's gradients
 
     @property
     def extra_axes(self) -> tuple[str, ...]:
@@ -123,6 +123,8 @@ def local_gradients(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any,
 
     def grad_fn(diff, mb):
         (_, loss), grads = value_and_grad(diff, mb)
+        if cfg.dot_barrier and not hooked:  # stages 2-3: in the use_params backward
+            grads = jax.tree.map(collectives.dot_barrier, grads)
         return loss, grads
 
     k = cfg.micro_batches
@@ -145,8 +147,6 @@ def reduce_gradients(cfg: StepConfig, layouts: Any, grads: Any) -> Any:
     """Stage 0: all-reduce; stage 1: reduce-scatter. Returns fp32 global-mean gradients."""
     lays = jax.tree.leaves(layouts, is_leaf=is_layout)
     gs, treedef = jax.tree.flatten(grads)
-    if cfg.dot_barrier:
-        gs = [collectives.dot_barrier(g) for g in gs]
     gs = [g.astype(cfg.reduce_dtype) for g in gs]
     if cfg.stage == 0:  # XLA combines these all-reduces itself
         gs = [collectives.all_reduce(g, cfg.extra_axes) for g in gs]

@@ -29,11 +29,16 @@ def mlp_loss(p, batch):
     return jnp.mean((p["scale"] * (h @ p["w2"] + p["b2"]) - batch["y"]) ** 2)
 
 
-def entry_dots(hlo_text: str) -> int:
-    """Dots left in a compiled program's entry computation: the ones XLA:CPU runs with
-    Eigen rather than inside its fused (YNNPACK) kernels."""
-    entry = hlo_text.split("\nENTRY", 1)[1]
-    return sum(" dot(" in line for line in entry.splitlines())
+def eigen_dots(hlo_text: str) -> int:
+    """Dots of a compiled XLA:CPU program outside any fusion (the entry computation, loop
+    bodies): the ones it runs with Eigen rather than inside its fused (YNNPACK) kernels."""
+    n, fused = 0, False
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" "):  # a computation's header
+            fused = line.startswith("%fused_computation")
+        elif " dot(" in line and not fused:
+            n += 1
+    return n
 
 
 def mlp_batches(n: int, batch: int = 16, seed: int = 1) -> list[dict]:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import entry_dots, mlp_batches, mlp_loss, mlp_params, rel_diff
+from _models import eigen_dots, mlp_batches, mlp_loss, mlp_params, rel_diff
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -105,35 +105,37 @@ def _token_mlp(d=16):
     return params, batches
 
 
-def _plain_jit_entry_dots(params, batch, tx, mesh):
+def _plain_jit_eigen_dots(params, batch, tx, mesh):
     def step(state, b):
         p, opt = state
         u, opt = tx.update(jax.grad(_token_mlp_loss)(p, b), opt, p)
         return optax.apply_updates(p, u), opt
     p = jax.device_put(params, NamedSharding(mesh, P()))
     b = jax.device_put(batch, NamedSharding(mesh, P("data")))
-    return entry_dots(jax.jit(step).lower((p, tx.init(p)), b).compile().as_text())
+    return eigen_dots(jax.jit(step).lower((p, tx.init(p)), b).compile().as_text())
 
 
-@pytest.mark.parametrize("stage", [0, 2])  # reduce_gradients; the use_params backward
-def test_dot_barrier_switch(stage):
+# stage 0's gradients; the use_params backward; accumulated over micro-batches
+@pytest.mark.parametrize("stage, micro_batches", [(0, 1), (2, 1), (1, 2)])
+def test_dot_barrier_switch(stage, micro_batches):
     """The barrier changes which kernel XLA:CPU runs the weight-gradient dots with, not
     the math: on and off train alike (to fp32 rounding: the kernels sum in different
     orders). With it, as in plain jit, no dot is left to Eigen; without it all three
     weight-gradient dots are."""
     params, batches = _token_mlp()
     tx, mesh = optax.adam(1e-2), jaxzero.make_mesh(2)
-    finals, eigen_dots = {}, {}
+    finals, unfused = {}, {}
     for on in (True, False):
-        engine = jaxzero.Engine(_token_mlp_loss, tx, mesh=mesh, stage=stage, dot_barrier=on)
+        engine = jaxzero.Engine(_token_mlp_loss, tx, mesh=mesh, stage=stage,
+                                micro_batches=micro_batches, dot_barrier=on)
         state = engine.init(params)
-        eigen_dots[on] = entry_dots(engine.compile(state, batches[0]).as_text())
+        unfused[on] = eigen_dots(engine.compile(state, batches[0]).as_text())
         for b in batches:
             state, _ = engine.step(state, b)
         finals[on] = engine.gather_params(state)
     assert rel_diff(finals[True], finals[False]) < 1e-5
-    assert eigen_dots == {True: _plain_jit_entry_dots(params, batches[0], tx, mesh), False: 3}
-    assert eigen_dots[True] == 0
+    assert unfused == {True: _plain_jit_eigen_dots(params, batches[0], tx, mesh), False: 3}
+    assert unfused[True] == 0
     assert jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1)).dot_barrier is True  # CPU
     with pytest.raises(TypeError, match="dot_barrier must be True, False or None"):
         jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1), dot_barrier=1)

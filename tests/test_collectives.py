@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _models import entry_dots
+from _models import eigen_dots
 from jax.sharding import PartitionSpec as P
 
 import jaxzero
@@ -50,8 +50,8 @@ def test_all_reduce():
 @pytest.mark.parametrize("reduce", ["all_reduce", "reduce_scatter"])
 def test_dot_barrier_keeps_the_weight_gradient_dot_fused(reduce):
     """The gradient of ``x @ w`` (tokens x features) handed straight to a collective: XLA
-    folds autodiff's transpose into the dot and XLA:CPU runs it with Eigen, left in the
-    entry computation; through :func:`collectives.dot_barrier` it stays a fused kernel."""
+    folds autodiff's transpose into the dot and XLA:CPU runs it with Eigen, left outside
+    any fusion; through :func:`collectives.dot_barrier` it stays a fused kernel."""
     mesh = jaxzero.make_mesh(2)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((8, 8, 32)).astype(np.float32)  # B x S x D
@@ -69,7 +69,7 @@ def test_dot_barrier_keeps_the_weight_gradient_dot_fused(reduce):
                                      out_specs=out_spec, check_vma=False))
 
     texts = {b: step(b).lower(x, w).compile().as_text() for b in (True, False)}
-    assert (entry_dots(texts[True]), entry_dots(texts[False])) == (0, 1)
+    assert (eigen_dots(texts[True]), eigen_dots(texts[False])) == (0, 1)
     np.testing.assert_allclose(step(True)(x, w), step(False)(x, w), rtol=1e-5, atol=1e-5)
     for shape in [(5,), (3, 4, 5)]:  # only 2-D leaves are touched
         y = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)
