@@ -1,4 +1,4 @@
-"""How the step is compiled on each backend: buffer donation and XLA's overlap passes.
+"""How the step is compiled on each backend: donation, the dot barrier, XLA's overlap passes.
 
 Three choices depend on the hardware, not on the model:
 
@@ -37,7 +37,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 # GPT at 2 devices, 0.96-1.00x on the reference GPT at 8), so memory decides here too.
 DONATE: dict[str, bool] = {"cpu": True, "gpu": True, "tpu": True}
 
-# Whether reduced gradients pass collectives.dot_barrier, per platform (others:
+# Whether gradients pass collectives.dot_barrier before reduction, per platform (others:
 # False). On XLA:CPU the hand-written shard_map step of the plain-pytree GPT went
 # from 1.07x to 1.01x plain jit with it; GPUs and TPUs take transposed dots as they
 # are, so there it would only add a transpose per 2-D leaf.
