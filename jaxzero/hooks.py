@@ -10,7 +10,8 @@ the layer's gradient into the slot at once:
   again instead of keeping every layer's gathered params alive.
 * stage 2: the params are already whole; the backward reduce-scatters the layer's
   gradient as soon as it exists, so the full gradient never exists at once.
-* stages 0 and 1: leaves are plain arrays and ``use_params`` is the identity.
+* stages 0 and 1: ``use_params`` returns the arrays as they are; with the dot barrier
+  on (CPUs) its backward applies :func:`jaxzero.collectives.dot_barrier`, nothing else.
 
 Example (a Flax Linen block)::
 
@@ -45,6 +46,8 @@ class UseOp:
     offset: int = 0  # leading dims indexed away (scan over stacked layers)
     bucket_bytes: int = 0  # pack a call's collectives up to this size (0: one a leaf)
     dot_barrier: bool = False  # collectives.dot_barrier on the cotangents
+    reduce: bool = True  # the backward reduce-scatters into the slot (stages 2-3); else
+    # the cotangent, through the barrier only, goes back to the value (stages 0-1)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -103,6 +106,8 @@ def _use_bwd(ops, _, cotangents):
     """Reduce the layer's gradients into the slots: packed reduce-scatters."""
     op = ops[0]
     gs = [collectives.dot_barrier(g) if op.dot_barrier else g for g in cotangents]
+    if not op.reduce:  # stages 0-1: the step reduces after the backward pass
+        return tuple(gs), tuple(None for _ in ops)
     gs = [g.astype(op.reduce_dtype) for g in gs]  # already each device's share
     red = collectives.reduce_scatter_buckets(gs, [o.layout for o in ops], op.bucket_bytes,
                                              op.extra_axes, [o.offset for o in ops])

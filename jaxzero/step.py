@@ -71,17 +71,23 @@ def _map(f, layouts, *trees):
     return jax.tree.map(lambda lay, *xs: f(lay, *xs), layouts, *trees, is_leaf=is_layout)
 
 
-def model_view(cfg: StepConfig, layouts: Any, params: Any, slots: Any) -> Any:
-    """What ``loss_fn`` receives: plain arrays (stages 0–1) or gathered/hooked leaves."""
-    if cfg.stage <= 1:
+def model_view(cfg: StepConfig, layouts: Any, params: Any, slots: Any = None) -> Any:
+    """What ``loss_fn`` receives: plain arrays (stages 0–1) or gathered/hooked leaves.
+
+    A per-layer model at stages 0–1 with the dot barrier gets hooked leaves too, whose
+    backward only applies the barrier inside each layer (in a scan over layers, where
+    the step's own barrier after the backward pass comes too late).
+    """
+    reduce = cfg.stage >= 2
+    if not reduce and not (cfg.per_layer and cfg.dot_barrier):
         return params
 
-    def wrap(lay: LeafLayout, value, slot):
+    def wrap(lay: LeafLayout, value, slot=None):
         op = UseOp(lay, cfg.stage == 3, jnp.dtype(cfg.reduce_dtype).name, cfg.extra_axes,
-                   bucket_bytes=cfg.bucket_bytes, dot_barrier=cfg.dot_barrier)
+                   bucket_bytes=cfg.bucket_bytes, dot_barrier=cfg.dot_barrier, reduce=reduce)
         return Stored(value, slot, op)
 
-    stored = _map(wrap, layouts, params, slots)
+    stored = _map(wrap, layouts, params, slots) if reduce else _map(wrap, layouts, params)
     return stored if cfg.per_layer else use_params(stored)
 
 
@@ -110,7 +116,7 @@ def local_gradients(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any,
     share = 1.0 / cfg.batch_devices
 
     def loss_of(diff, mb):
-        view = model_view(cfg, layouts, params, diff) if hooked else diff
+        view = model_view(cfg, layouts, params, diff) if hooked else model_view(cfg, layouts, diff)
         loss = _loss(cfg, loss_fn, view, mb)
         if jnp.shape(loss) != ():
             raise TypeError(f"loss_fn must return a scalar, got shape {jnp.shape(loss)}")
@@ -123,7 +129,7 @@ def local_gradients(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any,
 
     def grad_fn(diff, mb):
         (_, loss), grads = value_and_grad(diff, mb)
-        if cfg.dot_barrier and not hooked:  # stages 2-3: in the use_params backward
+        if cfg.dot_barrier and not hooked and not cfg.per_layer:  # else in use_params
             grads = jax.tree.map(collectives.dot_barrier, grads)
         return loss, grads
 

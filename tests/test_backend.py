@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import eigen_dots, mlp_batches, mlp_loss, mlp_params, rel_diff
+from _models import TINY_GPT, eigen_dots, gpt_batches, mlp_batches, mlp_loss, mlp_params, rel_diff
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -139,6 +139,20 @@ def test_dot_barrier_switch(stage, micro_batches):
     assert jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1)).dot_barrier is True  # CPU
     with pytest.raises(TypeError, match="dot_barrier must be True, False or None"):
         jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1), dot_barrier=1)
+
+
+def test_dot_barrier_reaches_scanned_layers():
+    """In a scan over layers the weight-gradient dots sit in the loop body, where a barrier
+    after the backward pass comes too late: ``use_params``'s backward applies it there, at
+    stages 0-1 as well as 2-3 (whose hooks test_dot_barrier_switch covers)."""
+    model, batch = GPT(TINY_GPT), gpt_batches(1)[0]
+    counts = {}
+    for on in (True, False):
+        engine = model.engine(optax.adam(1e-3), mesh=jaxzero.make_mesh(2), stage=1,
+                              dot_barrier=on)
+        state = engine.init_from(model.init, jax.random.key(0))
+        counts[on] = eigen_dots(engine.compile(state, batch).as_text())
+    assert counts[True] == 0 < counts[False]
 
 
 def test_attention_choice():
