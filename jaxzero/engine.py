@@ -77,7 +77,8 @@ class Engine:
         reuses its buffers. None: the backend's default (:data:`jaxzero.backend.DONATE`).
         Either way, use only the state a step returns.
       dot_barrier: pass each gradient through :func:`jaxzero.collectives.dot_barrier`
-        before it is reduced, so XLA:CPU keeps weight-gradient dots on its fast
+        before it is reduced (per-layer models: in each layer's ``use_params``
+        backward, inside a scan too), so XLA:CPU keeps weight-gradient dots on its fast
         kernels. None: the backend's default (:data:`jaxzero.backend.DOT_BARRIER`,
         on for CPUs). The math is the same either way; only the dots' kernel, and so
         their rounding, differs.
