@@ -103,7 +103,8 @@ def _use_fwd(ops, values, slots):
 
 
 def _use_bwd(ops, _, cotangents):
-    """Reduce the layer's gradients into the slots: packed reduce-scatters."""
+    """Reduce the layer's gradients into the slots: packed reduce-scatters (at stages
+    0–1, only the dot barrier, the gradients going back to the values)."""
     op = ops[0]
     gs = [collectives.dot_barrier(g) if op.dot_barrier else g for g in cotangents]
     if not op.reduce:  # stages 0-1: the step reduces after the backward pass
