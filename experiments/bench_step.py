@@ -144,8 +144,8 @@ def main(argv=None) -> int:
     def plain_jit(donate: bool, explicit: bool = False):
         """The data-parallel step without jaxzero: replicated state, sharded batch.
 
-        ``explicit``: the gradients by a hand-written ``shard_map`` with ``pmean`` instead
-        (what any explicit-collective step costs on this backend, jaxzero or not).
+        ``explicit``: the gradients by a hand-written ``shard_map`` with ``pmean`` instead,
+        as a user first writes it (no dot barrier).
         """
         rep = NamedSharding(mesh, P())
 
