@@ -259,8 +259,8 @@ def main(argv=None) -> int:
         mid = statistics.median(values)
         return f"{mid:.3f}" + (f" ({min(values):.3f}-{max(values):.3f})" if len(values) > 1 else "")
 
-    floor = [m["shard_map pmean"] / fastest_jit(m) for m in per_run]
-    print(f"\na hand-written shard_map + pmean step (no jaxzero): {spread(floor)}x plain jit")
+    by_hand = [m["shard_map pmean"] / fastest_jit(m) for m in per_run]
+    print(f"\na hand-written shard_map + pmean step (no jaxzero): {spread(by_hand)}x plain jit")
     print(f"\n{'stage':>5} {'jaxzero ms':>11} {'GSPMD ms':>9} {'vs jit':>19} {'vs GSPMD':>19} "
           f"{'vs shard_map':>19} {'tokens/s':>9} {'MFU %':>6}")
     rows, misses = [], []
