@@ -48,6 +48,7 @@ class UseOp:
     dot_barrier: bool = False  # collectives.dot_barrier on the cotangents
     reduce: bool = True  # the backward reduce-scatters into the slot (stages 2-3); else
     # the cotangent, through the barrier only, goes back to the value (stages 0-1)
+    probe: bool = False  # hook_check's trace: same shapes out, no data path from the store
 
 
 @jax.tree_util.register_pytree_node_class
@@ -159,7 +160,10 @@ def use_params(tree: Any) -> Any:
     if not idx:
         return tree
     ops = tuple(_op_of(leaves[i]) for i in idx)
-    outs = _use(ops, tuple(leaves[i].value for i in idx), tuple(leaves[i].slot for i in idx))
+    if ops[0].probe:  # so any other read of a stored array is the misuse hook_check seeks
+        outs = _forward(ops, tuple(jnp.zeros_like(leaves[i].value) for i in idx))
+    else:
+        outs = _use(ops, tuple(leaves[i].value for i in idx), tuple(leaves[i].slot for i in idx))
     for i, op, x in zip(idx, ops, outs, strict=True):
         leaves[i] = checkpoint_name(x, GATHERED) if op.gather else x
     return jax.tree.unflatten(treedef, leaves)
