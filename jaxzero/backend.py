@@ -13,7 +13,8 @@ Three choices depend on the hardware, not on the model:
   its latency-hiding scheduler and collective pipelining are on; they are off by
   default because they lengthen compilation. :data:`GPU_OPTIONS` turns them on
   for the step only (per-``jit`` ``compiler_options``, not a process-wide
-  ``XLA_FLAGS``), and ``Engine(compiler_options=...)`` overrides any of them.
+  ``XLA_FLAGS``), spelled as the installed XLA spells them (:data:`OLDER_SPELLINGS`),
+  and ``Engine(compiler_options=...)`` overrides any of them.
 * **Weight-gradient dots (CPU).** A collective written right after autodiff lets
   XLA fold a weight gradient's transpose into its dot, which XLA:CPU then runs
   with Eigen instead of YNNPACK (:func:`jaxzero.collectives.dot_barrier`). That
@@ -45,16 +46,21 @@ DOT_BARRIER: dict[str, bool] = {"cpu": True}
 
 MiB = 1 << 20
 
+# XLA's collective pipelining modes (xla.proto's CollectivePipeliningMode): ON pipelines
+# every collective that can be, what the older boolean flags' true did.
+PIPELINE_ON = "COLLECTIVE_PIPELINING_MODE_ON"
+
 # XLA:GPU options for the train step (the same passes XLA's -O1 enables, plus
-# combine thresholds sized for layer-sized collectives).
+# combine thresholds sized for layer-sized collectives), spelled as the newest XLA
+# spells them; :data:`OLDER_SPELLINGS` says what older builds call them.
 GPU_OPTIONS: dict[str, Any] = {
     # schedule async collectives to overlap with independent compute
     "xla_gpu_enable_latency_hiding_scheduler": True,
     # move the next iteration's all-gather / this iteration's reduce-scatter and
     # all-reduce across the while-loop boundary of scanned layers (prefetch)
-    "xla_gpu_enable_pipelined_all_gather": True,
-    "xla_gpu_enable_pipelined_reduce_scatter": True,
-    "xla_gpu_enable_pipelined_all_reduce": True,
+    "xla_gpu_pipeline_all_gather": PIPELINE_ON,
+    "xla_gpu_pipeline_reduce_scatter": PIPELINE_ON,
+    "xla_gpu_pipeline_all_reduce": PIPELINE_ON,
     # unroll loops by two so a gather can be in flight across iterations
     "xla_gpu_enable_while_loop_double_buffering": True,
     # combine small collectives (norm scales, biases) up to these sizes; a whole
@@ -62,6 +68,16 @@ GPU_OPTIONS: dict[str, Any] = {
     "xla_gpu_all_gather_combine_threshold_bytes": 256 * MiB,
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 256 * MiB,
     "xla_gpu_all_reduce_combine_threshold_bytes": 256 * MiB,
+}
+
+# Options XLA renamed, newest spelling -> (older spelling, {newer value: older value}).
+# In 2026 (XLA PR 45836; jaxlib 0.12 has only the new names, 0.10 only the old) the
+# booleans xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce} became the
+# modes xla_gpu_pipeline_*, whose DEFAULT follows the optimization level.
+OLDER_SPELLINGS: dict[str, tuple[str, dict[Any, Any]]] = {
+    f"xla_gpu_pipeline_{c}": (f"xla_gpu_enable_pipelined_{c}",
+                              {PIPELINE_ON: True, "COLLECTIVE_PIPELINING_MODE_OFF": False})
+    for c in ("all_gather", "reduce_scatter", "all_reduce")
 }
 
 PRESETS: dict[str, dict[str, Any]] = {"gpu": GPU_OPTIONS}
@@ -111,29 +127,57 @@ def _known(backend: str, name: str, value: Any) -> bool:
     return True
 
 
+def _spellings(name: str, value: Any) -> list[tuple[str, Any]]:
+    """``(name, value)``, then the same option as the other XLA line spells it, if any."""
+    for new, (old, values) in OLDER_SPELLINGS.items():
+        if name == new and value in values:
+            return [(name, value), (old, values[value])]
+        newer = {v: k for k, v in values.items()}
+        if name == old and value in newer:
+            return [(name, value), (new, newer[value])]
+    return [(name, value)]
+
+
+def _aliases(name: str) -> set[str]:
+    return next(({new, old} for new, (old, _) in OLDER_SPELLINGS.items() if name in (new, old)),
+                {name})
+
+
+def spelled(plat: str, name: str, value: Any) -> tuple[str, Any] | None:
+    """``(name, value)`` as this XLA build spells the option, or None if it has none."""
+    return next(((n, v) for n, v in _spellings(name, value) if _known(plat, n, v)), None)
+
+
 def compiler_options(mesh: Mesh, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The step's XLA options: the platform's preset, updated by ``overrides``.
 
     An override of ``None`` drops that option from the preset; ``{}`` keeps the
     preset; pass ``{name: None for name in GPU_OPTIONS}`` for XLA's own defaults.
-    Preset options this XLA build does not know are dropped with a warning, so a
-    newer or older jaxlib never fails to compile the step because of the preset.
+    Options are passed as this XLA build spells them (a renamed option in either
+    spelling, :data:`OLDER_SPELLINGS`). Preset options this build does not know are
+    dropped with a warning, so a newer or older jaxlib never fails to compile the
+    step because of the preset.
     """
     plat = platform(mesh)
-    preset = dict(PRESETS.get(plat, {}))
-    unknown = [k for k, v in preset.items() if not _known(plat, k, v)]
-    for k in unknown:
-        del preset[k]
+    preset, unknown = {}, []
+    for k, v in PRESETS.get(plat, {}).items():
+        found = spelled(plat, k, v)
+        if found is None:
+            unknown.append(k)
+        else:
+            preset[found[0]] = found[1]
     if unknown:
         warnings.warn(f"this XLA build does not know {', '.join(unknown)}; the step is "
                       "compiled without them", stacklevel=3)
     for k, v in (overrides or {}).items():
+        for n in _aliases(k):
+            preset.pop(n, None)
         if v is None:
-            preset.pop(k, None)
-        elif not _known(plat, k, v):
+            continue
+        found = spelled(plat, k, v)
+        if found is None:
             raise ValueError(
                 f"compiler_options: {k!r} is not an option of this XLA build ({plat}); "
                 "see the XLA flags of your jaxlib version (XLA_FLAGS=--help)")
-        else:
-            preset[k] = v
+        preset[found[0]] = found[1]
     return preset

@@ -1,5 +1,7 @@
 """Per-backend compilation choices: donation and the XLA option presets."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +19,40 @@ from jaxzero.models.gpt import GPT, GPTConfig, attention_impl
 @pytest.mark.parametrize("name", sorted(backend.GPU_OPTIONS))
 def test_gpu_preset_options_exist_in_this_xla(name):
     """XLA rejects an unknown option at compile time; the GPU plugin ships the same XLA
-    as this jaxlib, so every preset option must be a known one here."""
-    assert backend._known("cpu", name, backend.GPU_OPTIONS[name])
+    as this jaxlib, so every preset option must be known here in one of its spellings."""
+    assert backend.spelled("cpu", name, backend.GPU_OPTIONS[name]) is not None
+
+
+def _gpu_here(monkeypatch):
+    """compiler_options as on a GPU, asking this jaxlib's XLA (the same options parser)."""
+    known = backend._known
+    monkeypatch.setattr(backend, "platform", lambda m: "gpu")
+    monkeypatch.setattr(backend, "_known", lambda plat, k, v: known("cpu", k, v))
+
+
+def test_renamed_pipelining_options_take_this_xlas_spelling(monkeypatch):
+    """jaxlib 0.10 knows only xla_gpu_enable_pipelined_* (bool), 0.12 only
+    xla_gpu_pipeline_* (mode): the preset keeps pipelining on either, dropping nothing."""
+    _gpu_here(monkeypatch)
+    mesh = jaxzero.make_mesh(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "does not know" warning
+        opts = backend.compiler_options(mesh)
+    assert len(opts) == len(backend.GPU_OPTIONS)
+    for c in ("all_gather", "reduce_scatter", "all_reduce"):
+        new, old = f"xla_gpu_pipeline_{c}", f"xla_gpu_enable_pipelined_{c}"
+        assert (opts.get(new) == backend.PIPELINE_ON) != (opts.get(old) is True), opts
+        assert backend._known("cpu", *next((k, v) for k, v in opts.items() if k in (new, old)))
+    # either spelling overrides, or drops, the preset's option
+    for name, value in [("xla_gpu_enable_pipelined_all_gather", False),
+                        ("xla_gpu_pipeline_all_gather", "COLLECTIVE_PIPELINING_MODE_OFF")]:
+        got = backend.compiler_options(mesh, {name: value})
+        ag = {k: v for k, v in got.items() if "pipeline" in k and "all_gather" in k}
+        assert ag in ({"xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_OFF"},
+                      {"xla_gpu_enable_pipelined_all_gather": False})
+    for name in ("xla_gpu_enable_pipelined_reduce_scatter", "xla_gpu_pipeline_reduce_scatter"):
+        got = backend.compiler_options(mesh, {name: None})
+        assert not any("reduce_scatter" in k and "pipelin" in k for k in got)
 
 
 def test_options_per_platform_and_overrides(monkeypatch):
