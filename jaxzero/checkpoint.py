@@ -21,13 +21,21 @@ is ever whole on one device when the target shards it.
 process has finished; an interrupted save is never listed and is removed the
 next time a manager opens the directory. Saves are asynchronous (the arrays are
 copied to host memory, then written in the background) and at most one is in
-flight.
+flight. A script that ends without ``wait()`` or ``close()`` still gets its last
+save: open managers finish it as the interpreter begins to exit (:func:`_finish_saves`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401 - its exit hook first: see _finish_saves
+import contextlib
 import functools
+import gc
 import json
+import logging
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +52,79 @@ FIELDS = ("step", "params", "master", "opt_state")
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt, or of another model."""
+
+
+# managers with a save that may be in flight, held so that one dropped right after
+# save() (``CheckpointManager(d).save(...)``) still completes it
+_SAVING: set = set()
+
+
+def _finish_saves() -> None:
+    """Complete the saves still in flight, as the interpreter begins to exit.
+
+    orbax writes in a background thread through ``concurrent.futures`` pools, which
+    refuse new work once the interpreter starts shutting down; a script that saved
+    and ended without ``wait()`` then lost its checkpoint amid "cannot schedule new
+    futures after shutdown" / "Event loop is closed" tracebacks. This runs before the
+    pools stop: Python's ``threading`` calls its exit hooks in reverse order of
+    registration, and ``concurrent.futures`` registers its own on import, before ours.
+    """
+    for manager in list(_SAVING):
+        try:
+            manager.close()
+        except Exception as e:  # noqa: BLE001 - at exit: say it in one line, go on
+            print(f"jaxzero: the checkpoint save in flight in {manager.directory} did not "
+                  f"finish: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+# threading's exit hooks run in reverse order of registration, so ours runs before the
+# pools' own (registered when concurrent.futures.thread is first imported, just above);
+# atexit's hooks would run only after the pools stopped
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_finish_saves)
+
+
+@contextlib.contextmanager
+def _quiet_echoes(window: float = 0.3, limit: float = 3.0):
+    """Drop the echoes of a failed orbax read, once the caller has its one-line error.
+
+    orbax reads the leaves concurrently on a private event loop and closes it as soon
+    as one read fails; the reads still in flight finish moments later on tensorstore's
+    threads and report to the closed loop, which prints "Event loop is closed" and
+    "Future exception was never retrieved" tracebacks. They carry nothing the raised
+    CheckpointError does not, so around a read that fails this waits until none has
+    come for ``window`` s (at most ``limit`` s) and drops exactly those two; anything
+    else passes through, and a read that succeeds costs nothing.
+    """
+    last = [time.monotonic()]
+    previous = sys.unraisablehook
+
+    def hook(u):
+        if isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value):
+            last[0] = time.monotonic()
+        else:
+            previous(u)
+
+    def unretrieved(record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("Future exception was never retrieved"):
+            last[0] = time.monotonic()
+            return False
+        return True
+
+    log = logging.getLogger("asyncio")
+    sys.unraisablehook = hook
+    log.addFilter(unretrieved)
+    try:
+        yield
+    except BaseException:
+        start = last[0] = time.monotonic()
+        while time.monotonic() - last[0] < window and time.monotonic() - start < limit:
+            gc.collect()  # an unretrieved future reports when it is collected
+            time.sleep(0.05)
+        raise
+    finally:
+        sys.unraisablehook = previous
+        log.removeFilter(unretrieved)
 
 
 def leaf_names(state: TrainState) -> dict[str, Any]:
@@ -244,17 +325,27 @@ class CheckpointManager:
             extra=ocp.args.JsonSave(extra or {}),
         )
         self._open().save(meta["step"], args=args, force=force)
+        _SAVING.add(self)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete on disk."""
         if self._manager is not None:
             self._manager.wait_until_finished()
+        _SAVING.discard(self)
 
     def close(self) -> None:
+        """Finish the save in flight and release orbax's threads (also a context exit)."""
         if self._manager is not None:
             self._manager.wait_until_finished()
             self._manager.close()
             self._manager = None
+        _SAVING.discard(self)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # --- reading ------------------------------------------------------------------------
 
@@ -340,10 +431,11 @@ class CheckpointManager:
                                                       dtype=d, strict=False)
                               for n, (s, d, sh) in want.items()})
         try:
-            out = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(item, restore_args=restore_args,
-                                             partial_restore=True),
-                extra=ocp.args.JsonRestore()))
+            with _quiet_echoes():
+                out = self._manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(item, restore_args=restore_args,
+                                                 partial_restore=True),
+                    extra=ocp.args.JsonRestore()))
         except Exception as e:  # orbax/tensorstore raise many types for damaged files
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
             raise CheckpointError(

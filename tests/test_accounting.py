@@ -117,6 +117,32 @@ def test_replica_group_forms():
     assert comm.parse_replica_groups("[4,2]<=[8]", 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
 
 
+# XLA's newer mesh-axes form (jaxlib 0.12 for shard_map collectives; GSPMD's on 0.10 too):
+# the devices that differ only along the listed axes, as the older forms would list them
+MESH_FORMS = {
+    "mesh['r'=2,'d'=4] {'r'}": ((0, 4), (1, 5), (2, 6), (3, 7)),
+    "mesh['r'=2,'d'=4] {'d'}": ((0, 1, 2, 3), (4, 5, 6, 7)),
+    "mesh['r'=2,'d'=4] {'r','d'}": (tuple(range(8)),),
+    "mesh['a'=2,'b'=2,'c'=2] {'a','c'}": ((0, 1, 4, 5), (2, 3, 6, 7)),
+    "mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}":
+        ((0, 1, 2, 3), (4, 5, 6, 7)),
+    "mesh['x'=2,'y'=2], device_ids=({{3,1},{2,0}}) {'y'}": ((3, 1), (2, 0)),
+    "mesh['x'=8] {'x':(2)2}": ((0, 2), (1, 3), (4, 6), (5, 7)),
+}
+
+
+@pytest.mark.parametrize("text", sorted(MESH_FORMS))
+def test_mesh_axes_replica_groups(text):
+    assert comm.parse_replica_groups(text, 8) == MESH_FORMS[text]
+
+
+def test_replica_groups_in_a_form_we_do_not_know_are_an_error_not_all_devices():
+    hlo = HAND_HLO.replace("replica_groups={{0,1},{2,3},{4,5},{6,7}}", "replica_groups=new<0:4>", 1)
+    assert hlo != HAND_HLO
+    with pytest.raises(ValueError, match="cannot parse replica groups"):
+        comm.collectives_from_hlo(hlo)
+
+
 def test_hand_written_module_counts_every_collective_once_with_its_loops():
     found = comm.collectives_from_hlo(HAND_HLO)
     cols = _by_name(found.collectives)

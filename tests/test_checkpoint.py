@@ -114,6 +114,8 @@ def test_keep_last_and_metadata(tmp_path):
     assert isinstance(w1["fingerprint"], int)
 
 
+# a damaged file fails one of orbax's concurrent reads; the others must not echo it
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 def test_bad_checkpoints_are_named(saved, tmp_path):
     d, *_ = saved
     engine = lambda: jaxzero.Engine(mlp_loss, TX, mesh=jaxzero.make_mesh(8), stage=3)
@@ -193,6 +195,31 @@ def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path):
                             stage=3)
     state, _ = ckpt.restore(engine)
     assert int(state.step) == 0 and float(np.asarray(_host(state.params["w"])).mean()) == 1.0
+
+
+ENDS_WITHOUT_WAIT = textwrap.dedent("""
+    import numpy as np, optax, jaxzero
+    engine = jaxzero.Engine(lambda p, b: 0.0, optax.adam(1e-3), mesh=jaxzero.make_mesh(8),
+                            stage=3)
+    state = engine.init({{"w": np.full((1024, 1024), 0.5, np.float32)}})
+    jaxzero.CheckpointManager({d!r}).save(engine, state)  # no wait(), no close()
+    print("saved", flush=True)
+""")
+
+
+def test_a_script_that_ends_without_wait_keeps_its_checkpoint_and_prints_nothing(tmp_path):
+    """The save in flight completes as the interpreter exits, without orbax's
+    "cannot schedule new futures" / "Event loop is closed" tracebacks."""
+    d = tmp_path / "ck"
+    proc = subprocess.run([sys.executable, "-c", ENDS_WITHOUT_WAIT.format(d=str(d))],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout == "saved\n", proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Event loop" not in proc.stderr, proc.stderr
+    with jaxzero.CheckpointManager(d) as ckpt:
+        assert ckpt.all_steps() == [0]
+        engine = jaxzero.Engine(lambda p, b: 0.0, optax.adam(1e-3), mesh=jaxzero.make_mesh(2))
+        state, _ = ckpt.restore(engine)
+    assert float(np.asarray(_host(state.params["w"])).mean()) == 0.5
 
 
 # --- the CLI: checkpoint.every, --resume, SIGKILL and SIGTERM -----------------------------

@@ -235,11 +235,15 @@ class Group:
         pipe.close()
 
     def failed(self) -> tuple[int, int] | None:
-        """(local rank, exit code) of the first process that exited non-zero, if any."""
-        for local, p in enumerate(self.procs):
-            if p.poll() not in (None, 0):
-                return local, p.returncode
-        return None
+        """(local rank, exit code) of the process that most likely failed first, if any.
+
+        Several can have exited by one poll: one killed by a signal is named before
+        those that exited with an error (typically a collective failing because that
+        one went away), then the lowest rank.
+        """
+        codes = [(local, p.poll()) for local, p in enumerate(self.procs)]
+        failures = [(code > 0, local, code) for local, code in codes if code not in (None, 0)]
+        return min(failures)[1:] if failures else None
 
     def running(self) -> bool:
         return any(p.poll() is None for p in self.procs)
