@@ -40,3 +40,11 @@ def test_mfu_script_runs_one_config(tmp_path):
     assert (row["stage"], row["remat"], row["batch"], row["backend"]) == ("3", "dots", "2", "cpu")
     assert row["fused_attention"] == "False"  # XLA's attention on CPU
     assert float(row["tokens_per_s"]) > 0 and float(row["loss"]) > 0
+
+
+@pytest.mark.slow
+def test_gpu_options_script_compares_preset_and_xla_defaults():
+    out = _run("gpu_options.py", "--d-model", "32", "--layers", "1", "--seq-len", "16",
+               "--steps", "2", "--rounds", "1", "--batch-per-device", "1")
+    assert out.count("compile ") == 2 and "largest loss difference" in out
+    assert float(out.rsplit("XLA defaults: ", 1)[1].split()[0]) == 0.0  # no preset on CPU
