@@ -11,6 +11,8 @@ from jaxzero.checkpoint import CheckpointError, CheckpointManager
 from jaxzero.engine import Engine
 from jaxzero.hooks import use_params
 from jaxzero.mesh import make_mesh, simulate_devices
+from jaxzero import nnx
+from jaxzero.nnx import NNXEngine
 from jaxzero.partition import LeafLayout, layouts_for
 from jaxzero.state import TrainState
 
@@ -19,9 +21,11 @@ __all__ = [
     "CheckpointManager",
     "Engine",
     "LeafLayout",
+    "NNXEngine",
     "TrainState",
     "layouts_for",
     "make_mesh",
+    "nnx",
     "simulate_devices",
     "use_params",
 ]

@@ -18,42 +18,13 @@ import numpy as np
 import optax
 
 from jaxzero.hooks import remat_layer, use_params
-
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-ATTENTION = ("auto", "xla", "cudnn")
-
-
-def attention_impl(choice: str, dtype: Any, backend: str | None = None) -> str:
-    """``"cudnn"`` or ``"xla"``: ``"auto"`` takes cuDNN's fused (flash) attention on
-    GPUs for 16-bit inputs, where it exists, and XLA's einsum-softmax otherwise."""
-    if choice != "auto":
-        return choice
-    backend = backend or jax.default_backend()
-    return "cudnn" if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 else "xla"
-
-
-def causal_attention(q_BxSxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array,
-                     choice: str = "auto") -> jax.Array:
-    """Causal multi-head attention with the implementation ``choice`` resolves to.
-
-    ``"auto"`` falls back to XLA when cuDNN refuses the shapes (e.g. a head dim it
-    does not support); an explicit ``"cudnn"`` raises instead.
-    """
-    impl = attention_impl(choice, q_BxSxHxK.dtype)
-    attend = lambda i: jax.nn.dot_product_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK,
-                                                    is_causal=True, implementation=i)
-    if impl == "cudnn" and choice == "auto":
-        try:
-            return attend("cudnn")
-        except (NotImplementedError, ValueError, RuntimeError):
-            return attend("xla")
-    return attend(impl)
+from jaxzero.models.common import (  # noqa: F401 - attention_impl: part of this API
+    ATTENTION,
+    REMAT_POLICIES,
+    attention_impl,
+    causal_attention,
+    generate,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,23 +173,5 @@ class GPT:
 
         ``top_k`` keeps only the k likeliest tokens of each step (None: all).
         """
-        s = self.config.seq_len
-        params = jax.tree.map(jnp.asarray, params)
-
-        @jax.jit  # params are an argument, not constants baked into the program
-        def next_token(params, window_1xS, pos, key):
-            logits = self.apply(params, window_1xS)[0, pos] / max(temperature, 1e-6)
-            if top_k is not None:
-                kth = jax.lax.top_k(logits, top_k)[0][-1]
-                logits = jnp.where(logits < kth, -jnp.inf, logits)
-            return jax.random.categorical(key, logits)
-
-        tokens = list(np.asarray(prompt).reshape(-1)) or [0]
-        for _ in range(max_new_tokens):
-            ctx = tokens[-s:]
-            window = np.zeros((1, s), np.int32)
-            window[0, : len(ctx)] = ctx
-            rng, key = jax.random.split(rng)
-            pos = np.int32(len(ctx) - 1)  # traced, so one compilation serves every position
-            tokens.append(int(next_token(params, window, pos, key)))
-        return np.asarray(tokens, np.int32)[None]
+        return generate(self.apply, self.config.seq_len, params, prompt, max_new_tokens, rng,
+                        temperature, top_k)

@@ -1,0 +1,75 @@
+"""What the reference models share: remat policies, causal attention, sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+ATTENTION = ("auto", "xla", "cudnn")
+
+
+def attention_impl(choice: str, dtype: Any, backend: str | None = None) -> str:
+    """``"cudnn"`` or ``"xla"``: ``"auto"`` takes cuDNN's fused (flash) attention on
+    GPUs for 16-bit inputs, where it exists, and XLA's einsum-softmax otherwise."""
+    if choice != "auto":
+        return choice
+    backend = backend or jax.default_backend()
+    return "cudnn" if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 else "xla"
+
+
+def causal_attention(q_BxSxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array,
+                     choice: str = "auto") -> jax.Array:
+    """Causal multi-head attention with the implementation ``choice`` resolves to.
+
+    ``"auto"`` falls back to XLA when cuDNN refuses the shapes (e.g. a head dim it
+    does not support); an explicit ``"cudnn"`` raises instead.
+    """
+    impl = attention_impl(choice, q_BxSxHxK.dtype)
+    attend = lambda i: jax.nn.dot_product_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK,
+                                                    is_causal=True, implementation=i)
+    if impl == "cudnn" and choice == "auto":
+        try:
+            return attend("cudnn")
+        except (NotImplementedError, ValueError, RuntimeError):
+            return attend("xla")
+    return attend(impl)
+
+
+def generate(apply: Callable[[Any, jax.Array], jax.Array], window: int, params: Any,
+             prompt: np.ndarray, max_new_tokens: int, rng: jax.Array,
+             temperature: float = 0.8, top_k: int | None = None) -> np.ndarray:
+    """Sample ``max_new_tokens`` after ``prompt`` (int array ``[1, P]``) with
+    ``apply(params, tokens_1xS) -> logits``, the context a sliding ``window`` of tokens.
+
+    ``top_k`` keeps only the k likeliest tokens of each step (None: all).
+    """
+    params = jax.tree.map(jnp.asarray, params)
+
+    @jax.jit  # params are an argument, not constants baked into the program
+    def next_token(params, window_1xS, pos, key):
+        logits = apply(params, window_1xS)[0, pos] / max(temperature, 1e-6)
+        if top_k is not None:
+            kth = jax.lax.top_k(logits, top_k)[0][-1]
+            logits = jnp.where(logits < kth, -jnp.inf, logits)
+        return jax.random.categorical(key, logits)
+
+    tokens = list(np.asarray(prompt).reshape(-1)) or [0]
+    for _ in range(max_new_tokens):
+        ctx = tokens[-window:]
+        buf = np.zeros((1, window), np.int32)
+        buf[0, : len(ctx)] = ctx
+        rng, key = jax.random.split(rng)
+        pos = np.int32(len(ctx) - 1)  # traced, so one compilation serves every position
+        tokens.append(int(next_token(params, buf, pos, key)))
+    return np.asarray(tokens, np.int32)[None]

@@ -1,0 +1,342 @@
+"""The Llama family (Llama 2/3.x, Qwen2, Mistral) in Flax NNX, layers stacked and scanned.
+
+It computes what ``transformers``' ``LlamaForCausalLM`` computes, so Hugging Face
+checkpoints load without any permutation (:mod:`jaxzero.hf`): RMSNorm in fp32,
+rotary embeddings with the half-split ``rotate_half`` (``rope_theta``, ``llama3`` and
+``linear`` scaling), SwiGLU, grouped-query attention, optional q/k/v (Qwen2) or
+all-projection (Llama ``attention_bias``) biases, tied or untied embeddings. Each
+weight keeps the Hugging Face name and orientation (``q_proj/weight`` is
+``out x in``), so reading or writing a checkpoint is a rename, never a transpose.
+
+The model knows one thing about sharding: each layer goes through
+:func:`jaxzero.nnx.use` right where it runs. The decoder layers are one stacked
+module (a leading layer dim on every param) run by ``lax.scan``, so stage 3 gathers
+one layer at a time and the program has one layer body whatever the depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxzero.hooks import remat_layer, use_params
+from jaxzero.models.common import ATTENTION, REMAT_POLICIES, causal_attention, generate
+from jaxzero.nnx import bind, split, use
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of the model, in ``transformers``' names (``config.json``'s fields).
+
+    ``qkv_bias`` puts biases on q/k/v (Qwen2), ``o_bias`` on the output projection
+    (with ``qkv_bias``: Llama's ``attention_bias``). ``rope_scaling`` is
+    ``transformers``' dict (``{"rope_type": "llama3", "factor": 8.0, ...}``).
+    ``seq_len`` is the training and sampling window, not a limit of the weights.
+    """
+
+    vocab_size: int = 256
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int | None = None  # None: as many as query heads (no GQA)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    initializer_range: float = 0.02
+    seq_len: int = 128
+    remat: str = "none"  # activation checkpointing of each layer: none | full | dots
+    attention: str = "auto"  # auto (cuDNN's fused kernel on GPUs in bf16) | xla | cudnn
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "max_position_embeddings", "seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {v!r}")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
+                             f"num_attention_heads {self.num_attention_heads}: give head_dim")
+        if self.num_attention_heads % self.kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads {self.kv_heads}")
+        if self.head_size % 2:
+            raise ValueError(f"head_dim {self.head_size} must be even for rotary embeddings")
+        if self.seq_len > self.max_position_embeddings:
+            raise ValueError(f"seq_len {self.seq_len} exceeds max_position_embeddings "
+                             f"{self.max_position_embeddings}")
+        rope = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {rope!r} is not supported: use one of "
+                             f"{ROPE_TYPES}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat {self.remat!r}: use one of {list(REMAT_POLICIES)}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"unknown attention {self.attention!r}: use one of {ATTENTION}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies (``head_dim / 2``, fp32), computed as ``transformers`` does."""
+    dim = cfg.head_size
+    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv = (np.float32(1.0) / np.float32(cfg.rope_theta) ** exponent).astype(np.float32)
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / np.float32(rs["factor"])
+    elif kind == "llama3":  # Llama 3.1: low frequencies slowed by factor, a smooth band between
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = np.float32(2 * math.pi) / inv
+        scaled = np.where(wavelen > old / low, inv / np.float32(factor), inv)
+        smooth = ((old / wavelen - low) / (high - low)).astype(np.float32)
+        smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def rotary(positions_BxS: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """``cos``, ``sin`` (``B x S x head_dim``, fp32) for the positions."""
+    freqs = positions_BxS[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rotary(x_BxSxHxK: jax.Array, cos_BxSxK: jax.Array, sin_BxSxK: jax.Array) -> jax.Array:
+    """``x * cos + rotate_half(x) * sin``, ``rotate_half`` swapping the two halves."""
+    half = x_BxSxHxK.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BxSxHxK[..., half:], x_BxSxHxK[..., :half]], axis=-1)
+    cos = cos_BxSxK[:, :, None].astype(x_BxSxHxK.dtype)
+    sin = sin_BxSxK[:, :, None].astype(x_BxSxHxK.dtype)
+    return x_BxSxHxK * cos + rotated * sin
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class Linear(nnx.Module):
+    """``x @ weight.T + bias`` with ``weight`` stored ``out x in``, as PyTorch stores it."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool, std: float, rngs: nnx.Rngs):
+        self.weight = nnx.Param(std * jax.random.normal(rngs.params(), (d_out, d_in)))
+        self.bias = nnx.Param(jnp.zeros(d_out)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
+        return y if self.bias is None else y + self.bias[...].astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """``weight * (x / rms(x))``, the statistics in fp32, the result in ``x``'s dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        self.weight, self.eps = nnx.Param(jnp.ones(dim)), eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        d, h, kv, k = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
+        std = cfg.initializer_range
+        self.q_proj = Linear(d, h * k, cfg.qkv_bias, std, rngs)
+        self.k_proj = Linear(d, kv * k, cfg.qkv_bias, std, rngs)
+        self.v_proj = Linear(d, kv * k, cfg.qkv_bias, std, rngs)
+        self.o_proj = Linear(h * k, d, cfg.o_bias, std, rngs)
+        self.heads, self.kv_heads, self.head_dim, self.impl = h, kv, k, cfg.attention
+
+    def __call__(self, x_BxSxD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        b, s, _ = x_BxSxD.shape
+        q = self.q_proj(x_BxSxD).reshape(b, s, self.heads, self.head_dim)
+        k = self.k_proj(x_BxSxD).reshape(b, s, self.kv_heads, self.head_dim)
+        v = self.v_proj(x_BxSxD).reshape(b, s, self.kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out_BxSxHxK = causal_attention(q, k, v, self.impl)  # grouped-query: kv heads shared
+        return self.o_proj(out_BxSxHxK.reshape(b, s, self.heads * self.head_dim))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        d, f, std = cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range
+        self.gate_proj = Linear(d, f, cfg.mlp_bias, std, rngs)
+        self.up_proj = Linear(d, f, cfg.mlp_bias, std, rngs)
+        self.down_proj = Linear(f, d, cfg.mlp_bias, std, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, std: float, rngs: nnx.Rngs):
+        self.weight = nnx.Param(std * jax.random.normal(rngs.params(), (vocab, dim)))
+
+
+class LlamaModule(nnx.Module):
+    """The whole causal LM as one NNX module; ``layers`` holds every decoder layer's
+    params stacked on a leading dim (made with ``nnx.vmap``, run with ``lax.scan``)."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        std = cfg.initializer_range
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, std, rngs)
+
+        @nnx.split_rngs(splits=cfg.num_hidden_layers)
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(cfg, rngs)
+
+        self.layers = make_layers(rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else Embedding(cfg.vocab_size, cfg.hidden_size, std, rngs))
+
+    def __call__(self, tokens_BxS: jax.Array) -> jax.Array:
+        """Logits (fp32) of every position; positions count from 0 in each row. The
+        activations take the params' dtype (bf16 in mixed precision)."""
+        cfg = self.cfg
+        b, s = tokens_BxS.shape
+        embed = use(self.embed_tokens).weight[...]
+        x_BxSxD = embed[tokens_BxS]
+        cos, sin = rotary(jnp.broadcast_to(jnp.arange(s), (b, s)), rope_frequencies(cfg))
+
+        graphdef, stacked, rest = nnx.split(self.layers, nnx.Param, ...)
+
+        def layer(x, params):
+            return nnx.merge(graphdef, use_params(params), rest)(x, cos, sin), None
+
+        layer = remat_layer(layer, REMAT_POLICIES[cfg.remat])  # stage 3: re-gather in backward
+        x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, stacked)
+        x_BxSxD = use(self.norm)(x_BxSxD)
+        head_VxD = embed if self.lm_head is None else use(self.lm_head).weight[...]
+        return jnp.einsum("bsd,vd->bsv", x_BxSxD, head_VxD.astype(x_BxSxD.dtype)
+                          ).astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+class Llama:
+    """The model protocol the engine, the CLI and :mod:`jaxzero.hf` use (as :class:`GPT`).
+
+    Params are a plain nested dict in Hugging Face's names::
+
+        embed_tokens/weight      V x D
+        layers/self_attn/{q,k,v,o}_proj/{weight,bias}   L x out x in, L x out
+        layers/mlp/{gate,up,down}_proj/weight          L x out x in
+        layers/{input,post_attention}_layernorm/weight L x D
+        norm/weight              D
+        lm_head/weight           V x D   (untied only)
+
+    Example:
+      >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+      ...                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      ...                   seq_len=8)
+      >>> model = Llama(cfg)
+      >>> params = model.init(jax.random.key(0))
+      >>> model.apply(params, jnp.zeros((1, 8), jnp.int32)).shape
+      (1, 8, 64)
+    """
+
+    def __init__(self, config: LlamaConfig):
+        self.config = config
+        abstract = nnx.eval_shape(lambda: LlamaModule(config, nnx.Rngs(0)))
+        self.graphdef, _, self._rest = split(abstract)
+        self._template = nnx.state(abstract, nnx.Param)
+
+    def module(self, params: Any) -> LlamaModule:
+        """The NNX module holding ``params`` (a nested dict as :meth:`init` returns)."""
+        return bind(self.graphdef, self._template, params, self._rest)
+
+    def init(self, rng: jax.Array) -> dict[str, Any]:
+        """Fresh fp32 params (pure: ``Engine.init_from`` runs it sharded from birth)."""
+        return split(LlamaModule(self.config, nnx.Rngs(rng)))[1]
+
+    def apply(self, params: dict[str, Any], tokens_BxS: jax.Array) -> jax.Array:
+        """Logits (fp32) for every position, computed in the params' dtype."""
+        s = tokens_BxS.shape[1]
+        if s > self.config.max_position_embeddings:
+            raise ValueError(f"sequence of {s} tokens is longer than max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        return self.module(params)(tokens_BxS)
+
+    def loss_fn(self, params: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
+        """Mean next-token cross-entropy (nats per token) of ``batch["inputs"/"targets"]``."""
+        logits_BxSxV = self.apply(params, batch["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits_BxSxV, batch["targets"]).mean()
+
+    def engine(self, optimizer: optax.GradientTransformation | None = None, **kwargs):
+        """An :class:`jaxzero.Engine` for this model, gathering one layer at a time.
+
+        ``engine.model`` is this model (what :func:`jaxzero.hf.save` writes out).
+        """
+        from jaxzero.engine import Engine
+
+        kwargs.setdefault("per_layer", True)
+        kwargs.setdefault("stacked", r"^layers/")
+        engine = Engine(self.loss_fn, optimizer, **kwargs)
+        engine.model = self
+        return engine
+
+    @staticmethod
+    def num_params(params: Any) -> int:
+        return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
+
+    def flops_per_token(self, num_params: int | None = None) -> float:
+        """Training FLOPs per token: 6 x the matmul params (every param but an untied
+        input embedding, which is a lookup) + 12·L·S·(heads·head_dim) for attention."""
+        c = self.config
+        if num_params is None:
+            num_params = self.num_params(jax.eval_shape(self.init, jax.random.key(0)))
+        lookup = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+        attn = 12.0 * c.num_hidden_layers * c.seq_len * c.num_attention_heads * c.head_size
+        return 6.0 * (num_params - lookup) + attn
+
+    def generate(self, params: Any, prompt: np.ndarray, max_new_tokens: int, rng: jax.Array,
+                 temperature: float = 0.8, top_k: int | None = None) -> np.ndarray:
+        """Sample ``max_new_tokens`` after ``prompt`` (int array ``[1, P]``), with a sliding
+        window of ``seq_len`` tokens. ``top_k`` keeps the k likeliest tokens (None: all)."""
+        return generate(self.apply, self.config.seq_len, params, prompt, max_new_tokens, rng,
+                        temperature, top_k)
+

@@ -1,0 +1,127 @@
+"""Flax NNX models in the engine: a module and a loss over it, no splitting by hand.
+
+The engine trains a pytree of params with a pure ``loss_fn(params, batch)``. An NNX
+model is a stateful object, so :class:`NNXEngine` does the split once (the graph
+definition and the ``nnx.Param`` variables, as a plain nested dict) and, inside the
+step, merges each traced params tree back into a module for the user's
+``loss_fn(model, batch)``. Per-layer gathering works as for any model: the module
+passes a layer through :func:`use` (the NNX spelling of :func:`jaxzero.use_params`)
+right where it calls it.
+
+Variables other than ``nnx.Param`` (e.g. an ``nnx.Rngs`` a module keeps) are held
+constant: the step is a pure function of the params and the batch. Batch statistics
+(``nnx.BatchStat``) would be updated and thrown away each step, so they are refused.
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax, jaxzero
+  >>> from flax import nnx
+  >>> class MLP(nnx.Module):
+  ...     def __init__(self, rngs):
+  ...         self.l1, self.l2 = nnx.Linear(4, 16, rngs=rngs), nnx.Linear(16, 1, rngs=rngs)
+  ...     def __call__(self, x):
+  ...         return self.l2(jaxzero.nnx.use(self.l1)(x))
+  >>> def loss_fn(model, batch):
+  ...     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+  >>> engine = jaxzero.NNXEngine(MLP(nnx.Rngs(0)), loss_fn, optax.adam(1e-2),
+  ...                            mesh=jaxzero.make_mesh(1), stage=3, per_layer=True)
+  >>> state = engine.init()
+  >>> x = jnp.ones((8, 4))
+  >>> state, metrics = engine.step(state, {"x": x, "y": x[:, :1]})
+  >>> trained = engine.module(state)  # an MLP again, with the trained params
+  >>> trained(x).shape
+  (8, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+
+from jaxzero.engine import Engine
+from jaxzero.hooks import use_params
+from jaxzero.state import TrainState
+
+
+def split(module: nnx.Module) -> tuple[Any, dict[str, Any], nnx.State]:
+    """``(graphdef, params, rest)``: the module's ``nnx.Param`` values as a plain nested
+    dict (what the engine shards) and every other variable as an ``nnx.State``."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    stats = [k for k, _ in nnx.to_flat_state(nnx.state(module, nnx.BatchStat))]
+    if stats:
+        names = ", ".join("/".join(map(str, k)) for k in stats[:3])
+        raise ValueError(
+            f"the module keeps batch statistics ({names}{' ...' if len(stats) > 3 else ''}): "
+            "the engine's step is a pure function of the params, so their updates would be "
+            "lost. Use a normalisation without running statistics (LayerNorm, RMSNorm)."
+        )
+    return graphdef, nnx.to_pure_dict(params), rest
+
+
+def bind(graphdef: Any, template: nnx.State, params: Any, rest: nnx.State) -> nnx.Module:
+    """A module from ``graphdef`` with ``params`` (a nested dict like :func:`split`'s)
+    as its ``nnx.Param`` values; ``template`` is a ``Param`` state of the same structure."""
+    state = jax.tree.map(lambda v: v, template)  # a fresh copy to fill in
+    state.replace_by_pure_dict(params)
+    return nnx.merge(graphdef, state, rest)
+
+
+def use(module: nnx.Module) -> nnx.Module:
+    """The module with its params ready to compute with: :func:`jaxzero.use_params` for NNX.
+
+    Call it on each layer right where the layer runs (``use(self.block)(x)``), once per
+    layer: stage 3 gathers the layer's params there and its backward pass reduce-scatters
+    their gradient. Identity (a module with the same values) outside the engine.
+    """
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    return nnx.merge(graphdef, use_params(params), rest)
+
+
+class NNXEngine(Engine):
+    """An :class:`jaxzero.Engine` for an ``nnx.Module`` and ``loss_fn(model, batch)``.
+
+    Args:
+      model: the module; only its structure and (for :meth:`init`) its params are
+        used. An abstract one (``nnx.eval_shape(lambda: Model(...))``) with
+        :meth:`init_from` never allocates the whole model.
+      loss_fn: ``loss_fn(model, batch) -> scalar``, the mean loss of a batch.
+      optimizer, **kwargs: as for :class:`jaxzero.Engine` (``stage``, ``per_layer``,
+        ``stacked``, ...). Param paths (for ``rules`` and ``stacked``) are the
+        module's attribute names joined by ``/``, e.g. ``blocks/0/linear/kernel``.
+    """
+
+    def __init__(self, model: nnx.Module, loss_fn: Callable[[nnx.Module, Any], jax.Array],
+                 optimizer: optax.GradientTransformation | None = None, **kwargs: Any):
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        self.graphdef, self._params, self.rest = split(model)
+        self._template = nnx.state(model, nnx.Param)
+        self.model_loss_fn = loss_fn
+
+        def params_loss(params: Any, batch: Any) -> jax.Array:
+            return loss_fn(bind(self.graphdef, self._template, params, self.rest), batch)
+
+        super().__init__(params_loss, optimizer, **kwargs)
+
+    def init(self, params: Any = None) -> TrainState:
+        """The sharded state from the module's own params (or ``params``, a nested dict)."""
+        params = self._params if params is None else params
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+            raise ValueError("the module is abstract (nnx.eval_shape): create the state with "
+                             "engine.init_from(lambda: Model(...)) instead")
+        return super().init(params)
+
+    def init_from(self, create: Callable[..., nnx.Module], *args: Any) -> TrainState:
+        """The state from ``create(*args) -> nnx.Module``, run sharded from birth: each
+        device computes and keeps only its slice, so the model is never whole anywhere."""
+        return super().init_from(lambda *a: split(create(*a))[1], *args)
+
+    def module(self, state: TrainState) -> nnx.Module:
+        """The trained model: a module with the state's full fp32 params (on the host)."""
+        params = jax.tree.map(jax.numpy.asarray, self.gather_params(state))
+        return bind(self.graphdef, self._template, params, self.rest)
