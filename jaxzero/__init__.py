@@ -7,11 +7,11 @@
     state, metrics = engine.step(state, batch)
 """
 
+from jaxzero import nnx
 from jaxzero.checkpoint import CheckpointError, CheckpointManager
 from jaxzero.engine import Engine
 from jaxzero.hooks import use_params
 from jaxzero.mesh import make_mesh, simulate_devices
-from jaxzero import nnx
 from jaxzero.nnx import NNXEngine
 from jaxzero.partition import LeafLayout, layouts_for
 from jaxzero.state import TrainState

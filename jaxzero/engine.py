@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxzero import backend
 from jaxzero import step as step_lib
 from jaxzero.mesh import batch_axes, make_mesh, num_shards
-from jaxzero.partition import Rule, is_layout, layouts_for, pad, path_str, unpad
+from jaxzero.partition import LeafLayout, Rule, is_layout, layouts_for, pad, path_str, unpad
 from jaxzero.state import (
     TrainState,
     master_sharded,
@@ -257,9 +257,7 @@ class Engine:
         dtype = lambda x: x.dtype if hasattr(x, "dtype") else np.result_type(x)  # float64 too
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype(x)), params)
         self._set_layouts(shapes)
-        master_sh = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec),
-                                 master_specs(self.stage, self.layouts),
-                                 is_leaf=lambda x: isinstance(x, P))
+        master_sh = self._master_shardings()
 
         def put(x, lay, sh):
             if isinstance(x, jax.Array):
@@ -267,13 +265,58 @@ class Engine:
                                out_shardings=sh)(x)
             return jax.device_put(self._master_layout(np.asarray(x, np.float32), lay), sh)
 
-        master32 = jax.tree.map(put, params, self.layouts, master_sh)
+        return self._state_from_master(jax.tree.map(put, params, self.layouts, master_sh))
+
+    def _master_shardings(self) -> Any:
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec),
+                            master_specs(self.stage, self.layouts),
+                            is_leaf=lambda x: isinstance(x, P))
+
+    def _state_from_master(self, master32: Any) -> TrainState:
+        """The state (fresh optimizer) from fp32 master params, stored and sharded."""
         # the fp32 copy becomes the master (or the stage-3 params) unless stages 1-2
         # keep none: then nothing in the state has its sharded shape to reuse it for
         temporary = not self.mixed and self.stage in (1, 2)
         build = jax.jit(self._state_from_padded, out_shardings=self.state_shardings,
                         donate_argnums=() if temporary else 0)
         return build(master32)
+
+    def init_from_slices(self, shapes: Any,
+                         read: Callable[[LeafLayout, tuple[slice, ...]], np.ndarray]
+                         ) -> TrainState:
+        """A state whose params are read slice by slice, straight into their shardings.
+
+        ``shapes`` is the params' ``ShapeDtypeStruct`` tree; ``read(layout, index)``
+        returns the region ``index`` (slices within ``layout.shape``) of one param, in
+        any float dtype. It is called only for what this process's devices hold (each
+        distinct slice once), never for the padding, so a loader holds about one
+        slice at a time, not the model (:func:`jaxzero.hf.load`).
+        """
+        if self.layouts is None:
+            self._set_layouts(shapes)
+        elif jax.tree.map(lambda s: tuple(s.shape), shapes) != jax.tree.map(
+                lambda lay: lay.shape, self.layouts, is_leaf=is_layout):
+            raise ValueError("the engine was initialised with params of other shapes")
+
+        def leaf(lay: LeafLayout, sh: NamedSharding) -> jax.Array:
+            stored = lay.padded_shape if master_sharded(self.stage) else lay.shape
+            cache: dict[tuple, np.ndarray] = {}  # replicated: every device asks the same
+
+            def callback(index: tuple[slice, ...]) -> np.ndarray:
+                span = tuple(s.indices(n)[:2] for s, n in zip(index, stored, strict=True))
+                if span not in cache:
+                    inside = tuple(slice(min(a, n), min(b, n))
+                                   for (a, b), n in zip(span, lay.shape, strict=True))
+                    out = np.zeros([b - a for a, b in span], np.float32)
+                    out[tuple(slice(0, s.stop - s.start) for s in inside)] = read(lay, inside)
+                    cache.clear()
+                    cache[span] = out
+                return cache[span]
+
+            return jax.make_array_from_callback(stored, sh, callback)
+
+        return self._state_from_master(jax.tree.map(leaf, self.layouts, self._master_shardings(),
+                                                    is_leaf=is_layout))
 
     def init_from(self, init_fn: Callable[..., Any], *args: Any) -> TrainState:
         """Create params with ``init_fn(*args)`` directly in their sharded layout.
@@ -414,18 +457,28 @@ class Engine:
         """Full fp32 params on the host, with the structure ``init`` was given."""
         self._require_init()
         src = state.master if self.mixed else state.params
+        return jax.tree.map(gather_leaf, src, self.layouts)
 
-        def host(x, lay):
-            if jax.process_count() > 1 and not x.is_fully_replicated:
-                from jax.experimental import multihost_utils
-
-                x = multihost_utils.process_allgather(x, tiled=True)
-            return np.asarray(unpad(np.asarray(jax.device_get(x)), lay), np.float32)
-
-        return jax.tree.map(host, src, self.layouts)
+    def iter_params(self, state: TrainState) -> Iterator[tuple[LeafLayout, np.ndarray]]:
+        """``(layout, full fp32 param)`` one leaf at a time, in tree order, so a writer
+        holds one param on the host, not the model. Every process must iterate."""
+        self._require_init()
+        src = state.master if self.mixed else state.params
+        for x, lay in zip(jax.tree.leaves(src), jax.tree.leaves(self.layouts, is_leaf=is_layout),
+                          strict=True):
+            yield lay, gather_leaf(x, lay)
 
     def report(self, state: TrainState, batch: Any):
         """Measured memory and communication beside the ZeRO formulas."""
         from jaxzero.accounting import measure as accounting
 
         return accounting.report(self, state, batch)
+
+
+def gather_leaf(x: jax.Array, lay: LeafLayout) -> np.ndarray:
+    """One stored param, whole and unpadded, as fp32 on this host (all processes call)."""
+    if jax.process_count() > 1 and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(unpad(np.asarray(jax.device_get(x)), lay), np.float32)

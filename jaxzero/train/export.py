@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import struct
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ import numpy as np
 
 from jaxzero.checkpoint import CheckpointError
 from jaxzero.cli import ArgError, Parser
+from jaxzero.hf import safetensors
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -38,7 +37,6 @@ RUN_CONFIG = "config.yaml"  # jaxzero.train.args.RESOLVED_CONFIG (not imported: 
 MODEL_FIELDS = ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
                 "tie_embeddings", "remat")
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}
-ST_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
 
 
 class ExportError(ValueError):
@@ -215,63 +213,7 @@ class LeafReader:
         return out
 
 
-# --------------------------------------------------------------------------- safetensors
-
-
-def safetensors_header(entries: Iterable[tuple[str, np.dtype, tuple[int, ...]]],
-                       metadata: dict[str, str] | None = None) -> bytes:
-    """Length prefix + JSON header for tensors written back to back in ``entries`` order."""
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name, dtype, shape in entries:
-        n = math.prod(shape) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": ST_CODES[np.dtype(dtype).name], "shape": list(shape),
-                        "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as safetensors does
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def write_safetensors(path: Path, entries: list[tuple[str, np.dtype, tuple[int, ...]]],
-                      arrays: Iterator[np.ndarray], metadata: dict[str, str] | None = None
-                      ) -> int:
-    """Streams ``arrays`` (one per entry, in order) into ``path`` atomically; returns bytes."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(safetensors_header(entries, metadata))
-            for (name, dtype, shape), x in zip(entries, arrays, strict=True):
-                if x.dtype != dtype or x.shape != tuple(shape):
-                    raise ValueError(f"{name}: got {x.dtype}{x.shape}, header says "
-                                     f"{dtype}{tuple(shape)}")
-                f.write(memoryview(x.reshape(-1).view(np.uint8)))  # no copy
-                del x
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path.stat().st_size
-
-
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file (the dtypes jaxzero writes), without the library."""
-    codes = {v: k for k, v in ST_CODES.items()}
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
-            out = {}
-            for name, h in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                begin, end = h["data_offsets"]
-                f.seek(8 + n + begin)
-                dtype = np.dtype(ml_dtypes.bfloat16 if codes[h["dtype"]] == "bfloat16"
-                                 else codes[h["dtype"]])
-                out[name] = np.frombuffer(f.read(end - begin), dtype).reshape(h["shape"])
-            return out
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
-        raise ExportError(f"{path} is not a readable safetensors file "
-                          f"({type(e).__name__}: {e})") from None
+# --------------------------------------------------------------------------- export
 
 
 def export_params(step_dir: Path, out_file: Path, dtype: str = "fp32") -> dict[str, Any]:
@@ -282,7 +224,7 @@ def export_params(step_dir: Path, out_file: Path, dtype: str = "fp32") -> dict[s
     reader = LeafReader(step_dir)
     buffer = np.empty(max((math.prod(s) * dt.itemsize for *_, s in entries), default=0), np.uint8)
     arrays = (reader.read(leaf, shape, dt, buffer) for _, leaf, shape in entries)
-    size = write_safetensors(out_file, [(n, dt, s) for n, _, s in entries], arrays,
+    size = safetensors.write(out_file, [(n, dt, s) for n, _, s in entries], arrays,
                              {"format": "jaxzero", "step": str(meta.get("step"))})
     return {"step": meta.get("step"), "params": len(entries), "bytes": size,
             "largest_leaf_bytes": max(math.prod(s) * dt.itemsize for *_, s in entries)}
@@ -321,7 +263,7 @@ def run_cli(prog: str, body: Callable[[], None]) -> int:
     """Runs a subcommand's body; user mistakes become one line on stderr and exit 2."""
     try:
         body()
-    except (ArgError, ExportError, CheckpointError) as e:
+    except (ArgError, ExportError, CheckpointError, safetensors.SafetensorsError) as e:
         print(f"jaxzero {prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help

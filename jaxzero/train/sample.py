@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxzero.checkpoint import nest
 from jaxzero.cli import ArgError, Parser
+from jaxzero.hf import safetensors
 from jaxzero.train.export import (
     CONFIG,
     DTYPES,
@@ -29,7 +30,6 @@ from jaxzero.train.export import (
     model_fields,
     param_entries,
     read_meta,
-    read_safetensors,
     run_cli,
     run_config,
     token_kind,
@@ -47,7 +47,7 @@ def load_model(path: str | Path, step: int | None = None) -> tuple[Any, dict[str
         except (OSError, ValueError) as e:
             raise ExportError(f"export {path} has no readable {CONFIG} ({type(e).__name__})"
                               ) from None
-        flat = {k: v.astype(np.float32) for k, v in read_safetensors(path / WEIGHTS).items()}
+        flat = {k: v.astype(np.float32) for k, v in safetensors.read_all(path / WEIGHTS).items()}
         source = str(path / CONFIG)
     else:
         step_dir = find_step_dir(path, step)

@@ -1,0 +1,278 @@
+"""Hugging Face checkpoints in and out: Llama, Qwen2 and Mistral, any stage, any mesh.
+
+    model = jaxzero.hf.model("path/to/Llama-3.2-1B")        # reads config.json
+    engine = model.engine(optax.adamw(1e-5), stage=3)
+    state = jaxzero.hf.load("path/to/Llama-3.2-1B", engine)  # each device reads its slice
+    ...                                                      # train
+    jaxzero.hf.save("out/", engine, state)                   # transformers loads it
+
+``load`` reads the safetensors files memory-mapped, one param at a time and only the
+slices this process's devices hold, converting bf16/fp16/fp32 on disk into the
+engine's fp32 master; ``save`` streams one param at a time into shards that
+``AutoModelForCausalLM.from_pretrained`` loads unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxzero.hf.config import (
+    CONFIG,
+    GENERATION_CONFIG,
+    HFError,
+    hf_config,
+    hf_names,
+    llama_config,
+    read_json,
+)
+from jaxzero.hf.safetensors import SafetensorsError, SafetensorsFile
+from jaxzero.hf.safetensors import write as write_safetensors
+from jaxzero.models.llama import Llama
+from jaxzero.partition import LeafLayout, is_layout, layouts_for
+from jaxzero.state import TrainState
+
+__all__ = ["HFError", "SafetensorsError", "load", "model", "save"]
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json")
+SAVE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": None, "float16": np.dtype(np.float16)}
+
+
+def model(path: str | Path, **overrides: Any) -> Llama:
+    """The :class:`Llama` a Hugging Face directory's ``config.json`` describes.
+
+    ``overrides`` set jaxzero's own fields (``seq_len``, ``remat``, ``attention``).
+    The result remembers the directory and its config, so :func:`save` writes the
+    same architecture and copies the tokenizer.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise HFError(f"{path} is not a directory (a Hugging Face model directory holds "
+                      f"{CONFIG} and safetensors weights)")
+    raw = read_json(path / CONFIG)
+    m = Llama(llama_config(raw, **overrides))
+    m.hf_dir, m.hf_config = path, raw
+    return m
+
+
+class Weights:
+    """The tensors of a checkpoint directory: ``model.safetensors``, or the shards an
+    ``model.safetensors.index.json`` maps names to. Files open lazily and stay mapped."""
+
+    def __init__(self, path: Path):
+        self.path, self._files = path, {}
+        if (path / INDEX).is_file():
+            weight_map = read_json(path / INDEX).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise HFError(f"{path / INDEX} has no weight_map")
+            self.where = {name: path / file for name, file in weight_map.items()}
+        elif (path / SINGLE).is_file():
+            self.where = {name: path / SINGLE for name in self._file(path / SINGLE).names()}
+        else:
+            found = sorted(p.name for p in path.glob("*.safetensors"))[:3]
+            raise HFError(f"{path} has neither {SINGLE} nor {INDEX}"
+                          + (f" (found {', '.join(found)})" if found else
+                             ": no safetensors weights (.bin/.pth checkpoints are not read)"))
+
+    def _file(self, file: Path) -> SafetensorsFile:
+        if file not in self._files:
+            if not file.is_file():
+                raise HFError(f"{file} is missing (listed in {INDEX})")
+            self._files[file] = SafetensorsFile(file)
+        return self._files[file]
+
+    def _holder(self, name: str) -> SafetensorsFile:
+        if name not in self.where:
+            raise HFError(f"tensor {name} is missing from {self.path}")
+        f = self._file(self.where[name])
+        if name not in f.header:
+            raise HFError(f"tensor {name} is missing from {f.path} (the index lists it there)")
+        return f
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._holder(name).shape(name)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """A memory-mapped view: only what is indexed out of it is read."""
+        return self._holder(name).tensor(name)
+
+
+def _sources(m: Llama, weights: Weights, layouts: list[LeafLayout]) -> dict[str, list[str]]:
+    """Every param's checkpoint tensors, checked for presence and shape before any read."""
+    cfg = m.config
+    out = {}
+    for lay in layouts:
+        path = tuple(lay.path.split("/"))
+        names = hf_names(path, cfg.num_hidden_layers)
+        want = lay.shape[1:] if path[0] == "layers" else lay.shape
+        for name in names:
+            shape = weights.shape(name)
+            if shape != want:
+                raise HFError(f"tensor {name} has shape {list(shape)}; the config needs "
+                              f"{list(want)}")
+        out[lay.path] = names
+    return out
+
+
+def load(path: str | Path, engine: Any) -> TrainState:
+    """A train state (step 0, fresh optimizer) with the checkpoint's params, written
+    straight into ``engine``'s shardings.
+
+    Each param is read memory-mapped, only over the slices this process's devices
+    hold, and converted to fp32 (the master precision), so host memory grows by about
+    one param, not the model. ``engine`` comes from ``model(path).engine(...)`` (or
+    any engine of a :class:`Llama` of the same shapes) and need not be initialised.
+    """
+    path = Path(path)
+    m = model(path)
+    own = getattr(engine, "model", None)
+    if own is not None and getattr(own, "config", None) is not None:
+        mine = {k: getattr(own.config, k) for k in ("vocab_size", "hidden_size",
+                                                   "num_hidden_layers", "tie_word_embeddings")}
+        theirs = {k: getattr(m.config, k) for k in mine}
+        if mine != theirs:
+            raise HFError(f"the engine's model {mine} is not the checkpoint's {theirs}")
+    weights = Weights(path)
+    shapes = jax.eval_shape(m.init, jax.random.key(0))
+    names = _sources(m, weights, jax.tree.leaves(layouts_for(shapes, 1), is_leaf=is_layout))
+
+    def read(lay: LeafLayout, index: tuple[slice, ...]) -> np.ndarray:
+        srcs = names[lay.path]
+        try:
+            if lay.path.startswith("layers/"):
+                return np.stack([weights.tensor(n)[index[1:]].astype(np.float32)
+                                 for n in srcs[index[0]]])
+            return weights.tensor(srcs[0])[index].astype(np.float32)
+        except OSError as e:  # a file that shrank or vanished after its header was read
+            raise HFError(f"{path}: reading {srcs[0]} failed ({e})") from None
+
+    return engine.init_from_slices(shapes, read)
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _tensors(engine: Any, state: TrainState, dtype: Any
+             ) -> Iterator[tuple[str, np.ndarray]]:
+    """``(HF name, array)`` in order, one param gathered at a time."""
+    layers = engine.model.config.num_hidden_layers
+    for lay, x in engine.iter_params(state):
+        for i, name in enumerate(hf_names(tuple(lay.path.split("/")), layers)):
+            part = x[i] if lay.path.startswith("layers/") else x
+            yield name, part.astype(dtype)
+
+
+def _plan(entries: list[tuple[str, np.dtype, tuple[int, ...]]], max_bytes: int
+          ) -> list[list[tuple[str, np.dtype, tuple[int, ...]]]]:
+    """Consecutive groups of at most ``max_bytes`` (a larger tensor alone), as
+    ``transformers`` shards."""
+    shards: list[list] = [[]]
+    size = 0
+    for e in entries:
+        n = int(np.prod(e[2])) * e[1].itemsize
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += n
+    return shards
+
+
+def save(path: str | Path, engine: Any, state: TrainState, dtype: str = "bfloat16",
+         max_shard_size: int = 5 * 2**30, overwrite: bool = False) -> Path:
+    """Write ``state``'s params as a Hugging Face model directory.
+
+    ``config.json`` (the source's, when the model came from :func:`model`),
+    ``generation_config.json``, safetensors of ``dtype`` with ``{"format": "pt"}``
+    metadata in shards of at most ``max_shard_size`` bytes (with
+    ``model.safetensors.index.json`` when there are several), and the tokenizer files
+    of the source directory. bf16 runs write their fp32 master params, rounded once.
+    One param is on the host at a time. The directory is built beside ``path`` and
+    moved into place whole; every process must call, process 0 writes.
+    """
+    import ml_dtypes
+
+    m = getattr(engine, "model", None)
+    if not isinstance(m, Llama):
+        raise HFError("hf.save needs an engine from Llama.engine(...) (jaxzero.hf.model(path)"
+                      ".engine(...)): it writes that model's architecture")
+    if dtype not in SAVE_DTYPES:
+        raise HFError(f"dtype {dtype!r}: use one of {sorted(SAVE_DTYPES)}")
+    np_dtype = SAVE_DTYPES[dtype] or np.dtype(ml_dtypes.bfloat16)
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
+        raise HFError(f"{path} exists and is not empty: pass overwrite=True to replace it")
+    writer = jax.process_index() == 0
+    layers = m.config.num_hidden_layers
+    entries = []
+    for lay in jax.tree.leaves(engine.layouts, is_leaf=is_layout):
+        for name in hf_names(tuple(lay.path.split("/")), layers):
+            shape = lay.shape[1:] if lay.path.startswith("layers/") else lay.shape
+            entries.append((name, np_dtype, tuple(shape)))
+    shards = _plan(entries, max_shard_size)
+    files = ([SINGLE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    tensors = _tensors(engine, state, np_dtype)
+    try:
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        for file, group in zip(files, shards, strict=True):
+            arrays = (x for _, (_, x) in zip(group, tensors, strict=False))
+            if writer:
+                write_safetensors(tmp / file, group, arrays, {"format": "pt"})
+            else:
+                for _ in arrays:  # the gathers are collective: take part, write nothing
+                    pass
+        if writer:
+            _write_side_files(tmp, m, dtype, files, shards)
+            if path.exists():
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            os.replace(tmp, path)
+        if jax.process_count() > 1:  # the others return once the directory is in place
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"jaxzero.hf.save {path}")
+    except OSError as e:
+        raise HFError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _write_side_files(out: Path, m: Llama, dtype: str, files: list[str], shards: list) -> None:
+    source = getattr(m, "hf_config", None)
+    (out / CONFIG).write_text(json.dumps(hf_config(m.config, dtype, source), indent=2) + "\n")
+    src_dir = getattr(m, "hf_dir", None)
+    if src_dir is not None and (Path(src_dir) / GENERATION_CONFIG).is_file():
+        shutil.copyfile(Path(src_dir) / GENERATION_CONFIG, out / GENERATION_CONFIG)
+    else:
+        gen = {k: (source or {}).get(k) for k in ("bos_token_id", "eos_token_id",
+                                                  "pad_token_id")}
+        (out / GENERATION_CONFIG).write_text(json.dumps(
+            {"_from_model_config": True, **{k: v for k, v in gen.items() if v is not None}},
+            indent=2) + "\n")
+    if src_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(src_dir) / name).is_file():
+                shutil.copyfile(Path(src_dir) / name, out / name)
+    if len(files) > 1:
+        total = sum(int(np.prod(s)) * d.itemsize for g in shards for _, d, s in g)
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {name: f for f, g in zip(files, shards, strict=True)
+                                for name, _, _ in g}}
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
