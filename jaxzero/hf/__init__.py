@@ -163,16 +163,6 @@ def load(path: str | Path, engine: Any) -> TrainState:
 # --------------------------------------------------------------------------- save
 
 
-def _tensors(engine: Any, state: TrainState, dtype: Any
-             ) -> Iterator[tuple[str, np.ndarray]]:
-    """``(HF name, array)`` in order, one param gathered at a time."""
-    layers = engine.model.config.num_hidden_layers
-    for lay, x in engine.iter_params(state):
-        for i, name in enumerate(hf_names(tuple(lay.path.split("/")), layers)):
-            part = x[i] if lay.path.startswith("layers/") else x
-            yield name, part.astype(dtype)
-
-
 def _plan(entries: list[tuple[str, np.dtype, tuple[int, ...]]], max_bytes: int
           ) -> list[list[tuple[str, np.dtype, tuple[int, ...]]]]:
     """Consecutive groups of at most ``max_bytes`` (a larger tensor alone), as
@@ -189,6 +179,66 @@ def _plan(entries: list[tuple[str, np.dtype, tuple[int, ...]]], max_bytes: int
     return shards
 
 
+def write_model(path: str | Path, m: Llama, leaves: list[tuple[str, tuple[int, ...]]],
+                arrays: Iterator[np.ndarray], dtype: str = "bfloat16",
+                max_shard_size: int = 5 * 2**30, overwrite: bool = False,
+                writer: bool = True) -> Path:
+    """Write a Hugging Face model directory from params given one at a time.
+
+    ``leaves`` are ``(jaxzero param path, logical shape)`` in the order ``arrays``
+    yields them (fp32 or any float; stacked ``layers/...`` params whole). The directory
+    is built beside ``path`` and moved into place whole. ``writer=False`` consumes
+    ``arrays`` (collective gathers on other processes) and writes nothing.
+    """
+    import ml_dtypes
+
+    if dtype not in SAVE_DTYPES:
+        raise HFError(f"dtype {dtype!r}: use one of {sorted(SAVE_DTYPES)}")
+    np_dtype = SAVE_DTYPES[dtype] or np.dtype(ml_dtypes.bfloat16)
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
+        raise HFError(f"{path} exists and is not empty: pass overwrite=True to replace it")
+    layers = m.config.num_hidden_layers
+    entries = []
+    for leaf, shape in leaves:
+        stacked = leaf.startswith("layers/")
+        for name in hf_names(tuple(leaf.split("/")), layers):
+            entries.append((name, np_dtype, tuple(shape[1:] if stacked else shape)))
+
+    def tensors() -> Iterator[np.ndarray]:
+        for (leaf, _), x in zip(leaves, arrays, strict=True):
+            for part in (x if leaf.startswith("layers/") else [x]):
+                yield np.asarray(part).astype(np_dtype)
+
+    shards = _plan(entries, max_shard_size)
+    files = ([SINGLE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    stream = tensors()
+    try:
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        for file, group in zip(files, shards, strict=True):
+            part = (x for _, x in zip(group, stream, strict=False))
+            if writer:
+                write_safetensors(tmp / file, group, part, {"format": "pt"})
+            else:
+                for _ in part:  # the gathers are collective: take part, write nothing
+                    pass
+        if writer:
+            _write_side_files(tmp, m, dtype, files, shards)
+            if path.exists():
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            os.replace(tmp, path)
+    except OSError as e:
+        raise HFError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
 def save(path: str | Path, engine: Any, state: TrainState, dtype: str = "bfloat16",
          max_shard_size: int = 5 * 2**30, overwrite: bool = False) -> Path:
     """Write ``state``'s params as a Hugging Face model directory.
@@ -197,60 +247,26 @@ def save(path: str | Path, engine: Any, state: TrainState, dtype: str = "bfloat1
     ``generation_config.json``, safetensors of ``dtype`` with ``{"format": "pt"}``
     metadata in shards of at most ``max_shard_size`` bytes (with
     ``model.safetensors.index.json`` when there are several), and the tokenizer files
-    of the source directory. bf16 runs write their fp32 master params, rounded once.
-    One param is on the host at a time. The directory is built beside ``path`` and
-    moved into place whole; every process must call, process 0 writes.
+    of the source directory; ``transformers`` loads it with
+    ``AutoModelForCausalLM.from_pretrained(path)``. bf16 runs write their fp32 master
+    params, rounded once. One param is on the host at a time. Every process must
+    call; process 0 writes.
     """
-    import ml_dtypes
-
     m = getattr(engine, "model", None)
     if not isinstance(m, Llama):
         raise HFError("hf.save needs an engine from Llama.engine(...) (jaxzero.hf.model(path)"
                       ".engine(...)): it writes that model's architecture")
-    if dtype not in SAVE_DTYPES:
-        raise HFError(f"dtype {dtype!r}: use one of {sorted(SAVE_DTYPES)}")
-    np_dtype = SAVE_DTYPES[dtype] or np.dtype(ml_dtypes.bfloat16)
-    path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
-        raise HFError(f"{path} exists and is not empty: pass overwrite=True to replace it")
-    writer = jax.process_index() == 0
-    layers = m.config.num_hidden_layers
-    entries = []
-    for lay in jax.tree.leaves(engine.layouts, is_leaf=is_layout):
-        for name in hf_names(tuple(lay.path.split("/")), layers):
-            shape = lay.shape[1:] if lay.path.startswith("layers/") else lay.shape
-            entries.append((name, np_dtype, tuple(shape)))
-    shards = _plan(entries, max_shard_size)
-    files = ([SINGLE] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    tensors = _tensors(engine, state, np_dtype)
-    try:
-        if writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        for file, group in zip(files, shards, strict=True):
-            arrays = (x for _, (_, x) in zip(group, tensors, strict=False))
-            if writer:
-                write_safetensors(tmp / file, group, arrays, {"format": "pt"})
-            else:
-                for _ in arrays:  # the gathers are collective: take part, write nothing
-                    pass
-        if writer:
-            _write_side_files(tmp, m, dtype, files, shards)
-            if path.exists():
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-            os.replace(tmp, path)
-        if jax.process_count() > 1:  # the others return once the directory is in place
-            from jax.experimental import multihost_utils
+    engine._require_init()
+    leaves = [(lay.path, lay.shape)
+              for lay in jax.tree.leaves(engine.layouts, is_leaf=is_layout)]
+    arrays = (x for _, x in engine.iter_params(state))
+    out = write_model(path, m, leaves, arrays, dtype, max_shard_size, overwrite,
+                      writer=jax.process_index() == 0)
+    if jax.process_count() > 1:  # the others return once the directory is in place
+        from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices(f"jaxzero.hf.save {path}")
-    except OSError as e:
-        raise HFError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        if writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
+        multihost_utils.sync_global_devices(f"jaxzero.hf.save {out}")
+    return out
 
 
 def _write_side_files(out: Path, m: Llama, dtype: str, files: list[str], shards: list) -> None:

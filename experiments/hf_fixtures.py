@@ -1,0 +1,321 @@
+"""Tiny random Hugging Face checkpoints and PyTorch reference logits, as test fixtures.
+
+CI has no torch, so jaxzero's Llama-family implementation is checked against logits that
+`transformers` computed once, here, and committed under tests/fixtures/hf/:
+
+    <name>/single/    save_pretrained(dir): config.json, model.safetensors, reference.npz
+    <name>/sharded/   save_pretrained(dir, max_shard_size=...): 2-4 model-0000k-of-0000n
+                      shards + model.safetensors.index.json, reference.npz
+
+Models (vocab 64, hidden 32, intermediate 48, 2 layers): llama_gqa (bf16, GQA 4/2),
+qwen2_tied (fp16, q/k/v biases, tied embeddings; its sharded copy also ships a stray
+lm_head.weight), llama3_rope (fp32, llama3 rope scaling, head_dim 16 != hidden/heads,
+attention biases; single only) and mistral (bf16, single only). Every weight
+is redrawn at a scale that makes attention non-uniform (biases and norm gains included),
+so rope, biases and norms all move the logits. reference.npz holds `tokens` (int32, 2x24)
+and `logits` (float32, 2x24xV) from the directory loaded back in float32, eager attention.
+
+Needs torch, transformers and safetensors (not jaxzero). Regenerate, or check that
+transformers loads a directory that jaxzero saved to the same logits:
+
+    /path/to/venv-with-torch/bin/python experiments/hf_fixtures.py [--out tests/fixtures/hf]
+    /path/to/venv-with-torch/bin/python experiments/hf_fixtures.py check SAVED_DIR \\
+        REFERENCE_NPZ [--atol 1e-4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import pathlib
+import sys
+import zipfile
+
+import numpy as np
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+OUT = pathlib.Path(__file__).parent.parent / "tests" / "fixtures" / "hf"
+VOCAB = 64
+TOKENS_SHAPE = (2, 24)
+WEIGHT_STD = 0.2  # ~1/sqrt(hidden): attention scores of order 1, so rope matters
+NORM_STD = 0.1  # norm gains 1 + N(0, NORM_STD^2)
+# vocab 64 (not 96), intermediate 48 (not 64) and no llama3_rope/sharded: under 400 KB in all
+SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def llama_gqa() -> PreTrainedModel:
+    config = LlamaConfig(**SIZES, num_key_value_heads=2, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return LlamaForCausalLM(config)
+
+
+def qwen2_tied() -> PreTrainedModel:
+    config = Qwen2Config(**SIZES, num_key_value_heads=2, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return Qwen2ForCausalLM(config)
+
+
+def llama3_rope() -> PreTrainedModel:
+    config = LlamaConfig(**SIZES, head_dim=16, num_key_value_heads=1, attention_bias=True,
+                         mlp_bias=False, tie_word_embeddings=False,
+                         rope_parameters=dict(LLAMA3_ROPE))
+    return LlamaForCausalLM(config)
+
+
+def mistral() -> PreTrainedModel:
+    config = MistralConfig(**SIZES, num_key_value_heads=2, sliding_window=None,
+                           tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return MistralForCausalLM(config)
+
+
+# name: (builder, seed, saved dtype, layouts)
+MODELS = {
+    "llama_gqa": (llama_gqa, 0, torch.bfloat16, ("single", "sharded")),
+    "qwen2_tied": (qwen2_tied, 1, torch.float16, ("single", "sharded")),
+    "llama3_rope": (llama3_rope, 2, torch.float32, ("single",)),
+    "mistral": (mistral, 3, torch.bfloat16, ("single",)),
+}
+
+
+def reference_tokens(vocab: int) -> np.ndarray:
+    return np.random.RandomState(0).randint(0, vocab, size=TOKENS_SHAPE).astype(np.int64)
+
+
+def randomize(model: PreTrainedModel) -> None:
+    """Redraw every parameter (norm gains around 1, the rest around 0) from the torch seed."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied weights come once
+            if "norm" in name:
+                p.copy_(1.0 + NORM_STD * torch.randn_like(p))
+            else:
+                p.copy_(WEIGHT_STD * torch.randn_like(p))
+
+
+def build(name: str) -> PreTrainedModel:
+    builder, seed, dtype, _ = MODELS[name]
+    torch.manual_seed(seed)
+    model = builder()
+    randomize(model)
+    return model.to(dtype).eval()
+
+
+def shard_files(directory: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(directory.glob("model-*-of-*.safetensors"))
+
+
+def save_sharded(model: PreTrainedModel, directory: pathlib.Path) -> None:
+    """save_pretrained with a max_shard_size that gives 2-4 shards (checked)."""
+    total = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    model.save_pretrained(directory, max_shard_size=total // 3 + 1)  # an int: bytes
+    n = len(shard_files(directory))
+    index = directory / "model.safetensors.index.json"
+    if not 2 <= n <= 4 or not index.exists() or (directory / "model.safetensors").exists():
+        raise RuntimeError(f"{directory}: expected 2-4 shards and an index, got {n}")
+
+
+def add_stray_lm_head(directory: pathlib.Path, seed: int) -> torch.Tensor:
+    """Ship an lm_head.weight (unlike embed_tokens) in the last shard of a tied checkpoint."""
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    embed = next(load_file(f)["model.embed_tokens.weight"] for f in shard_files(directory)
+                 if "model.embed_tokens.weight" in load_file(f))
+    gen = torch.Generator().manual_seed(seed)
+    head = (WEIGHT_STD * torch.randn(embed.shape, generator=gen)).to(embed.dtype)
+    last = shard_files(directory)[-1]
+    tensors = load_file(last)
+    tensors["lm_head.weight"] = head
+    save_file(tensors, last, metadata={"format": "pt"})
+    index["weight_map"]["lm_head.weight"] = last.name
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    meta = index.setdefault("metadata", {})
+    meta["total_size"] = meta.get("total_size", 0) + head.numel() * head.element_size()
+    if "total_parameters" in meta:
+        meta["total_parameters"] += head.numel()
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return head
+
+
+def save_tokenizer(directory: pathlib.Path) -> None:
+    """A WordLevel tokenizer over VOCAB tokens (<unk>, <s>, </s>, t3 ...), whitespace split."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.save_pretrained(directory)
+
+
+def load(directory: pathlib.Path, **kwargs) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kwargs).eval()
+
+
+def logits_of(model: PreTrainedModel, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        out = model(input_ids=torch.from_numpy(tokens.astype(np.int64)))
+    return out.logits.float().numpy()
+
+
+def write_npz(path: pathlib.Path, **arrays: np.ndarray) -> None:
+    """np.savez with fixed zip timestamps, so regenerating gives identical bytes."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for key, value in arrays.items():
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, np.ascontiguousarray(value), allow_pickle=False)
+            zf.writestr(zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0)),
+                        buf.getvalue())
+
+
+def write_reference(directory: pathlib.Path, vocab: int) -> np.ndarray:
+    tokens = reference_tokens(vocab)
+    logits = logits_of(load(directory, attn_implementation="eager"), tokens)
+    write_npz(directory / "reference.npz", tokens=tokens.astype(np.int32),
+              logits=logits.astype(np.float32))
+    return logits
+
+
+def describe_head(directory: pathlib.Path, shipped: torch.Tensor) -> str:
+    """Which tensor the loaded model uses as its output head (and as its input embedding)."""
+    model = load(directory, attn_implementation="eager")
+    head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+    shipped = shipped.float()
+    files = {k: v for f in shard_files(directory) for k, v in load_file(f).items()}
+    saved_embed = files["model.embed_tokens.weight"].float()
+    name = lambda w: ("shipped lm_head" if torch.equal(w, shipped) else
+                      "embed_tokens" if torch.equal(w, saved_embed) else "neither")
+    return (f"head = {name(head)}, input embedding = {name(embed)}, "
+            f"same tensor: {head.data_ptr() == embed.data_ptr()}")
+
+
+def check_rope(model: PreTrainedModel) -> None:
+    cfg = model.config
+    inv = model.model.rotary_emb.inv_freq.float()
+    theta = cfg.rope_parameters["rope_theta"]
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    default = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    changed = int((~torch.isclose(inv, default)).sum())
+    print(f"  rope {cfg.rope_parameters['rope_type']}: {changed}/{len(inv)} inverse frequencies"
+          f" differ from default theta={theta:g}\n  inv_freq {inv.numpy().round(6).tolist()}"
+          f"\n  default  {default.numpy().round(6).tolist()}")
+    if cfg.rope_parameters["rope_type"] == "llama3" and changed == 0:
+        raise RuntimeError("llama3 scaling left the frequencies unchanged")
+
+
+def generate_one(name: str, out: pathlib.Path) -> None:
+    _, seed, dtype, layouts = MODELS[name]
+    model = build(name)
+    print(f"{name}: {type(model).__name__}, {sum(p.numel() for p in model.parameters())} "
+          f"params, saved as {dtype}")
+    logits, stray = {}, None
+    for layout in layouts:
+        directory = out / name / layout
+        directory.mkdir(parents=True, exist_ok=True)
+        if layout == "single":
+            model.save_pretrained(directory)
+        else:
+            save_sharded(model, directory)
+            if name == "qwen2_tied":
+                stray = add_stray_lm_head(directory, seed + 100)
+        if name == "llama_gqa" and layout == "single":
+            save_tokenizer(directory)
+        logits[layout] = write_reference(directory, model.config.vocab_size)
+        files = sorted(p.name for p in directory.iterdir())
+        print(f"  {layout}: max |logits| = {np.abs(logits[layout]).max():.4f}; files {files}")
+    if "sharded" in logits:
+        diff = np.abs(logits["single"] - logits["sharded"]).max()
+        print(f"  max |single - sharded| = {diff:.6g}")
+    if stray is not None:
+        print(f"  {name}/sharded: {describe_head(out / name / 'sharded', stray)}")
+    config = json.loads((out / name / "single" / "config.json").read_text())
+    rope = {k: v for k, v in config.items() if "rope" in k or "theta" in k}
+    print(f"  config.json rope keys: {rope}")
+    check_rope(load(out / name / "single"))
+
+
+def write_readme(out: pathlib.Path) -> None:
+    (out / "README.md").write_text(f"""\
+# Tiny Hugging Face checkpoints with reference logits
+
+Written by `experiments/hf_fixtures.py` with transformers {transformers.__version__} and
+torch {torch.__version__} (CPU). Random weights (norm gains and biases included),
+vocab {VOCAB}, hidden {SIZES["hidden_size"]}, intermediate {SIZES["intermediate_size"]}, \
+{SIZES["num_hidden_layers"]} layers.
+
+- `llama_gqa/` (Llama, GQA 4/2, bf16; `single/` also has a tokenizer),
+  `qwen2_tied/` (Qwen2, q/k/v biases, tied embeddings, fp16; `sharded/` also ships a stray
+  `lm_head.weight` that differs from `embed_tokens`), `llama3_rope/` (Llama, llama3 rope
+  scaling, head_dim 16, attention biases, fp32, `single/` only), `mistral/` (bf16,
+  `single/` only).
+- `single/` is one `model.safetensors`; `sharded/` is 2-4 shards plus
+  `model.safetensors.index.json`.
+- `reference.npz` in each directory: `tokens` (int32, 2x24) and the float32 `logits`
+  (2x24xV) transformers computes from that directory loaded in float32 (eager attention).
+
+Regenerate (needs torch + transformers, not jaxzero):
+
+    /path/to/venv-with-torch/bin/python experiments/hf_fixtures.py --out tests/fixtures/hf
+
+Check that transformers loads a directory jaxzero saved to the same logits:
+
+    /path/to/venv-with-torch/bin/python experiments/hf_fixtures.py check DIR REFERENCE_NPZ
+""")
+
+
+def generate(out: pathlib.Path) -> None:
+    transformers.utils.logging.disable_progress_bar()
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    for name in MODELS:
+        generate_one(name, out)
+    write_readme(out)
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"wrote {out}: {total / 1024:.1f} KiB in files")
+
+
+def check(saved: pathlib.Path, reference: pathlib.Path, atol: float) -> int:
+    """Load SAVED as transformers would, compare to REFERENCE's logits; 1 if above atol."""
+    ref = np.load(reference)
+    model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+    err = float(np.abs(logits_of(model, ref["tokens"]) - ref["logits"]).max())
+    print(f"loaded {type(model).__name__}; max |logits - reference| = {err:.3g} (atol {atol:g})")
+    return 0 if err <= atol else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["check"]:
+        p = argparse.ArgumentParser(prog="hf_fixtures.py check", description=check.__doc__)
+        p.add_argument("saved", type=pathlib.Path)
+        p.add_argument("reference", type=pathlib.Path)
+        p.add_argument("--atol", type=float, default=1e-4)
+        a = p.parse_args(argv[1:])
+        return check(a.saved, a.reference, a.atol)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("mode", nargs="?", choices=["generate"], default="generate")
+    p.add_argument("--out", type=pathlib.Path, default=OUT)
+    generate(p.parse_args(argv).out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
