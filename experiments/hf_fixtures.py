@@ -29,6 +29,7 @@ import argparse
 import io
 import json
 import pathlib
+import shutil
 import sys
 import zipfile
 
@@ -42,7 +43,6 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
-    PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -224,6 +224,7 @@ def check_rope(model: PreTrainedModel) -> None:
 
 def generate_one(name: str, out: pathlib.Path) -> None:
     _, seed, dtype, layouts = MODELS[name]
+    shutil.rmtree(out / name, ignore_errors=True)  # no stale shards or layouts
     model = build(name)
     print(f"{name}: {type(model).__name__}, {sum(p.numel() for p in model.parameters())} "
           f"params, saved as {dtype}")

@@ -14,6 +14,7 @@ engine's fp32 master; ``save`` streams one param at a time into shards that
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -39,7 +40,7 @@ from jaxzero.models.llama import Llama
 from jaxzero.partition import LeafLayout, is_layout, layouts_for
 from jaxzero.state import TrainState
 
-__all__ = ["HFError", "SafetensorsError", "load", "model", "save"]
+__all__ = ["HFError", "SafetensorsError", "load", "model", "read_params", "save"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -61,9 +62,23 @@ def model(path: str | Path, **overrides: Any) -> Llama:
         raise HFError(f"{path} is not a directory (a Hugging Face model directory holds "
                       f"{CONFIG} and safetensors weights)")
     raw = read_json(path / CONFIG)
-    m = Llama(llama_config(raw, **overrides))
+    cfg = llama_config(raw, **overrides)
+    if cfg.tie_word_embeddings and _separate_head(path):
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+    m = Llama(cfg)
     m.hf_dir, m.hf_config = path, raw
     return m
+
+
+def _separate_head(path: Path) -> bool:
+    """A checkpoint declaring tied embeddings that ships an ``lm_head.weight`` of other
+    values: ``transformers`` then keeps the two apart, and so does jaxzero."""
+    weights = Weights(path)
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if head not in weights.where or embed not in weights.where:
+        return False
+    a, b = weights.tensor(head), weights.tensor(embed)
+    return a.shape != b.shape or not np.array_equal(a, b)
 
 
 class Weights:
@@ -125,24 +140,9 @@ def _sources(m: Llama, weights: Weights, layouts: list[LeafLayout]) -> dict[str,
     return out
 
 
-def load(path: str | Path, engine: Any) -> TrainState:
-    """A train state (step 0, fresh optimizer) with the checkpoint's params, written
-    straight into ``engine``'s shardings.
-
-    Each param is read memory-mapped, only over the slices this process's devices
-    hold, and converted to fp32 (the master precision), so host memory grows by about
-    one param, not the model. ``engine`` comes from ``model(path).engine(...)`` (or
-    any engine of a :class:`Llama` of the same shapes) and need not be initialised.
-    """
-    path = Path(path)
-    m = model(path)
-    own = getattr(engine, "model", None)
-    if own is not None and getattr(own, "config", None) is not None:
-        mine = {k: getattr(own.config, k) for k in ("vocab_size", "hidden_size",
-                                                   "num_hidden_layers", "tie_word_embeddings")}
-        theirs = {k: getattr(m.config, k) for k in mine}
-        if mine != theirs:
-            raise HFError(f"the engine's model {mine} is not the checkpoint's {theirs}")
+def _reader(path: Path, m: Llama) -> tuple[Any, Any]:
+    """The params' shapes and ``read(layout, index) -> fp32 slice`` over the checkpoint,
+    every tensor checked for presence and shape first."""
     weights = Weights(path)
     shapes = jax.eval_shape(m.init, jax.random.key(0))
     names = _sources(m, weights, jax.tree.leaves(layouts_for(shapes, 1), is_leaf=is_layout))
@@ -157,7 +157,39 @@ def load(path: str | Path, engine: Any) -> TrainState:
         except OSError as e:  # a file that shrank or vanished after its header was read
             raise HFError(f"{path}: reading {srcs[0]} failed ({e})") from None
 
-    return engine.init_from_slices(shapes, read)
+    return shapes, read
+
+
+def load(path: str | Path, engine: Any) -> TrainState:
+    """A train state (step 0, fresh optimizer) with the checkpoint's params, written
+    straight into ``engine``'s shardings.
+
+    Each param is read memory-mapped, only over the slices this process's devices
+    hold, and converted to fp32 (the master precision), so host memory grows by about
+    one param, not the model. ``engine`` comes from ``model(path).engine(...)`` (or
+    any engine of a :class:`Llama` of the same shapes) and need not be initialised.
+    """
+    path = Path(path)
+    m = model(path)
+    own = getattr(engine, "model", None)
+    if own is not None and getattr(own, "config", None) is not None:
+        keys = ("vocab_size", "hidden_size", "num_hidden_layers", "tie_word_embeddings")
+        mine = {k: getattr(own.config, k, None) for k in keys}
+        theirs = {k: getattr(m.config, k) for k in keys}
+        if mine != theirs:
+            raise HFError(f"the engine's model {mine} is not the checkpoint's {theirs}")
+    return engine.init_from_slices(*_reader(path, m))
+
+
+def read_params(path: str | Path, m: Llama | None = None) -> dict[str, Any]:
+    """The checkpoint's params as host fp32 arrays (whole: for one-device use such as
+    sampling; training loads with :func:`load`)."""
+    path = Path(path)
+    m = model(path) if m is None else m
+    shapes, read = _reader(path, m)
+    layouts = layouts_for(shapes, 1)
+    return jax.tree.map(lambda lay: read(lay, tuple(slice(0, n) for n in lay.shape)), layouts,
+                        is_leaf=is_layout)
 
 
 # --------------------------------------------------------------------------- save

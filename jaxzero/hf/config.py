@@ -115,8 +115,9 @@ def hf_config(cfg: LlamaConfig, dtype: str, source: dict[str, Any] | None = None
               ) -> dict[str, Any]:
     """The ``config.json`` that ``transformers`` loads ``cfg`` from: the source's own
     (architecture, token ids, everything jaxzero does not read) when there is one."""
-    if source is not None:
-        return {**source, "dtype": dtype, "torch_dtype": dtype}
+    if source is not None:  # tie: a shipped lm_head of other values unties (hf.model)
+        return {**source, "dtype": dtype, "torch_dtype": dtype,
+                "tie_word_embeddings": cfg.tie_word_embeddings}
     if cfg.o_bias and not cfg.qkv_bias:
         raise HFError("no supported architecture has an o_proj bias without q/k/v biases")
     if cfg.qkv_bias != cfg.o_bias:

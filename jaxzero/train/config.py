@@ -33,8 +33,13 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """GPT shape. ``vocab_size=None`` takes it from the data (256 for bytes)."""
+    """Model and shape. ``vocab_size=None`` takes it from the data (256 for bytes).
 
+    ``arch: llama`` trains the Llama (RMSNorm, rotary positions, SwiGLU, grouped-query
+    attention with ``n_kv_heads``); ``d_ff=None`` is then 8/3·d_model (to 32).
+    """
+
+    arch: Literal["gpt", "llama"] = "gpt"
     vocab_size: int | None = None
     seq_len: int = 64
     d_model: int = 128
@@ -44,6 +49,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     remat: Literal["none", "full", "dots"] = "none"  # activation checkpointing policy
     attention: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cuDNN on GPUs in bf16
+    n_kv_heads: int | None = None  # llama: key/value heads (None: n_heads)
+    head_dim: int | None = None  # llama: None: d_model // n_heads
+    rope_theta: float = 10000.0  # llama: rotary base
 
 
 @dataclass(frozen=True)
@@ -372,7 +380,17 @@ def validate(config: Config) -> Config:
     for key, value in optional_positive.items():
         if value is not None and value <= 0:
             raise ConfigError(f"{key}: must be positive or null, got {value}")
-    if m.d_model % m.n_heads:
+    for key in ("n_kv_heads", "head_dim"):
+        if getattr(m, key) is not None and m.arch != "llama":
+            raise ConfigError(f"model.{key} applies to model.arch=llama only")
+        if getattr(m, key) is not None and getattr(m, key) < 1:
+            raise ConfigError(f"model.{key}: must be positive or null, got {getattr(m, key)}")
+    if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} is not a multiple of "
+                          f"model.n_kv_heads={m.n_kv_heads}")
+    if m.rope_theta <= 0:
+        raise ConfigError(f"model.rope_theta: must be positive, got {m.rope_theta}")
+    if m.d_model % m.n_heads and not (m.arch == "llama" and m.head_dim):
         raise ConfigError(
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}"
         )

@@ -30,12 +30,14 @@ import numpy as np
 from jaxzero.checkpoint import CheckpointError
 from jaxzero.cli import ArgError, Parser
 from jaxzero.hf import safetensors
+from jaxzero.hf.config import HFError
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 RUN_CONFIG = "config.yaml"  # jaxzero.train.args.RESOLVED_CONFIG (not imported: it pulls in JAX)
-MODEL_FIELDS = ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
-                "tie_embeddings", "remat")
+MODEL_FIELDS = ("arch", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
+                "tie_embeddings", "remat", "n_kv_heads", "head_dim", "rope_theta")
+FORMATS = ("jaxzero", "hf")
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}
 
 
@@ -140,8 +142,9 @@ def model_fields(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]
     """The GPT fields of a run config; a ``vocab_size`` taken from the data comes from wte."""
     model = {k: config["model"][k] for k in MODEL_FIELDS if k in config["model"]}
     if model.get("vocab_size") is None:
+        embedding = (["embed_tokens", "weight"] if model.get("arch") == "llama" else ["wte"])
         model["vocab_size"] = next((e["shape"][0] for e in meta["param_tree"]
-                                    if [k for _, k in e["path"]] == ["wte"]), None)
+                                    if [k for _, k in e["path"]] == embedding), None)
     return model
 
 
@@ -230,13 +233,40 @@ def export_params(step_dir: Path, out_file: Path, dtype: str = "fp32") -> dict[s
             "largest_leaf_bytes": max(math.prod(s) * dt.itemsize for *_, s in entries)}
 
 
+def export_hf(step_dir: Path, run: dict[str, Any], meta: dict[str, Any], out: Path,
+              dtype: str) -> Path:
+    """A Hugging Face model directory (``transformers`` loads it) from a Llama run."""
+    from jaxzero import hf
+    from jaxzero.models import from_fields
+
+    fields = model_fields(run, meta)
+    if fields.get("arch") != "llama":
+        raise ExportError(f"--format hf needs a model.arch=llama run; {step_dir} trained "
+                          f"{fields.get('arch') or 'gpt'} (export it with --format jaxzero)")
+    entries = param_entries(meta)
+    reader = LeafReader(step_dir)
+    arrays = (reader.read(leaf, shape, DTYPES["fp32"]) for _, leaf, shape in entries)
+    overwrite = out.is_dir() and (out / hf.CONFIG).is_file()  # an earlier export
+    try:
+        return hf.write_model(out, from_fields(fields), [(n, s) for n, _, s in entries], arrays,
+                              {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+                              overwrite=overwrite)
+    except hf.HFError as e:
+        raise ExportError(str(e)) from None
+
+
 def export(path: str | Path, out: str | Path, dtype: str = "fp32",
-           step: int | None = None) -> Path:
-    """``out/model.safetensors`` + ``out/config.json`` from a run, checkpoints dir or step."""
+           step: int | None = None, format: str = "jaxzero") -> Path:
+    """``out/model.safetensors`` + ``out/config.json`` from a run, checkpoints dir or step;
+    ``format="hf"``: a Hugging Face directory (Llama runs)."""
+    if format not in FORMATS:
+        raise ExportError(f"unknown format {format!r}: use one of {FORMATS}")
     step_dir = find_step_dir(path, step)
     run = run_config(step_dir)
     meta = read_meta(step_dir)
     out = Path(out)
+    if format == "hf":
+        return export_hf(step_dir, run, meta, out, dtype)
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file")
     created = not out.exists()
@@ -247,7 +277,8 @@ def export(path: str | Path, out: str | Path, dtype: str = "fp32",
         if created and not any(out.iterdir()):
             out.rmdir()  # leave no empty directory behind; an older export stays whole
         raise
-    config = {**model_fields(run, meta), "model_type": "jaxzero-gpt",
+    fields = model_fields(run, meta)
+    config = {**fields, "model_type": f"jaxzero-{fields.get('arch') or 'gpt'}",
               "dtype": DTYPES[dtype].name, "tokens": token_kind(run),
               "source": {"checkpoint": str(step_dir.absolute()), "step": info["step"],
                          "stage": meta.get("stage"), "num_shards": meta.get("num_shards"),
@@ -263,7 +294,8 @@ def run_cli(prog: str, body: Callable[[], None]) -> int:
     """Runs a subcommand's body; user mistakes become one line on stderr and exit 2."""
     try:
         body()
-    except (ArgError, ExportError, CheckpointError, safetensors.SafetensorsError) as e:
+    except (ArgError, ExportError, CheckpointError, safetensors.SafetensorsError,
+            HFError) as e:
         print(f"jaxzero {prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help
@@ -282,6 +314,9 @@ def _export_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="export directory")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="default fp32")
     p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    p.add_argument("--format", choices=FORMATS, default="jaxzero",
+                   help="jaxzero: one safetensors file + config.json (default); hf: a Hugging "
+                   "Face model directory transformers loads (model.arch=llama runs)")
     return p
 
 
@@ -289,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     """``jaxzero export``."""
     def body():
         args = _export_parser().parse_args(sys.argv[1:] if argv is None else argv)
-        out = export(args.path, args.out, args.dtype, args.step)
-        print(f"exported {out / WEIGHTS} and {out / CONFIG}")
+        out = export(args.path, args.out, args.dtype, args.step, args.format)
+        print(f"exported {out} (Hugging Face format)" if args.format == "hf" else
+              f"exported {out / WEIGHTS} and {out / CONFIG}")
 
     return run_cli("export", body)

@@ -19,7 +19,6 @@ import os
 import re
 import sys
 import time
-from dataclasses import fields
 from typing import Any
 
 from jaxzero import distributed
@@ -154,10 +153,11 @@ def evaluate(engine: Any, state: Any, batches: list[Any]) -> float:
 
 
 def build(cfg: Config, mesh: Any) -> tuple[Any, Any, Any]:
-    """The GPT, its engine (every parallel/precision option reaches it here), the LR schedule."""
-    from jaxzero.models.gpt import GPT, GPTConfig
+    """The model, its engine (every parallel/precision option reaches it here), the LR
+    schedule."""
+    from jaxzero.models import from_fields
 
-    model = GPT(GPTConfig(**{f.name: getattr(cfg.model, f.name) for f in fields(GPTConfig)}))
+    model = from_fields(dataclasses.asdict(cfg.model))
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
     engine = model.engine(
         tx,

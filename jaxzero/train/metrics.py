@@ -267,8 +267,7 @@ def summarize(
         "train_s": watch.seconds,
         "tokens_per_s": tps,
         "flops_per_token": flops_per_token,
-        "flops_formula": f"6*N + 12*L*D*S = 6*{engine.num_params} + "
-        f"12*{m.n_layers}*{m.d_model}*{m.seq_len}",
+        "flops_formula": _flops_formula(model, engine.num_params, m.seq_len),
         "achieved_flops": flops_per_token * tps,
         "peak_flops_per_device": peak,
         "peak_flops_source": source,
@@ -277,6 +276,15 @@ def summarize(
         "final_val_loss": val_loss,
         "peak_memory_bytes_per_device": peak_memory_bytes(local),
     }
+
+
+def _flops_formula(model: Any, num_params: int, seq: int) -> str:
+    c = model.config
+    if hasattr(c, "num_key_value_heads"):  # the Llama: the untied input embedding is a lookup
+        lookup = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+        return (f"6*(N - lookup) + 12*L*S*H*K = 6*({num_params} - {lookup}) + "
+                f"12*{c.num_hidden_layers}*{seq}*{c.num_attention_heads}*{c.head_size}")
+    return f"6*N + 12*L*D*S = 6*{num_params} + 12*{c.n_layers}*{c.d_model}*{seq}"
 
 
 def format_summary(s: dict) -> str:
@@ -314,7 +322,9 @@ def banner(cfg: Config, corpus: Any, num_params: int, simulated: int | None, run
             f"jaxzero train: {cfg.logging.name} -> {run_dir}",
             f"  data   {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} val "
             f"{unit}, vocab {corpus.vocab_size}",
-            f"  model  GPT {m.n_layers} layers x {m.d_model} wide, {m.n_heads} heads, "
+            f"  model  {m.arch.upper() if m.arch == 'gpt' else m.arch.capitalize()} "
+            f"{m.n_layers} layers x {m.d_model} wide, {m.n_heads} heads"
+            f"{f' ({m.n_kv_heads} kv)' if m.n_kv_heads else ''}, "
             f"seq {m.seq_len}, {num_params:,} params, remat {m.remat}",
             f"  zero   stage {p.stage} on {dev}, {cfg.precision.compute}, micro-batches "
             f"{p.micro_batches}, global batch {cfg.train.batch_size} x {m.seq_len} tokens",

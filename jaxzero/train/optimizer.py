@@ -34,11 +34,17 @@ def lr_schedule(opt: config_lib.OptimizerConfig, steps: int):
 
 
 def decay_mask(params: Any) -> Any:
-    """True for matrices (``.../kernel``): no weight decay on norms, biases and embeddings."""
+    """True for matrices: the GPT's ``.../kernel``, the Llama's projections
+    (``..._proj/weight``, ``lm_head/weight``); no weight decay on norms, biases and
+    embeddings."""
     import jax
 
     def is_kernel(path, _):
-        return bool(path) and getattr(path[-1], "key", None) == "kernel"
+        keys = [getattr(k, "key", None) for k in path]
+        if keys[-1:] == ["kernel"]:
+            return True
+        return keys[-1:] == ["weight"] and len(keys) > 1 and (
+            str(keys[-2]).endswith("_proj") or keys[-2] == "lm_head")
 
     return jax.tree_util.tree_map_with_path(is_kernel, params)
 

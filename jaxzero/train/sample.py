@@ -1,4 +1,4 @@
-"""``jaxzero sample``: text from the reference GPT of a run, checkpoint or export.
+"""``jaxzero sample``: text from a run, checkpoint, export or Hugging Face directory.
 
 The params come either from an export (``model.safetensors`` + ``config.json``)
 or straight from a checkpoint through the same leaf-by-leaf reader as
@@ -37,10 +37,18 @@ from jaxzero.train.export import (
 
 
 def load_model(path: str | Path, step: int | None = None) -> tuple[Any, dict[str, Any], str]:
-    """``(GPT, fp32 params, token kind)`` from an export dir or any checkpoint location."""
-    from jaxzero.models.gpt import GPT, GPTConfig
+    """``(model, fp32 params, token kind)`` from a Hugging Face model directory (token
+    ids in and out), an export dir or any checkpoint location."""
+    from jaxzero import hf
+    from jaxzero.models import from_fields
 
     path = Path(path)
+    if path.is_dir() and (path / CONFIG).is_file() and "architectures" in _json(path / CONFIG):
+        try:
+            model = hf.model(path)
+            return model, hf.read_params(path, model), "ids"
+        except (hf.HFError, hf.SafetensorsError) as e:
+            raise ExportError(str(e)) from None
     if path.is_dir() and (path / WEIGHTS).is_file():
         try:
             config = json.loads((path / CONFIG).read_text())
@@ -59,18 +67,26 @@ def load_model(path: str | Path, step: int | None = None) -> tuple[Any, dict[str
         source = str(step_dir)
     fields = {k: config[k] for k in MODEL_FIELDS if config.get(k) is not None}
     try:
-        model = GPT(GPTConfig(**fields))
+        model = from_fields(fields)
     except (TypeError, ValueError) as e:
         raise ExportError(f"{source}: model config is invalid ({e})") from None
     _check_shapes(model, flat, source)
     kind = config.get("tokens", "bytes")
-    if kind not in ("bytes", "uint16"):
+    if kind not in ("bytes", "uint16"):  # ("ids": Hugging Face directories, above)
         raise ExportError(f"{source}: tokens must be bytes or uint16, not {kind!r}")
     return model, nest(flat), kind
 
 
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def _check_shapes(model: Any, flat: dict[str, np.ndarray], source: str) -> None:
-    """Refuse params that the config's GPT would not build, naming the first mismatch."""
+    """Refuse params that the config's model would not build, naming the first mismatch."""
     import jax
 
     from jaxzero.partition import path_str
@@ -85,7 +101,8 @@ def _check_shapes(model: Any, flat: dict[str, np.ndarray], source: str) -> None:
 
 
 def encode_prompt(prompt: str, kind: str) -> np.ndarray:
-    """Byte tokens, or whitespace-separated ids for token-file models (no tokenizer)."""
+    """Byte tokens, or whitespace-separated ids for token-file and Hugging Face models
+    (no tokenizer yet)."""
     if kind == "bytes":
         return np.frombuffer(prompt.encode("utf-8"), np.uint8).astype(np.int32)
     try:
@@ -123,9 +140,11 @@ def sample(path: str | Path, prompt: str = "def ", tokens: int = 200,
 
 
 def _sample_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="jaxzero sample", description="Generate text with the reference GPT from "
-               "a run, checkpoint or export, on one device.")
-    p.add_argument("path", metavar="RUN_OR_EXPORT", help="run, checkpoint or export dir")
+    p = Parser(prog="jaxzero sample", description="Generate text with a run's model (GPT or "
+               "Llama) from a run, checkpoint, export or Hugging Face model directory "
+               "(token ids in and out), on one device.")
+    p.add_argument("path", metavar="RUN_OR_EXPORT",
+                   help="run, checkpoint, export or Hugging Face model dir")
     p.add_argument("--prompt", default="def ")
     p.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8)
