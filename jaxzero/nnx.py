@@ -65,7 +65,7 @@ def bind(graphdef: Any, template: nnx.State, params: Any, rest: nnx.State) -> nn
     """A module from ``graphdef`` with ``params`` (a nested dict like :func:`split`'s)
     as its ``nnx.Param`` values; ``template`` is a ``Param`` state of the same structure."""
     state = jax.tree.map(lambda v: v, template)  # a fresh copy to fill in
-    state.replace_by_pure_dict(params)
+    nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state, rest)
 
 

@@ -62,8 +62,6 @@ class SafetensorsFile:
             if h.get("dtype") not in CODES:
                 raise SafetensorsError(f"{self.path}: tensor {name} has dtype {h.get('dtype')}; "
                                        f"jaxzero reads {sorted(CODES)}")
-        self._map = (np.memmap(self.path, np.uint8, "r", offset=self._start, shape=(data,))
-                     if data else np.zeros(0, np.uint8))
 
     def names(self) -> list[str]:
         return list(self.header)
@@ -75,14 +73,18 @@ class SafetensorsFile:
         return CODES[self.header[name]["dtype"]]
 
     def tensor(self, name: str) -> np.ndarray:
-        """A read-only view (nothing is read until it is indexed or copied)."""
+        """A read-only memory map of one tensor: nothing is read until it is indexed or
+        copied, and the mapping (with the pages it brought in) goes when it is dropped,
+        so a reader going tensor by tensor holds one tensor's pages, not the file's."""
         h = self.header[name]
         begin, end = h["data_offsets"]
         dtype, shape = CODES[h["dtype"]], tuple(h["shape"])
         if end - begin != math.prod(shape) * dtype.itemsize:
             raise SafetensorsError(f"{self.path}: tensor {name} has {end - begin} bytes for "
                                    f"shape {shape} of {dtype.name}")
-        return self._map[begin:end].view(dtype).reshape(shape)
+        if not math.prod(shape):
+            return np.zeros(shape, dtype)
+        return np.memmap(self.path, dtype, "r", offset=self._start + begin, shape=shape)
 
 
 def header_bytes(entries: Iterable[tuple[str, np.dtype, tuple[int, ...]]],

@@ -1,0 +1,121 @@
+"""jaxzero.NNXEngine: an NNX model written as the Flax NNX docs write one, trained at every
+stage, against the one-device NNX training loop a user trusts (``nnx.Optimizer``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxzero
+from tests._models import rel_diff
+
+
+class Block(nnx.Module):
+    def __init__(self, dim: int, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.linear1 = nnx.Linear(dim, 3 * dim, rngs=rngs)
+        self.linear2 = nnx.Linear(3 * dim, dim, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.linear2(nnx.gelu(self.linear1(self.norm(x))))
+
+
+class MLP(nnx.Module):
+    """Dimensions not divisible by 8, a list of blocks, a head: the shape of the docs' MLP."""
+
+    def __init__(self, din: int, dim: int, dout: int, depth: int, rngs: nnx.Rngs,
+                 per_layer: bool = False):
+        self.embed = nnx.Linear(din, dim, rngs=rngs)
+        self.blocks = nnx.List([Block(dim, rngs) for _ in range(depth)])
+        self.head = nnx.Linear(dim, dout, rngs=rngs)
+        self.per_layer = per_layer
+
+    def __call__(self, x):
+        use = jaxzero.nnx.use if self.per_layer else (lambda m: m)
+        x = use(self.embed)(x)
+        for block in self.blocks:
+            x = use(block)(x)
+        return use(self.head)(x)
+
+
+def loss_fn(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def batches(n: int = 4, rows: int = 16) -> list[dict]:
+    rng = np.random.default_rng(1)
+    return [{"x": rng.standard_normal((rows, 13)).astype(np.float32),
+             "y": rng.standard_normal((rows, 5)).astype(np.float32)} for _ in range(n)]
+
+
+def one_device(model, tx, data):
+    """The NNX training loop of the Flax docs: nnx.Optimizer and nnx.value_and_grad."""
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [float(step(model, optimizer, b)) for b in data]
+    return np.array(losses), nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+@pytest.mark.parametrize("stage,per_layer", [(0, False), (1, False), (2, True), (3, False),
+                                             (3, True)])
+def test_nnx_model_trains_like_one_device(stage, per_layer):
+    tx = optax.adamw(3e-3)
+    data = batches()
+    ref_losses, ref_params = one_device(MLP(13, 37, 5, 2, nnx.Rngs(0), per_layer), tx, data)
+
+    engine = jaxzero.NNXEngine(MLP(13, 37, 5, 2, nnx.Rngs(0), per_layer), loss_fn, tx,
+                               mesh=jaxzero.make_mesh(8), stage=stage, per_layer=per_layer,
+                               min_shard_size=8)
+    state = engine.init()
+    losses = []
+    for b in data:
+        state, metrics = engine.step(state, b)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    trained = engine.module(state)
+    assert isinstance(trained, MLP)
+    assert rel_diff(nnx.to_pure_dict(nnx.state(trained, nnx.Param)), ref_params) < 1e-4
+
+
+def test_init_from_never_builds_the_model_outside_the_mesh():
+    """An abstract module (nnx.eval_shape) + init_from: the params are created sharded,
+    and equal the ones the module would have made eagerly."""
+    abstract = nnx.eval_shape(lambda: MLP(13, 37, 5, 2, nnx.Rngs(0)))
+    engine = jaxzero.NNXEngine(abstract, loss_fn, optax.sgd(0.1), mesh=jaxzero.make_mesh(8),
+                               stage=3)
+    with pytest.raises(ValueError, match="abstract"):
+        engine.init()
+    state = engine.init_from(lambda: MLP(13, 37, 5, 2, nnx.Rngs(0)))
+    sharded = [x for x in jax.tree.leaves(state.params) if not x.is_fully_replicated]
+    assert sharded, "stage 3 keeps params sharded"
+    eager = nnx.to_pure_dict(nnx.state(MLP(13, 37, 5, 2, nnx.Rngs(0)), nnx.Param))
+    assert rel_diff(engine.gather_params(state), eager) == 0.0
+
+
+def test_bad_models_are_refused_clearly():
+    with pytest.raises(TypeError, match="nnx.Module"):
+        jaxzero.NNXEngine({"w": jnp.ones(3)}, loss_fn)
+
+    class WithBatchNorm(nnx.Module):
+        def __init__(self, rngs):
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+
+    with pytest.raises(ValueError, match="batch statistics.*bn/"):
+        jaxzero.NNXEngine(WithBatchNorm(nnx.Rngs(0)), loss_fn)
+
+
+def test_use_is_identity_outside_the_engine():
+    model = MLP(13, 37, 5, 1, nnx.Rngs(0), per_layer=True)
+    x = jnp.ones((2, 13))
+    plain = MLP(13, 37, 5, 1, nnx.Rngs(0))
+    np.testing.assert_array_equal(model(x), plain(x))
