@@ -14,12 +14,16 @@ one (in a random order each round) so that load from other processes hits all al
   plain ``jax.jit`` (XLA's partitioner inserts the collectives, no ``shard_map``).
 * **jaxzero**: ``Engine`` with its defaults, collectives written by hand.
 
-Models: ``gpt``, the reference Flax GPT (scanned blocks, per-layer gathering), and
-``plain``, the GPT of ``plain_gpt.py`` as a new user writes it (a pytree, layers
-unrolled by a Python loop, ``per_layer=False``).
+Models: ``gpt``, the reference Flax GPT (scanned blocks, per-layer gathering);
+``llama``, ``jaxzero.models.llama`` (Flax NNX, scanned layers, per-layer gathering,
+grouped-query attention: ``--kv-heads``, SwiGLU of ``--intermediate`` (default about
+8/3 x ``--d-model``, a multiple of 32), untied embeddings; its FLOPs are the model's
+own ``flops_per_token``); and ``plain``, the GPT of ``plain_gpt.py`` as a new user
+writes it (a pytree, layers unrolled by a Python loop, ``per_layer=False``).
 
     python experiments/bench_step.py --model plain --runs 3   # 2 simulated CPU devices
     python experiments/bench_step.py --model gpt --runs 3     # 8 simulated CPU devices
+    python experiments/bench_step.py --model llama --runs 3   # 8 simulated CPU devices
     python experiments/bench_step.py --devices 1 --stages 0 3 --precision bf16 \
         --d-model 1024 --layers 24 --seq-len 1024 --batch 8   # one GPU: tokens/s, MFU
 
@@ -41,6 +45,9 @@ DEFAULTS = {  # devices, d_model, layers, heads, seq_len, vocab, batch, steps
                 steps=20),
     "plain": dict(devices=2, d_model=256, layers=4, heads=4, seq_len=128, vocab=256, batch=16,
                   steps=22),
+    # and kv_heads (grouped-query attention); intermediate: None is about 8/3 x d_model
+    "llama": dict(devices=8, d_model=128, layers=4, heads=4, kv_heads=2, intermediate=None,
+                  seq_len=64, vocab=256, batch=16, steps=20),
 }
 TARGETS = {"plain": {"jit": {0: 1.10, 1: 1.10, 2: 1.10, 3: 1.25}}, "gpt": {"gspmd": {1: 1.10}}}
 
@@ -77,6 +84,9 @@ def parse_args(argv):
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     for name in ("d-model", "layers", "heads", "seq-len", "vocab", "batch"):
         p.add_argument(f"--{name}", type=int)
+    p.add_argument("--kv-heads", type=int, help="llama: key/value heads (GQA)")
+    p.add_argument("--intermediate", type=int,
+                   help="llama: SwiGLU width (default: 8/3 x d_model, a multiple of 32)")
     p.add_argument("--steps", type=int, help="timed steps per run (after 2 warm-up)")
     p.add_argument("--runs", type=int, default=1, help="timing passes (compiled once)")
     p.add_argument("--remat", default="none")
@@ -90,6 +100,10 @@ def parse_args(argv):
     for k, v in DEFAULTS[args.model].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.model == "llama" and args.intermediate is None:
+        args.intermediate = max(32, round(8 * args.d_model / 3 / 32) * 32)
+    if args.model != "llama" and (args.kv_heads is not None or args.intermediate is not None):
+        p.error("--kv-heads and --intermediate are for --model llama")
     return args
 
 
@@ -124,6 +138,18 @@ def main(argv=None) -> int:
         loss_fn, init_fn = model.loss_fn, model.init
         new_engine = lambda stage, donate=None: model.engine(
             tx, mesh=mesh, stage=stage, precision=args.precision, donate=donate)
+    elif args.model == "llama":
+        from jaxzero.models.llama import Llama, LlamaConfig
+
+        model = Llama(LlamaConfig(
+            vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.intermediate,
+            num_hidden_layers=args.layers, num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads, seq_len=args.seq_len,
+            max_position_embeddings=max(2048, args.seq_len), tie_word_embeddings=False,
+            remat=args.remat))
+        loss_fn, init_fn = model.loss_fn, model.init
+        new_engine = lambda stage, donate=None: model.engine(
+            tx, mesh=mesh, stage=stage, precision=args.precision, donate=donate)
     else:
         sys.path.insert(0, str(HERE))
         import plain_gpt
@@ -136,8 +162,11 @@ def main(argv=None) -> int:
     key = jax.random.key(0)
     n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(init_fn, key)))
     tokens_per_step = args.batch * args.seq_len
-    flops_per_step = (6.0 * n_params + 12.0 * args.layers * args.d_model * args.seq_len) \
-        * tokens_per_step
+    if args.model == "llama":  # GQA-aware, the untied input embedding left out (a lookup)
+        flops_per_step = model.flops_per_token(n_params) * tokens_per_step
+    else:
+        flops_per_step = (6.0 * n_params + 12.0 * args.layers * args.d_model * args.seq_len) \
+            * tokens_per_step
     tokens = np.random.default_rng(0).integers(0, args.vocab, (args.batch, args.seq_len + 1))
     batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
 
@@ -240,8 +269,11 @@ def main(argv=None) -> int:
             states[i], m = step(states[i], b)
             jax.block_until_ready(m)
 
-    print(f"{args.model}: {n_params / 1e6:.1f}M params, {args.devices} {jax.default_backend()} "
-          f"device(s), {args.precision}, global batch {args.batch} x {args.seq_len} tokens, "
+    shape = (f" ({args.heads} heads, {args.kv_heads} kv, intermediate {args.intermediate})"
+             if args.model == "llama" else "")
+    print(f"{args.model}: {n_params / 1e6:.1f}M params{shape}, {args.devices} "
+          f"{jax.default_backend()} device(s), {args.precision}, "
+          f"global batch {args.batch} x {args.seq_len} tokens, "
           f"median of {args.steps} steps, jaxzero donate={donates}")
     fastest_jit = lambda m: min(m["plain jit, donate=True"], m["plain jit, donate=False"])
     per_run = []

@@ -1,0 +1,324 @@
+"""jaxzero.hf against transformers itself (fixtures made by experiments/hf_fixtures.py), the
+round trip through save and load across stages and meshes, host memory, and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxzero
+from jaxzero import hf
+from jaxzero.hf import safetensors
+from jaxzero.hf.config import HFError, llama_config
+from tests._models import rel_diff, train_reference
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+DIRS = ["llama_gqa/single", "llama_gqa/sharded", "qwen2_tied/single", "qwen2_tied/sharded",
+        "llama3_rope/single", "mistral/single"]
+MIB = 2**20
+
+
+def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> float:
+    logits = logits.astype(np.float64)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    return float(np.mean(logz - np.take_along_axis(logits, targets[..., None], -1)[..., 0]))
+
+
+# --------------------------------------------------------------------------- vs transformers
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("name", DIRS)
+def test_logits_match_transformers(name, stage):
+    """Loaded at stage 0 or 3 on 8 devices: the params give transformers' logits (1e-4),
+    and the engine's sharded forward (per-layer gathers at stage 3) its loss."""
+    path = FIXTURES / name
+    ref = np.load(path / "reference.npz")
+    model = hf.model(path, seq_len=23)
+    engine = model.engine(optax.sgd(0.0), mesh=jaxzero.make_mesh(8), stage=stage)
+    state = hf.load(path, engine)
+    logits = np.asarray(model.apply(engine.gather_params(state), ref["tokens"]))
+    np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=0)
+
+    tokens = np.concatenate([ref["tokens"]] * 4)  # 8 rows: one a device
+    loss = float(engine.eval_loss(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}))
+    want = cross_entropy(ref["logits"][:, :-1], ref["tokens"][:, 1:])
+    assert abs(loss - want) < 1e-5 * max(1.0, abs(want)), (loss, want)
+
+
+def test_config_fields_read_as_transformers_means_them():
+    qwen = hf.model(FIXTURES / "qwen2_tied/single").config
+    assert (qwen.qkv_bias, qwen.o_bias, qwen.tie_word_embeddings) == (True, False, True)
+    assert hf.model(FIXTURES / "qwen2_tied/sharded").config.tie_word_embeddings is False, \
+        "a shipped lm_head of other values unties, as in transformers"
+    rope = hf.model(FIXTURES / "llama3_rope/single").config
+    assert rope.rope_scaling["rope_type"] == "llama3" and rope.rope_theta == 500000.0
+    assert (rope.head_size, rope.kv_heads, rope.qkv_bias, rope.o_bias) == (16, 1, True, True)
+    # transformers 4's spelling: rope_theta at the top, the scaling under rope_scaling
+    raw = json.loads((FIXTURES / "llama3_rope/single/config.json").read_text())
+    params = raw.pop("rope_parameters")
+    legacy = {**raw, "rope_theta": params.pop("rope_theta"),
+              "rope_scaling": {"type": params.pop("rope_type"), **params}}
+    assert llama_config(legacy) == rope
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+def _batches(vocab: int, n: int, rows: int = 8, seq: int = 12) -> list[dict]:
+    rng = np.random.default_rng(3)
+    out = []
+    for _ in range(n):
+        t = rng.integers(0, vocab, (rows, seq + 1)).astype(np.int32)
+        out.append({"inputs": t[:, :-1], "targets": t[:, 1:]})
+    return out
+
+
+def test_finetune_round_trip_is_bit_exact_and_matches_one_device(tmp_path):
+    """load -> 5 steps at stage 3 on 8 -> save fp32 -> load at stage 1 on 4: the same bits;
+    the fine-tune itself trains like one device."""
+    src = FIXTURES / "llama_gqa/sharded"
+    model = hf.model(src, seq_len=12)
+    tx = optax.adamw(1e-2)
+    data = _batches(model.config.vocab_size, 5)
+    engine = model.engine(tx, mesh=jaxzero.make_mesh(8), stage=3)
+    state = hf.load(src, engine)
+    losses = []
+    for b in data:
+        state, metrics = engine.step(state, b)
+        losses.append(float(metrics["loss"]))
+    ref_losses, ref_params = train_reference(model.loss_fn, hf.read_params(src), data, tx)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    trained = engine.gather_params(state)
+    assert rel_diff(trained, ref_params) < 1e-4
+
+    out = hf.save(tmp_path / "ft", engine, state, dtype="float32", max_shard_size=30_000)
+    again = hf.model(out)
+    engine1 = again.engine(tx, mesh=jaxzero.make_mesh(4), stage=1)
+    reloaded = engine1.gather_params(hf.load(out, engine1))
+    for a, b in zip(jax.tree.leaves(reloaded), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_saved_directory_is_what_transformers_reads(tmp_path):
+    """Shards under max_shard_size with an index, pt metadata, bf16, the source's config
+    and tokenizer files (transformers loading it is checked by experiments/hf_fixtures.py
+    check, which needs torch)."""
+    src = FIXTURES / "llama_gqa/single"
+    model = hf.model(src)
+    engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=2)
+    state = hf.load(src, engine)
+    out = hf.save(tmp_path / "out", engine, state, max_shard_size=16_000)
+    names = sorted(p.name for p in out.iterdir())
+    shards = [n for n in names if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", n)]
+    assert len(shards) >= 2 and "model.safetensors.index.json" in names
+    assert {"config.json", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json"} <= set(names)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    source = hf.Weights(src)
+    assert set(index["weight_map"]) == set(source.where)
+    for shard in shards:
+        f = safetensors.SafetensorsFile(out / shard)
+        assert f.metadata == {"format": "pt"}
+        assert {f.dtype(n).name for n in f.names()} == {"bfloat16"}
+        assert len(f.names()) == 1 or (out / shard).stat().st_size <= 16_000 + 4096
+        for n in f.names():  # bf16 on disk -> fp32 master -> bf16: the same bits
+            np.testing.assert_array_equal(f.tensor(n), source.tensor(n))
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+
+
+def test_a_model_built_here_saves_as_its_architecture(tmp_path):
+    """No source directory: config.json is written from LlamaConfig (both rope spellings)."""
+    from jaxzero.models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, qkv_bias=True, seq_len=8,
+                      rope_scaling={"rope_type": "linear", "factor": 2.0})
+    model = Llama(cfg)
+    engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
+    params = jax.tree.map(np.asarray, model.init(jax.random.key(0)))
+    out = hf.save(tmp_path / "m", engine, engine.init(params), dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]  # q/k/v biases, none on o_proj
+    back = hf.model(out, seq_len=8).config
+    assert back == dataclasses.replace(cfg, head_dim=8)  # written out, as transformers 5 does
+    assert rel_diff(hf.read_params(out), params) == 0.0
+
+
+# --------------------------------------------------------------------------- memory
+
+MEASURE = textwrap.dedent("""
+    import json, os, re, sys
+    from pathlib import Path
+    import jax, numpy as np, optax, jaxzero
+    from jaxzero import hf
+
+    def status(key):
+        return int(re.search(key + r":\\s+(\\d+)", Path("/proc/self/status").read_text())[1]) * 1024
+
+    path, how = Path(sys.argv[1]), sys.argv[2]
+    model = hf.model(path, seq_len=8)
+    # plain SGD keeps no optimizer state (whose untouched zero pages RSS would not count)
+    engine = model.engine(optax.sgd(1e-3), mesh=jaxzero.make_mesh(8), stage=3)
+    engine.abstract_state(jax.eval_shape(model.init, jax.random.key(0)))  # compile-free
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = status("VmRSS")
+    if how == "load":
+        state = hf.load(path, engine)
+        held = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards)
+    else:  # the naive way: the whole checkpoint in host memory at once
+        params, held = hf.read_params(path, model), 0
+    print(json.dumps({"delta": status("VmHWM") - before, "state": held}))
+""")
+
+
+def _load_peak(path: Path, how: str) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", MEASURE, str(path), how], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_load_holds_about_one_param_on_the_host(tmp_path):
+    """On CPU the devices' memory is the host's, so the state itself is subtracted: what
+    hf.load holds beyond it stays under 2 x the largest param + 32 MiB; reading the
+    whole checkpoint first (the control) does not."""
+    from jaxzero.models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1376,
+                      num_hidden_layers=8, num_attention_heads=8, seq_len=8)
+    model = Llama(cfg)
+    engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(8), stage=3)
+    state = engine.init_from(model.init, jax.random.key(0))
+    hf.save(tmp_path / "big", engine, state, dtype="float32")
+    largest = max(x.size * 4 for x in jax.tree.leaves(jax.eval_shape(model.init,
+                                                                      jax.random.key(0))))
+    total = 4 * engine.num_params
+    del state
+    bound = 2 * largest + 32 * MIB
+    assert total > 1.3 * bound, "the model must be far larger than what the load may hold"
+    load, naive = _load_peak(tmp_path / "big", "load"), _load_peak(tmp_path / "big", "naive")
+    extra, control = load["delta"] - load["state"], naive["delta"] - naive["state"]
+    print(f"hf.load: +{extra / MIB:.1f} MiB beyond the state ({load['state'] / MIB:.0f} MiB); "
+          f"naive: +{control / MIB:.1f} MiB; largest param {largest / MIB:.1f} MiB, "
+          f"model {total / MIB:.0f} MiB")
+    assert extra < bound, f"hf.load held {extra / MIB:.1f} MiB beyond the state"
+    assert control > bound, f"the control held only {control / MIB:.1f} MiB: no signal"
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    dst = tmp_path / name.replace("/", "_")
+    while dst.exists():
+        dst = dst.with_name(dst.name + "_")
+    shutil.copytree(FIXTURES / name, dst)
+    return dst
+
+
+def _one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_bad_directories_are_refused_in_one_line(tmp_path):
+    engine = lambda m: m.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=3)
+    with pytest.raises(HFError, match="not a directory"):
+        hf.model(tmp_path / "absent")
+    with pytest.raises(HFError, match="no config.json") as e:
+        hf.model(tmp_path)
+    _one_line(e)
+
+    bare = _copy("llama_gqa/single", tmp_path)
+    (bare / "model.safetensors").unlink()
+    with pytest.raises(HFError, match="neither model.safetensors nor") as e:
+        hf.load(bare, engine(hf.model(bare)))
+    _one_line(e)
+
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(HFError, match="GPT2LMHeadModel is not supported.*LlamaForCausalLM, "
+                       "Qwen2ForCausalLM, MistralForCausalLM") as e:
+        hf.model(gpt2)
+    _one_line(e)
+
+    windowed = _copy("mistral/single", tmp_path)
+    cfg = json.loads((windowed / "config.json").read_text())
+    (windowed / "config.json").write_text(json.dumps({**cfg, "sliding_window": 16}))
+    with pytest.raises(HFError, match="sliding_window=16 is not supported"):
+        hf.model(windowed)
+
+    yarn = _copy("llama_gqa/single", tmp_path)
+    cfg = json.loads((yarn / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+    (yarn / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HFError, match="rope type 'yarn' is not supported"):
+        hf.model(yarn)
+
+
+def _rewrite(path: Path, change) -> None:
+    """Rewrites a safetensors file with ``change(dict of tensors)`` applied."""
+    tensors = change(safetensors.read_all(path))
+    entries = [(k, v.dtype, v.shape) for k, v in tensors.items()]
+    safetensors.write(path, entries, iter(tensors.values()), {"format": "pt"})
+
+
+def test_bad_tensors_are_named(tmp_path):
+    engine = lambda m: m.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=3)
+    missing = _copy("llama_gqa/single", tmp_path)
+    _rewrite(missing / "model.safetensors",
+             lambda t: {k: v for k, v in t.items() if k != "model.layers.1.mlp.up_proj.weight"})
+    with pytest.raises(HFError, match="tensor model.layers.1.mlp.up_proj.weight is missing"):
+        hf.load(missing, engine(hf.model(missing)))
+
+    shape = _copy("llama_gqa/sharded", tmp_path)
+    index = json.loads((shape / "model.safetensors.index.json").read_text())
+    file = shape / index["weight_map"]["model.layers.0.self_attn.k_proj.weight"]
+    _rewrite(file, lambda t: {k: (v[:8] if k.endswith("0.self_attn.k_proj.weight") else v)
+                              for k, v in t.items()})
+    with pytest.raises(HFError, match=r"model.layers.0.self_attn.k_proj.weight has shape "
+                       r"\[8, 32\]; the config needs \[16, 32\]"):
+        hf.load(shape, engine(hf.model(shape)))
+
+    cut = _copy("llama_gqa/single", tmp_path)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(safetensors.SafetensorsError, match="is truncated") as e:
+        hf.load(cut, engine(hf.model(cut)))
+    _one_line(e)
+
+
+def test_save_refuses_a_non_empty_directory(tmp_path):
+    src = FIXTURES / "llama_gqa/single"
+    model = hf.model(src)
+    engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
+    state = hf.load(src, engine)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(HFError, match="exists and is not empty: pass overwrite=True") as e:
+        hf.save(tmp_path, engine, state)
+    _one_line(e)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    hf.save(tmp_path, engine, state, overwrite=True)
+    assert not (tmp_path / "notes.txt").exists() and (tmp_path / "model.safetensors").is_file()
+    gpt = jaxzero.Engine(lambda p, b: 0.0, optax.sgd(0.1), mesh=jaxzero.make_mesh(1))
+    with pytest.raises(HFError, match="needs an engine from Llama.engine"):
+        hf.save(tmp_path / "x", gpt, state)
