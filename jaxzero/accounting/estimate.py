@@ -497,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Per-device memory and communication of ZeRO stages 0-3 (GB = 1e9 bytes).",
     )
     p.add_argument("--params", type=str, help="parameter count, e.g. 7.5e9, 7.5B, 350M")
+    p.add_argument("--config", metavar="YAML", help="a jaxzero train config: its model (GPT or "
+                   "Llama, counted exactly), batch, precision, remat and devices")
     g = p.add_argument_group("GPT shape (instead of --params; also gives activation memory)")
     g.add_argument("--layers", type=int)
     g.add_argument("--d-model", type=int)
@@ -516,7 +518,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _from_config(args: argparse.Namespace) -> Estimate:
+    """The estimate of a train config: the params counted from the model itself
+    (``jax.eval_shape``, nothing allocated); activations from its GPT-like dimensions."""
+    import dataclasses
+
+    import jax
+
+    from jaxzero.models import from_fields
+    from jaxzero.train import config as config_lib
+
+    cfg = config_lib.resolve(args.config, [])
+    m = cfg.model
+    if m.vocab_size is None:
+        raise ValueError(f"{args.config}: model.vocab_size is needed (it is otherwise taken "
+                         "from the data)")
+    model = from_fields(dataclasses.asdict(m))
+    psi = float(sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init,
+                                                                    jax.random.key(0)))))
+    devices = cfg.parallel.devices or args.devices
+    shape = GPTShape(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len)
+    rows = cfg.train.batch_size // (devices * cfg.parallel.micro_batches)
+    if rows < 1:
+        raise ValueError(f"train.batch_size {cfg.train.batch_size} gives no rows per device "
+                         f"on {devices} devices x {cfg.parallel.micro_batches} micro-batches")
+    return estimate(
+        psi, devices, args.device_memory * GB,
+        "mixed" if cfg.precision.compute == "bf16" else "fp32", args.optimizer, shape,
+        rows, cfg.parallel.micro_batches, "full" if m.remat == "full" else "none",
+        args.fused_attention,
+    )
+
+
 def _from_args(args: argparse.Namespace) -> Estimate:
+    if args.config is not None:
+        if args.params is not None or args.layers is not None:
+            raise ValueError("give --config or --params/a GPT shape, not both")
+        return _from_config(args)
     shape = None
     gpt = (args.layers, args.d_model, args.heads)
     if any(v is not None for v in gpt):
@@ -548,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         est = _from_args(args)
-    except (ArgError, ValueError) as e:
+    except (ArgError, ValueError) as e:  # ConfigError is a ValueError
         print(f"jaxzero estimate: error: {e}", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help

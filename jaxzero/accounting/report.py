@@ -21,7 +21,7 @@ from jaxzero.cli import ArgError, Parser, output_problem
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="jaxzero report",
-        description="Compile (not run) a GPT training step; print measured memory and "
+        description="Compile (not run) a GPT or Llama training step; print measured memory and "
         "communication per device beside the ZeRO formulas.",
     )
     p.add_argument(
@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="gradient reduction dtype (default: the compute dtype)",
     )
     p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
+    p.add_argument("--arch", default="gpt", choices=["gpt", "llama"],
+                   help="gpt: the reference GPT; llama: the Llama (--kv-heads for GQA)")
+    p.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -104,19 +107,13 @@ def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any]:
 
     import jaxzero
     from jaxzero.mesh import replicas_for
-    from jaxzero.models.gpt import GPT, GPTConfig
+    from jaxzero.models import from_fields
 
     n = args.devices or jax.device_count()
     mesh = jaxzero.make_mesh(n, replicas=replicas_for(args.group_size, n, n))
-    cfg = GPTConfig(
-        vocab_size=args.vocab,
-        seq_len=args.seq_len,
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        remat=args.remat,
-    )
-    model = GPT(cfg)
+    model = from_fields(dict(arch=args.arch, vocab_size=args.vocab, seq_len=args.seq_len,
+                             d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                             n_kv_heads=args.kv_heads, remat=args.remat))
     engine = model.engine(
         optax.adamw(1e-3),
         mesh=mesh,

@@ -1,0 +1,164 @@
+"""The Llama (NNX) at every stage against one device; its config, FLOPs and the CLI around
+it: train with model.arch=llama, export --format hf, sample from a Hugging Face directory,
+estimate and compile experiments/configs/llama-1b.yaml without allocating it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxzero
+from jaxzero import cli, hf
+from jaxzero.models import from_fields
+from jaxzero.models.llama import Llama, LlamaConfig, rope_frequencies
+from jaxzero.train import config as C
+from jaxzero.train import export as ex
+from tests._models import rel_diff, train_reference
+
+ROOT = Path(__file__).parent.parent
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+# hidden 36 and kv 2 x 6: leaves that do not divide by 8 carry padding; q/k/v biases as Qwen2
+TINY = LlamaConfig(vocab_size=64, hidden_size=36, intermediate_size=52, num_hidden_layers=2,
+                   num_attention_heads=6, num_key_value_heads=2, qkv_bias=True, seq_len=8)
+
+
+def _batches(n: int, cfg: LlamaConfig = TINY, rows: int = 16) -> list[dict]:
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(n):
+        t = rng.integers(0, cfg.vocab_size, (rows, cfg.seq_len + 1)).astype(np.int32)
+        out.append({"inputs": t[:, :-1], "targets": t[:, 1:]})
+    return out
+
+
+@pytest.mark.parametrize("stage,micro", [(0, 1), (1, 2), (2, 1), (3, 2)])
+def test_llama_trains_like_one_device(stage, micro):
+    model = Llama(dataclasses.replace(TINY, remat="full" if stage == 3 else "none"))
+    params = jax.tree.map(np.asarray, model.init(jax.random.key(0)))
+    tx, data = optax.adamw(1e-2), _batches(3)
+    ref_losses, ref_params = train_reference(model.loss_fn, params, data, tx)
+    engine = model.engine(tx, mesh=jaxzero.make_mesh(8), stage=stage, micro_batches=micro)
+    state = engine.init(params)
+    losses = []
+    for b in data:
+        state, metrics = engine.step(state, b)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert rel_diff(engine.gather_params(state), ref_params) < 1e-4
+
+
+def test_config_is_checked_and_flops_count_gqa():
+    with pytest.raises(ValueError, match="not a multiple of num_key_value_heads 4"):
+        LlamaConfig(hidden_size=48, num_attention_heads=6, num_key_value_heads=4)
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="seq_len 4096 exceeds max_position_embeddings 2048"):
+        LlamaConfig(seq_len=4096)
+    model = Llama(TINY)
+    n = model.num_params(jax.eval_shape(model.init, jax.random.key(0)))
+    lookup = TINY.vocab_size * TINY.hidden_size  # untied: the input embedding is a lookup
+    attention = 12 * TINY.num_hidden_layers * TINY.seq_len * 6 * 6  # query heads x head dim
+    assert model.flops_per_token() == 6 * (n - lookup) + attention
+    linear = rope_frequencies(dataclasses.replace(TINY, rope_scaling={"rope_type": "linear",
+                                                                      "factor": 4.0}))
+    np.testing.assert_allclose(linear * 4, rope_frequencies(TINY), rtol=1e-6)
+
+
+def test_train_config_builds_either_model():
+    gpt = from_fields(dataclasses.asdict(C.ModelConfig(vocab_size=32)))
+    llama = from_fields(dataclasses.asdict(C.ModelConfig(arch="llama", vocab_size=32,
+                                                         n_kv_heads=2)))
+    assert type(gpt).__name__ == "GPT" and isinstance(llama, Llama)
+    assert (llama.config.kv_heads, llama.config.intermediate_size) == (2, 352)
+    with pytest.raises(C.ConfigError, match="model.n_kv_heads applies to model.arch=llama"):
+        C.validate(C.Config(model=C.ModelConfig(n_kv_heads=2)))
+    with pytest.raises(C.ConfigError, match="n_heads=4 is not a multiple of model.n_kv_heads=3"):
+        C.validate(C.Config(model=C.ModelConfig(arch="llama", n_kv_heads=3)))
+
+
+def test_llama_1b_config_estimates_and_compiles_abstractly(capsys):
+    """Llama 3.2 1B's shapes: counted exactly by jaxzero estimate, and its stage-3 step
+    compiled from abstract_state on 8 devices, nothing allocated."""
+    path = ROOT / "experiments" / "configs" / "llama-1b.yaml"
+    assert cli.main(["estimate", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Ψ = 1.236e+09 parameters, N = 8 devices" in out
+    cfg = C.resolve(str(path), [])
+    model = from_fields(dataclasses.asdict(cfg.model))
+    engine = model.engine(optax.adamw(1e-4), mesh=jaxzero.make_mesh(8), stage=3,
+                          precision="bf16", micro_batches=cfg.parallel.micro_batches)
+    state = engine.abstract_state(jax.eval_shape(model.init, jax.random.key(0)))
+    assert engine.num_params == 1_235_814_400  # Llama-3.2-1B's count, tied embeddings
+    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len), jnp.int32)
+    compiled = engine.compile(state, {"inputs": tokens, "targets": tokens})
+    # stage 3 in bf16: 2 + 4 + 8 bytes a param (params, master, Adam) over 8 devices
+    held = compiled.memory_analysis().argument_size_in_bytes
+    assert abs(held - 14 * engine.num_params / 8) < 0.01 * held
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama_run")
+    rc = cli.main(["train", "--set", "model.arch=llama", "--set", "model.n_kv_heads=2",
+                   "--set", "model.d_model=32", "--set", "model.n_layers=2",
+                   "--set", "model.seq_len=16", "--set", "train.steps=3",
+                   "--set", "train.batch_size=8", "--set", "logging.eval_every=3",
+                   "--set", "logging.sample_tokens=0", "--set", "checkpoint.every=3",
+                   "--set", "data.max_bytes=20000", "--devices", "2",
+                   "--set", f"logging.root={root}", "--name", "llama"])
+    assert rc == 0
+    return root / "llama"
+
+
+def test_export_hf_of_a_llama_run_equals_its_params(llama_run, tmp_path, capsys):
+    assert cli.main(["export", str(llama_run), "--out", str(tmp_path / "plain")]) == 0
+    assert cli.main(["export", str(llama_run), "--out", str(tmp_path / "hf"), "--format", "hf",
+                     "--dtype", "fp32"]) == 0
+    assert "Hugging Face format" in capsys.readouterr().out
+    plain = hf.safetensors.read_all(tmp_path / "plain" / ex.WEIGHTS)
+    model = hf.model(tmp_path / "hf", seq_len=16)
+    assert model.config.kv_heads == 2 and model.config.tie_word_embeddings
+    got = hf.read_params(tmp_path / "hf", model)
+    for name, x in jax.tree_util.tree_leaves_with_path(got):
+        key = "/".join(k.key for k in name)
+        np.testing.assert_array_equal(x, plain[key])
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_export_hf_of_a_gpt_run_is_refused(tmp_path, capsys):
+    run = tmp_path / "gpt"
+    run.mkdir()
+    (run / "config.yaml").write_text(C.dump_yaml(C.Config(model=C.ModelConfig(vocab_size=64))))
+    model = from_fields({"vocab_size": 64, "seq_len": 16, "d_model": 16, "n_layers": 1,
+                         "n_heads": 2})
+    engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
+    with jaxzero.CheckpointManager(run / "checkpoints") as ckpt:
+        ckpt.save(engine, engine.init_from(model.init, jax.random.key(0)))
+    rc = cli.main(["export", str(run), "--out", str(tmp_path / "x"), "--format", "hf"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert "--format hf needs a model.arch=llama run" in err
+
+
+def test_sample_from_a_hugging_face_directory(capsys):
+    path = FIXTURES / "llama_gqa" / "single"
+    argv = ["sample", str(path), "--prompt", "5 9 17", "--tokens", "6", "--seed", "1"]
+    assert cli.main(argv) == 0
+    first = capsys.readouterr().out.split()
+    assert first[:3] == ["5", "9", "17"] and len(first) == 9
+    assert all(0 <= int(t) < 64 for t in first)
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.split() == first  # deterministic given the seed
+    assert cli.main(["sample", str(path), "--prompt", "hello"]) == 2
+    assert "token ids" in capsys.readouterr().err
