@@ -7,7 +7,7 @@
     state, metrics = engine.step(state, batch)
 """
 
-from jaxzero import nnx
+from jaxzero import hf, nnx
 from jaxzero.checkpoint import CheckpointError, CheckpointManager
 from jaxzero.engine import Engine
 from jaxzero.hooks import use_params
@@ -23,6 +23,7 @@ __all__ = [
     "LeafLayout",
     "NNXEngine",
     "TrainState",
+    "hf",
     "layouts_for",
     "make_mesh",
     "nnx",

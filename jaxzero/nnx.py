@@ -18,8 +18,8 @@ Example:
   >>> class MLP(nnx.Module):
   ...     def __init__(self, rngs):
   ...         self.l1, self.l2 = nnx.Linear(4, 16, rngs=rngs), nnx.Linear(16, 1, rngs=rngs)
-  ...     def __call__(self, x):
-  ...         return self.l2(jaxzero.nnx.use(self.l1)(x))
+  ...     def __call__(self, x):  # each layer through use: stage 3 gathers it there
+  ...         return jaxzero.nnx.use(self.l2)(jaxzero.nnx.use(self.l1)(x))
   >>> def loss_fn(model, batch):
   ...     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
   >>> engine = jaxzero.NNXEngine(MLP(nnx.Rngs(0)), loss_fn, optax.adam(1e-2),

@@ -15,7 +15,8 @@ ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
 MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh",
            "jaxzero.collectives", "jaxzero.models.gpt", "jaxzero.job", "jaxzero.checkpoint",
-           "jaxzero.train.data", "jaxzero.accounting.estimate"]  # fmt: skip
+           "jaxzero.train.data", "jaxzero.accounting.estimate", "jaxzero.nnx",
+           "jaxzero.models.llama"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -132,3 +133,16 @@ def test_readme_speed_tables_quote_the_benchmark_results(model):
 
     table = readme_table(ROOT / "experiments" / "results" / f"bench_step_{model}.csv")
     assert table in README, f"README's {model} speed table differs from the CSV:\n{table}"
+
+
+@pytest.mark.parametrize("page", ["models.md"])
+def test_docs_pages_code_runs(page, monkeypatch, capsys):
+    """Every python block of a docs/ page, in order in one namespace, from the repo root."""
+    monkeypatch.chdir(ROOT)
+    blocks = _blocks((ROOT / "docs" / page).read_text(), "python")
+    assert blocks, f"docs/{page} has no python blocks"
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, f"docs/{page}", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "(16, 1)" in out and "loss " in out
