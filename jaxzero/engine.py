@@ -300,7 +300,9 @@ class Engine:
 
         def leaf(lay: LeafLayout, sh: NamedSharding) -> jax.Array:
             stored = lay.padded_shape if master_sharded(self.stage) else lay.shape
-            cache: dict[tuple, np.ndarray] = {}  # replicated: every device asks the same
+            # replicas (stage 0, small leaves, hybrid meshes) ask for the same slices:
+            # each distinct one is read once; together they are at most this one leaf
+            cache: dict[tuple, np.ndarray] = {}
 
             def callback(index: tuple[slice, ...]) -> np.ndarray:
                 span = tuple(s.indices(n)[:2] for s, n in zip(index, stored, strict=True))
@@ -309,7 +311,6 @@ class Engine:
                                    for (a, b), n in zip(span, lay.shape, strict=True))
                     out = np.zeros([b - a for a, b in span], np.float32)
                     out[tuple(slice(0, s.stop - s.start) for s in inside)] = read(lay, inside)
-                    cache.clear()
                     cache[span] = out
                 return cache[span]
 
