@@ -101,7 +101,9 @@ def parse_args(argv):
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.model == "llama" and args.intermediate is None:
-        args.intermediate = max(32, round(8 * args.d_model / 3 / 32) * 32)
+        from jaxzero.models import llama_ff
+
+        args.intermediate = llama_ff(args.d_model)
     if args.model != "llama" and (args.kv_heads is not None or args.intermediate is not None):
         p.error("--kv-heads and --intermediate are for --model llama")
     return args

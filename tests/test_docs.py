@@ -135,6 +135,14 @@ def test_readme_speed_tables_quote_the_benchmark_results(model):
     assert table in README, f"README's {model} speed table differs from the CSV:\n{table}"
 
 
+def test_models_page_speed_table_quotes_the_benchmark_results():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from bench_step import readme_table
+
+    table = readme_table(ROOT / "experiments" / "results" / "bench_step_llama.csv")
+    assert table in (ROOT / "docs" / "models.md").read_text(), table
+
+
 @pytest.mark.parametrize("page", ["models.md"])
 def test_docs_pages_code_runs(page, monkeypatch, capsys):
     """Every python block of a docs/ page, in order in one namespace, from the repo root."""
