@@ -11,6 +11,7 @@ from jaxzero import hf, nnx
 from jaxzero.checkpoint import CheckpointError, CheckpointManager
 from jaxzero.engine import Engine
 from jaxzero.hooks import use_params
+from jaxzero.loss import Weighted
 from jaxzero.mesh import make_mesh, simulate_devices
 from jaxzero.nnx import NNXEngine
 from jaxzero.partition import LeafLayout, layouts_for
@@ -23,6 +24,7 @@ __all__ = [
     "LeafLayout",
     "NNXEngine",
     "TrainState",
+    "Weighted",
     "hf",
     "layouts_for",
     "make_mesh",

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero import backend
+from jaxzero import loss as loss_lib
 from jaxzero import step as step_lib
 from jaxzero.mesh import batch_axes, make_mesh, num_shards
 from jaxzero.partition import LeafLayout, Rule, is_layout, layouts_for, pad, path_str, unpad
@@ -49,7 +50,10 @@ class Engine:
     """Trains ``loss_fn`` with ``optimizer`` at a ZeRO ``stage`` over ``mesh``.
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss of a batch.
+      loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss of a batch; or any
+        form of :mod:`jaxzero.loss`: ``Weighted(total, weight)`` for masked or uneven
+        token counts (exact over devices and micro-batches), ``(loss, aux)`` for extra
+        metrics, a third ``rng`` parameter for per-row PRNG keys.
       optimizer: any optax transformation (default AdamW). It sees logical shapes
         and runs on the sharded state in the global view, so elementwise ones stay
         local and the rest (clipping, LAMB, Adafactor, Muon) get the communication
@@ -82,6 +86,8 @@ class Engine:
         kernels. None: the backend's default (:data:`jaxzero.backend.DOT_BARRIER`,
         on for CPUs). The math is the same either way; only the dots' kernel, and so
         their rounding, differs.
+      seed: the seed of the per-row keys a ``loss_fn(params, batch, rng)`` gets
+        (:mod:`jaxzero.loss`, e.g. for dropout).
       compiler_options: XLA options for the step, updating the backend's preset
         (on GPUs :data:`jaxzero.backend.GPU_OPTIONS`: the latency-hiding scheduler
         and pipelined collectives that overlap gathers with compute); a value of
@@ -122,6 +128,7 @@ class Engine:
         bucket_mb: float = 64,
         donate: bool | None = None,
         dot_barrier: bool | None = None,
+        seed: int = 0,
         compiler_options: dict[str, Any] | None = None,
     ):
         if not callable(loss_fn):
@@ -149,6 +156,7 @@ class Engine:
         self.donate = backend.donate(donate, self.mesh)
         self.dot_barrier = backend.dot_barrier(dot_barrier, self.mesh)
         self.compiler_options = backend.compiler_options(self.mesh, compiler_options)
+        self.rng_seed = int(seed) if loss_lib.takes_rng(loss_fn) else None
         self.num_shards = num_shards(self.mesh)
         self.batch_devices = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))
         self.batch_sharding = NamedSharding(self.mesh, P(batch_axes(self.mesh)))
@@ -179,6 +187,7 @@ class Engine:
             batch_devices=self.batch_devices,
             bucket_bytes=self.bucket_bytes,
             dot_barrier=self.dot_barrier,
+            rng_seed=self.rng_seed,
         )
 
     def _set_layouts(self, shapes: Any) -> None:
@@ -433,7 +442,9 @@ class Engine:
     def step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on the global ``batch``; ``state`` is consumed (donated).
 
-        Returns the new state and ``{"loss", "grad_norm"}`` (replicated scalars).
+        Returns the new state and ``{"loss", "grad_norm"}`` (replicated scalars), with
+        ``"tokens"`` (the global weight) for a weighted loss and ``"aux"`` when the
+        loss returns aux metrics.
         """
         self._require_init()
         return self._step(state, self._global_batch(batch))

@@ -43,6 +43,7 @@ from flax import nnx
 
 from jaxzero.engine import Engine
 from jaxzero.hooks import use_params
+from jaxzero.loss import takes_rng
 from jaxzero.state import TrainState
 
 
@@ -87,7 +88,8 @@ class NNXEngine(Engine):
       model: the module; only its structure and (for :meth:`init`) its params are
         used. An abstract one (``nnx.eval_shape(lambda: Model(...))``) with
         :meth:`init_from` never allocates the whole model.
-      loss_fn: ``loss_fn(model, batch) -> scalar``, the mean loss of a batch.
+      loss_fn: ``loss_fn(model, batch) -> scalar``, the mean loss of a batch (or any
+        form of :mod:`jaxzero.loss`, ``rng`` as a third parameter included).
       optimizer, **kwargs: as for :class:`jaxzero.Engine` (``stage``, ``per_layer``,
         ``stacked``, ...). Param paths (for ``rules`` and ``stacked``) are the
         module's attribute names joined by ``/``, e.g. ``blocks/0/linear/kernel``.
@@ -103,8 +105,13 @@ class NNXEngine(Engine):
         self._template = nnx.state(model, nnx.Param)
         self.model_loss_fn = loss_fn
 
-        def params_loss(params: Any, batch: Any) -> jax.Array:
-            return loss_fn(bind(self.graphdef, self._template, params, self.rest), batch)
+        module = lambda params: bind(self.graphdef, self._template, params, self.rest)
+        if takes_rng(loss_fn):  # pass the per-row keys through (jaxzero.loss)
+            def params_loss(params: Any, batch: Any, rng: Any) -> Any:
+                return loss_fn(module(params), batch, rng)
+        else:
+            def params_loss(params: Any, batch: Any) -> Any:
+                return loss_fn(module(params), batch)
 
         super().__init__(params_loss, optimizer, **kwargs)
 

@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero import collectives
+from jaxzero import loss as loss_lib
 from jaxzero.hook_check import check_uses
 from jaxzero.hooks import Stored, UseOp, use_params
 from jaxzero.mesh import DATA
@@ -61,6 +62,7 @@ class StepConfig:
     batch_devices: int  # devices the global batch is split over
     bucket_bytes: int = 0  # pack gradient/param collectives up to this size
     dot_barrier: bool = False  # collectives.dot_barrier on each micro-batch's gradients
+    rng_seed: int | None = None  # loss_fn(params, batch, rng) gets per-row keys from it
 
     @property
     def extra_axes(self) -> tuple[str, ...]:
@@ -91,11 +93,18 @@ def model_view(cfg: StepConfig, layouts: Any, params: Any, slots: Any = None) ->
     return stored if cfg.per_layer else use_params(stored)
 
 
-def _loss(cfg: StepConfig, loss_fn: LossFn, view: Any, batch: Any) -> jax.Array:
-    """``loss_fn(view, batch)``; per-layer models are first checked to use ``use_params``."""
+def _loss(cfg: StepConfig, loss_fn: LossFn, view: Any, batch: Any, keys: Any = None) -> Any:
+    """``loss_fn(view, batch[, keys])``; per-layer models are first checked to use
+    ``use_params``."""
+    fn = loss_fn if cfg.rng_seed is None else (lambda v, b, k=keys: loss_fn(v, b, k))
     if cfg.per_layer and cfg.stage >= 2:
-        check_uses(loss_fn, view, batch)
-    return loss_fn(view, batch)
+        check_uses(fn, view, batch)
+    return fn(view, batch)
+
+
+def _first_row(cfg: StepConfig, rows: int) -> jax.Array:
+    """This device's first row of the global batch (its batch axes, major to minor)."""
+    return jax.lax.axis_index(cfg.batch_axes) * rows
 
 
 def _slots(layouts: Any, sharded: bool) -> Any:
@@ -104,49 +113,66 @@ def _slots(layouts: Any, sharded: bool) -> Any:
                 layouts)
 
 
-def local_gradients(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any):
-    """Mean loss of this device's batch and the gradient of its share of the global mean
-    loss (the mean over the batch devices), summed over micro-batches.
+def local_gradients(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any,
+                    step: Any = 0):
+    """This device's loss terms and gradients, summed over micro-batches.
 
+    Returns ``(total, weight, aux, grads, weighted)``. Scalar-mean losses
+    (``weighted`` False): ``total`` is the mean over micro-batches and the gradient is
+    that of this device's share of the global mean (the 1/N rides the backward pass).
+    :class:`jaxzero.loss.Weighted` losses: the sums and the gradient of the sum, to be
+    divided by the global weight once it is known (:func:`gradient_step`).
     Stages 0–1 return full, unreduced gradients w.r.t. the working params; stages
-    2–3 return this device's slice of the already reduced (global-mean) gradient.
+    2–3 this device's slice of the already reduced gradient.
     """
     hooked = cfg.stage >= 2
     diff0 = _slots(layouts, True) if hooked else params
     share = 1.0 / cfg.batch_devices
+    k = cfg.micro_batches
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    first = _first_row(cfg, rows)
+    form: dict[str, bool] = {}  # set while tracing: which form the loss returned
 
-    def loss_of(diff, mb):
+    def loss_of(diff, mb, j):
         view = model_view(cfg, layouts, params, diff) if hooked else model_view(cfg, layouts, diff)
-        loss = _loss(cfg, loss_fn, view, mb)
-        if jnp.shape(loss) != ():
-            raise TypeError(f"loss_fn must return a scalar, got shape {jnp.shape(loss)}")
-        loss = loss.astype(jnp.float32)
-        # differentiate this device's share of the global mean: the 1/N rides the
-        # backward pass instead of costing a multiply per gradient leaf
-        return loss * share, loss
+        keys = None
+        if cfg.rng_seed is not None:
+            keys = loss_lib.row_keys(cfg.rng_seed, step, first + j * (rows // k), rows // k)
+        total, weight, aux = loss_lib.unpack(_loss(cfg, loss_fn, view, mb, keys))
+        form["weighted"] = weight is not None
+        if weight is None:
+            # differentiate this device's share of the global mean: the 1/N rides the
+            # backward pass instead of costing a multiply per gradient leaf
+            return total * share, (total, jnp.ones((), jnp.float32), aux)
+        return total, (total, weight, aux)
 
     value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
 
-    def grad_fn(diff, mb):
-        (_, loss), grads = value_and_grad(diff, mb)
+    def grad_fn(diff, mb, j):
+        (_, terms), grads = value_and_grad(diff, mb, j)
         if cfg.dot_barrier and not hooked and not cfg.per_layer:  # else in use_params
             grads = jax.tree.map(collectives.dot_barrier, grads)
-        return loss, grads
+        return terms, grads
 
-    k = cfg.micro_batches
     if k == 1:
-        return grad_fn(diff0, batch)
+        (total, weight, aux), grads = grad_fn(diff0, batch, 0)
+        return total, weight, aux, grads, form["weighted"]
 
     mbs = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+    f32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
 
-    def body(carry, mb):
-        loss_sum, acc = carry
-        loss, g = grad_fn(diff0, mb)
-        return (loss_sum + loss, jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)), None
+    def body(carry, xs):
+        mb, j = xs
+        terms, g = grad_fn(diff0, mb, j)
+        return jax.tree.map(lambda a, b: a + b, carry, (f32(terms), f32(g))), None
 
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), diff0)
-    (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
-    return loss_sum / k, jax.tree.map(lambda a: a / k, acc)
+    terms0, _ = jax.eval_shape(grad_fn, diff0, jax.tree.map(lambda x: x[0], mbs), 0)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (terms0, diff0))
+    ((total, weight, aux), acc), _ = jax.lax.scan(body, zeros, (mbs, jnp.arange(k)))
+    if form["weighted"]:
+        return total, weight, aux, acc, True
+    mean = lambda t: jax.tree.map(lambda a: a / k, t)
+    return total / k, weight, mean(aux), mean(acc), False
 
 
 def reduce_gradients(cfg: StepConfig, layouts: Any, grads: Any) -> Any:
@@ -184,18 +210,33 @@ def clip(grads: Any, norm: jax.Array, max_norm: float | None) -> Any:
     return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, g * (max_norm / norm)), grads)
 
 
-def gradient_step(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any):
-    """Per device: mean loss, reduced (and clipped) gradients, and their global norm.
+def gradient_step(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any,
+                  step: Any = 0):
+    """Per device: the global loss, reduced (and clipped) gradients, their global norm
+    and the metrics of the loss's form (``tokens`` when weighted, ``aux``).
 
     The gradients come out as the master params are stored: whole in stage 0,
     this device's padded slice from stage 1.
     """
-    loss, grads = local_gradients(cfg, layouts, loss_fn, params, batch)
+    total, weight, aux, grads, weighted = local_gradients(cfg, layouts, loss_fn, params, batch,
+                                                          step)
     if cfg.stage <= 1:
         grads = reduce_gradients(cfg, layouts, grads)
+    metrics = {}
+    if weighted:  # sums over every device and micro-batch, over the global weight
+        tokens = jax.lax.psum(weight, cfg.batch_axes)
+        grads = jax.tree.map(lambda g: g / tokens, grads)
+        loss = jax.lax.psum(total, cfg.batch_axes) / tokens
+        aux = jax.tree.map(lambda a: jax.lax.psum(a, cfg.batch_axes) / tokens, aux)
+        metrics["tokens"] = tokens
+    else:
+        loss = jax.lax.pmean(total, cfg.batch_axes)
+        aux = jax.tree.map(lambda a: jax.lax.pmean(a, cfg.batch_axes), aux)
+    if aux is not None:
+        metrics["aux"] = aux
     norm = global_norm(cfg, layouts, grads)
     grads = clip(grads, norm, cfg.max_grad_norm)
-    return jax.lax.pmean(loss, cfg.batch_axes), grads, norm
+    return loss, grads, norm, metrics
 
 
 def gather_params(cfg: StepConfig, layouts: Any, params: Any) -> Any:
@@ -242,8 +283,8 @@ def make_train_step(cfg: StepConfig, mesh: Mesh, layouts: Any, opt_lays: Any, sp
     sharded = master_sharded(cfg.stage)
     grad_specs = master_specs(cfg.stage, layouts)
     grads_of = jax.shard_map(functools.partial(gradient_step, cfg, layouts, loss_fn), mesh=mesh,
-                             in_specs=(specs.params, P(cfg.batch_axes)),
-                             out_specs=(P(), grad_specs, P()), check_vma=False)
+                             in_specs=(specs.params, P(cfg.batch_axes), P()),
+                             out_specs=(P(), grad_specs, P(), P()), check_vma=False)
     gather = jax.shard_map(functools.partial(gather_params, cfg, layouts), mesh=mesh,
                            in_specs=(grad_specs,), out_specs=specs.params, check_vma=False)
     place = lambda tree: jax.tree.map(
@@ -251,7 +292,7 @@ def make_train_step(cfg: StepConfig, mesh: Mesh, layouts: Any, opt_lays: Any, sp
         tree, grad_specs)
 
     def train_step(state: TrainState, batch: Any):
-        loss, grads, norm = grads_of(state.params, batch)
+        loss, grads, norm, extra = grads_of(state.params, batch, state.step)
         master = state.master if cfg.mixed else state.params
         master, opt_state = optimizer_update(tx, layouts, opt_lays, sharded, grads,
                                              state.opt_state, master)
@@ -261,14 +302,18 @@ def make_train_step(cfg: StepConfig, mesh: Mesh, layouts: Any, opt_lays: Any, sp
             params = gather(params)
         new = TrainState(step=state.step + 1, params=params,
                          master=master if cfg.mixed else None, opt_state=opt_state)
-        return new, {"loss": loss, "grad_norm": norm}
+        return new, {"loss": loss, "grad_norm": norm, **extra}
 
     return train_step
 
 
 def eval_loss(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any):
-    """Forward-only mean loss over the global batch."""
+    """Forward-only loss over the global batch, combined as the step combines it; a loss
+    that takes ``rng`` gets None (no dropout)."""
     view = params
     if cfg.stage >= 2:
         view = model_view(cfg, layouts, params, _slots(layouts, cfg.stage == 3))
-    return jax.lax.pmean(_loss(cfg, loss_fn, view, batch).astype(jnp.float32), cfg.batch_axes)
+    total, weight, _ = loss_lib.unpack(_loss(cfg, loss_fn, view, batch, None))
+    if weight is None:
+        return jax.lax.pmean(total, cfg.batch_axes)
+    return jax.lax.psum(total, cfg.batch_axes) / jax.lax.psum(weight, cfg.batch_axes)

@@ -1,0 +1,141 @@
+"""The loss contract (jaxzero.loss): weighted losses exact however unevenly the tokens fall,
+aux metrics and per-row dropout keys independent of stage, devices and micro-batching."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxzero
+from jaxzero.loss import dropout
+from tests._models import gpt, gpt_batches, mlp_batches, mlp_params, rel_diff, train_reference
+
+MODEL, PARAMS = gpt()
+
+
+def masked_loss(params, batch):
+    """Cross-entropy summed over the unmasked tokens, and their count."""
+    logits = MODEL.apply(params, batch["inputs"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return jaxzero.Weighted(jnp.sum(ce * mask), jnp.sum(mask))
+
+
+def mean_of_shares(params, batch):
+    """The old scalar form of the same loss: the mean over this share's tokens."""
+    w = masked_loss(params, batch)
+    return w.total / jnp.maximum(w.weight, 1.0)
+
+
+def uneven_batches(n: int = 3) -> list[dict]:
+    """32 rows: device 0's rows carry no loss at all (all prompt), device 1's every
+    token, the rest random lengths of completion at the end of the row."""
+    rng = np.random.default_rng(7)
+    out = []
+    for b in gpt_batches(n, batch=32):
+        seq = b["inputs"].shape[1]
+        start = rng.integers(0, seq, 32)
+        start[:4], start[4:8] = seq, 0  # rows of device 0, then device 1 (8 devices)
+        b["loss_mask"] = (np.arange(seq)[None] >= start[:, None]).astype(np.int32)
+        out.append(b)
+    return out
+
+
+def _train(engine, params, batches):
+    state, losses, tokens = engine.init(params), [], []
+    for b in batches:
+        state, metrics = engine.step(state, b)
+        losses.append(float(metrics["loss"]))
+        tokens.append(float(metrics.get("tokens", np.nan)))
+    return np.array(losses), engine.gather_params(state), tokens
+
+
+@pytest.mark.parametrize("micro", [1, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_weighted_loss_is_exact_with_uneven_masks(stage, micro):
+    data, tx = uneven_batches(), optax.sgd(0.5)  # the update is the gradient itself
+    whole = lambda p, b: (lambda w: w.total / w.weight)(masked_loss(p, b))
+    ref_losses, ref_params = train_reference(whole, PARAMS, data, tx)
+    engine = jaxzero.Engine(masked_loss, tx, mesh=jaxzero.make_mesh(8), stage=stage,
+                            micro_batches=micro, per_layer=True, stacked=r"^blocks/")
+    losses, params, tokens = _train(engine, PARAMS, data)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert rel_diff(params, ref_params) <= 1e-5
+    assert tokens == [float(b["loss_mask"].sum()) for b in data]
+
+
+def test_the_scalar_form_of_the_same_loss_is_not_exact():
+    """The control: a mean per share, averaged over shares, weighs device 1's tokens less
+    than device 7's; the same test as above then fails."""
+    data, tx = uneven_batches(), optax.adamw(1e-2)
+    whole = lambda p, b: (lambda w: w.total / w.weight)(masked_loss(p, b))
+    ref_losses, _ = train_reference(whole, PARAMS, data, tx)
+    engine = jaxzero.Engine(mean_of_shares, tx, mesh=jaxzero.make_mesh(8), stage=3,
+                            micro_batches=4, per_layer=True, stacked=r"^blocks/")
+    losses, _, _ = _train(engine, PARAMS, data)
+    assert np.max(np.abs(losses - ref_losses) / ref_losses) > 1e-2
+
+
+def dropout_loss(params, batch, rng):
+    """An MLP with dropout on its hidden layer, a weighted loss and an aux metric."""
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    h = dropout(h, 0.3, rng)
+    y = params["scale"] * (h @ params["w2"] + params["b2"])
+    err = jnp.sum((y - batch["y"]) ** 2, axis=-1)
+    close = jnp.sum((jnp.abs(y - batch["y"]) < 0.5).astype(jnp.float32), axis=-1)
+    rows = jnp.float32(err.shape[0])
+    return jaxzero.Weighted(jnp.sum(err), rows), {"close": jnp.sum(close), "rows": rows}
+
+
+def test_dropout_and_aux_are_the_same_at_any_stage_device_count_and_micro_batching():
+    data, tx = mlp_batches(3, batch=16), optax.adam(1e-2)
+
+    def run(devices, stage, micro):
+        engine = jaxzero.Engine(dropout_loss, tx, mesh=jaxzero.make_mesh(devices), stage=stage,
+                                micro_batches=micro, seed=3, min_shard_size=8)
+        state, out = engine.init(mlp_params()), []
+        for b in data:
+            state, metrics = engine.step(state, b)
+            out.append(jax.tree.map(float, metrics))
+        return out, engine.gather_params(state)
+
+    one, p1 = run(1, 0, 1)
+    many, p8 = run(8, 3, 2)
+    assert rel_diff(p8, p1) <= 1e-5
+    for a, b in zip(one, many, strict=True):
+        assert a["tokens"] == b["tokens"] == 16.0 and a["aux"]["rows"] == 1.0
+        np.testing.assert_allclose([b["loss"], b["aux"]["close"]],
+                                   [a["loss"], a["aux"]["close"]], rtol=1e-5)
+    other_seed = jaxzero.Engine(dropout_loss, tx, mesh=jaxzero.make_mesh(1), stage=0, seed=4)
+    _, metrics = other_seed.step(other_seed.init(mlp_params()), data[0])
+    assert abs(float(metrics["loss"]) - one[0]["loss"]) > 1e-4, "the seed must matter"
+
+
+def test_eval_combines_like_the_step_and_passes_no_rng():
+    data = uneven_batches(1)[0]
+    engine = jaxzero.Engine(masked_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(8), stage=2)
+    state = engine.init(PARAMS)
+    w = masked_loss(PARAMS, data)
+    np.testing.assert_allclose(float(engine.eval_loss(state, data)), w.total / w.weight,
+                               rtol=1e-5)
+    engine = jaxzero.Engine(dropout_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=0)
+    b = mlp_batches(1, batch=16)[0]
+    got = float(engine.eval_loss(engine.init(mlp_params()), b))
+    w, _ = dropout_loss(mlp_params(), b, None)
+    np.testing.assert_allclose(got, w.total / w.weight, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda p, b: jnp.ones(3) * p["w"].sum(), "must be a scalar, got \\(3,\\)"),
+    (lambda p, b: (p["w"].sum(), 1.0, 2.0), "a tuple of 3"),
+    (lambda p, b: jaxzero.Weighted(p["w"], 1.0), "total must be a scalar"),
+])
+def test_a_loss_of_another_form_is_refused_naming_the_forms(bad, match):
+    engine = jaxzero.Engine(bad, optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
+    state = engine.init({"w": np.ones(4, np.float32)})
+    with pytest.raises(TypeError, match=match) as e:
+        engine.step(state, {"x": np.ones((2, 1), np.float32)})
+    assert "jaxzero.Weighted(total, weight)" in str(e.value)
