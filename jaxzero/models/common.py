@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 REMAT_POLICIES = {
     "none": None,
@@ -29,21 +30,53 @@ def attention_impl(choice: str, dtype: Any, backend: str | None = None) -> str:
 
 
 def causal_attention(q_BxSxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array,
-                     choice: str = "auto") -> jax.Array:
+                     choice: str = "auto", segment_ids_BxS: jax.Array | None = None
+                     ) -> jax.Array:
     """Causal multi-head attention with the implementation ``choice`` resolves to.
 
-    ``"auto"`` falls back to XLA when cuDNN refuses the shapes (e.g. a head dim it
-    does not support); an explicit ``"cudnn"`` raises instead.
+    With ``segment_ids`` (packed documents), a token attends only to earlier tokens of
+    its own segment. Key/value heads may be fewer than query heads (grouped-query).
+    ``"auto"`` falls back to XLA when cuDNN refuses the shapes or the mask (e.g. a head
+    dim it does not support); an explicit ``"cudnn"`` raises instead.
     """
     impl = attention_impl(choice, q_BxSxHxK.dtype)
+    mask = None
+    if segment_ids_BxS is not None:
+        mask = segment_ids_BxS[:, None, :, None] == segment_ids_BxS[:, None, None, :]
     attend = lambda i: jax.nn.dot_product_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK,
-                                                    is_causal=True, implementation=i)
+                                                    mask=mask, is_causal=True,
+                                                    implementation=i)
     if impl == "cudnn" and choice == "auto":
         try:
             return attend("cudnn")
         except (NotImplementedError, ValueError, RuntimeError):
             return attend("xla")
     return attend(impl)
+
+
+def positions(tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None) -> jax.Array:
+    """Each token's position in its document: from 0 in every row, or from 0 at the
+    start of every segment of packed documents."""
+    b, s = tokens_BxS.shape
+    index = jnp.broadcast_to(jnp.arange(s), (b, s))
+    if segment_ids_BxS is None:
+        return index
+    starts = jnp.concatenate([jnp.ones((b, 1), bool),
+                              segment_ids_BxS[:, 1:] != segment_ids_BxS[:, :-1]], axis=1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def token_loss(logits_BxSxV: jax.Array, batch: dict[str, jax.Array]) -> Any:
+    """Next-token cross-entropy: the mean over every token, or, when the batch has a
+    ``loss_mask`` (prompt and padding 0), its sum over the unmasked tokens and their
+    count (:class:`jaxzero.Weighted`), so the step's loss is exact over the global batch."""
+    from jaxzero.loss import Weighted
+
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["targets"])
+    if "loss_mask" not in batch:
+        return ce.mean()
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return Weighted(jnp.sum(ce * mask), jnp.sum(mask))
 
 
 def generate(apply: Callable[[Any, jax.Array], jax.Array], window: int, params: Any,

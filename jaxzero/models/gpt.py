@@ -24,6 +24,8 @@ from jaxzero.models.common import (  # noqa: F401 - attention_impl: part of this
     attention_impl,
     causal_attention,
     generate,
+    positions,
+    token_loss,
 )
 
 
@@ -65,7 +67,8 @@ class Block(nn.Module):
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxSxD: jax.Array, segment_ids_BxS: jax.Array | None = None
+                 ) -> jax.Array:
         cfg, dt = self.cfg, x_BxSxD.dtype
         b, s, d = x_BxSxD.shape
         h, dh = cfg.n_heads, d // cfg.n_heads
@@ -75,7 +78,7 @@ class Block(nn.Module):
         # no qkv bias: the key bias has no gradient (softmax ignores it), only noise
         qkv_BxSx3D = nn.Dense(3 * d, dtype=dt, use_bias=False, kernel_init=init, name="qkv")(y)
         q, k, v = jnp.split(qkv_BxSx3D.reshape(b, s, 3 * h, dh), 3, axis=2)
-        att_BxSxHxK = causal_attention(q, k, v, cfg.attention)
+        att_BxSxHxK = causal_attention(q, k, v, cfg.attention, segment_ids_BxS)
         x_BxSxD = x_BxSxD + nn.Dense(d, dtype=dt, kernel_init=out_init, name="proj")(
             att_BxSxHxK.reshape(b, s, d))
         y = nn.LayerNorm(dtype=dt, name="ln2")(x_BxSxD)
@@ -123,17 +126,19 @@ class GPT:
                                                                           c.vocab_size))}
         return params
 
-    def apply(self, params: dict[str, Any], tokens_BxS: jax.Array) -> jax.Array:
-        """Logits (fp32) for every position."""
+    def apply(self, params: dict[str, Any], tokens_BxS: jax.Array,
+              segment_ids_BxS: jax.Array | None = None) -> jax.Array:
+        """Logits (fp32) for every position. With ``segment_ids`` (packed documents)
+        positions restart at each document and attention stays inside it."""
         c = self.config
         s = tokens_BxS.shape[1]
         if s > c.seq_len:
             raise ValueError(f"sequence of {s} tokens is longer than seq_len {c.seq_len}")
         emb = use_params({"wte": params["wte"], "wpe": params["wpe"]})
-        x_BxSxD = emb["wte"][tokens_BxS] + emb["wpe"][:s]
+        x_BxSxD = emb["wte"][tokens_BxS] + emb["wpe"][positions(tokens_BxS, segment_ids_BxS)]
 
         def layer(x, p):
-            return self.block.apply({"params": use_params(p)}, x), None
+            return self.block.apply({"params": use_params(p)}, x, segment_ids_BxS), None
 
         layer = remat_layer(layer, REMAT_POLICIES[c.remat])  # stage 3: re-gather in backward
         x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, params["blocks"])
@@ -142,11 +147,10 @@ class GPT:
         head_DxV = emb["wte"].T if c.tie_embeddings else use_params(params["head"])["kernel"]
         return jnp.einsum("bsd,dv->bsv", x_BxSxD, head_DxV).astype(jnp.float32)
 
-    def loss_fn(self, params: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
-        """Mean next-token cross-entropy (nats per token) of ``batch["inputs"/"targets"]``."""
-        logits_BxSxV = self.apply(params, batch["inputs"])
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits_BxSxV, batch["targets"]).mean()
+    def loss_fn(self, params: dict[str, Any], batch: dict[str, jax.Array]) -> Any:
+        """Next-token cross-entropy (nats per token) of ``batch["inputs"/"targets"]``;
+        ``segment_ids`` and ``loss_mask`` as :func:`jaxzero.models.common.token_loss`."""
+        return token_loss(self.apply(params, batch["inputs"], batch.get("segment_ids")), batch)
 
     def engine(self, optimizer: optax.GradientTransformation | None = None, **kwargs):
         """An :class:`jaxzero.Engine` for this model, with per-layer gathering."""

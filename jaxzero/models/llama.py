@@ -27,7 +27,14 @@ import optax
 from flax import nnx
 
 from jaxzero.hooks import remat_layer, use_params
-from jaxzero.models.common import ATTENTION, REMAT_POLICIES, causal_attention, generate
+from jaxzero.models.common import (
+    ATTENTION,
+    REMAT_POLICIES,
+    causal_attention,
+    generate,
+    positions,
+    token_loss,
+)
 from jaxzero.nnx import bind, split, use
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -172,13 +179,15 @@ class Attention(nnx.Module):
         self.o_proj = Linear(h * k, d, cfg.o_bias, std, rngs)
         self.heads, self.kv_heads, self.head_dim, self.impl = h, kv, k, cfg.attention
 
-    def __call__(self, x_BxSxD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(self, x_BxSxD: jax.Array, cos: jax.Array, sin: jax.Array,
+                 segment_ids_BxS: jax.Array | None = None) -> jax.Array:
         b, s, _ = x_BxSxD.shape
         q = self.q_proj(x_BxSxD).reshape(b, s, self.heads, self.head_dim)
         k = self.k_proj(x_BxSxD).reshape(b, s, self.kv_heads, self.head_dim)
         v = self.v_proj(x_BxSxD).reshape(b, s, self.kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out_BxSxHxK = causal_attention(q, k, v, self.impl)  # grouped-query: kv heads shared
+        # grouped-query: the kv heads are shared
+        out_BxSxHxK = causal_attention(q, k, v, self.impl, segment_ids_BxS)
         return self.o_proj(out_BxSxHxK.reshape(b, s, self.heads * self.head_dim))
 
 
@@ -202,8 +211,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 segment_ids_BxS: jax.Array | None = None) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids_BxS)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -231,19 +241,22 @@ class LlamaModule(nnx.Module):
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Embedding(cfg.vocab_size, cfg.hidden_size, std, rngs))
 
-    def __call__(self, tokens_BxS: jax.Array) -> jax.Array:
-        """Logits (fp32) of every position; positions count from 0 in each row. The
-        activations take the params' dtype (bf16 in mixed precision)."""
+    def __call__(self, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None
+                 ) -> jax.Array:
+        """Logits (fp32) of every position; positions count from 0 in each row, or in
+        each document of packed rows (``segment_ids``, whose attention stays inside
+        each document). The activations take the params' dtype (bf16 in mixed
+        precision)."""
         cfg = self.cfg
-        b, s = tokens_BxS.shape
         embed = use(self.embed_tokens).weight[...]
         x_BxSxD = embed[tokens_BxS]
-        cos, sin = rotary(jnp.broadcast_to(jnp.arange(s), (b, s)), rope_frequencies(cfg))
+        cos, sin = rotary(positions(tokens_BxS, segment_ids_BxS), rope_frequencies(cfg))
 
         graphdef, stacked, rest = nnx.split(self.layers, nnx.Param, ...)
 
         def layer(x, params):
-            return nnx.merge(graphdef, use_params(params), rest)(x, cos, sin), None
+            layer = nnx.merge(graphdef, use_params(params), rest)
+            return layer(x, cos, sin, segment_ids_BxS), None
 
         layer = remat_layer(layer, REMAT_POLICIES[cfg.remat])  # stage 3: re-gather in backward
         x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, stacked)
@@ -292,19 +305,19 @@ class Llama:
         """Fresh fp32 params (pure: ``Engine.init_from`` runs it sharded from birth)."""
         return split(LlamaModule(self.config, nnx.Rngs(rng)))[1]
 
-    def apply(self, params: dict[str, Any], tokens_BxS: jax.Array) -> jax.Array:
+    def apply(self, params: dict[str, Any], tokens_BxS: jax.Array,
+              segment_ids_BxS: jax.Array | None = None) -> jax.Array:
         """Logits (fp32) for every position, computed in the params' dtype."""
         s = tokens_BxS.shape[1]
         if s > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {s} tokens is longer than max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
-        return self.module(params)(tokens_BxS)
+        return self.module(params)(tokens_BxS, segment_ids_BxS)
 
-    def loss_fn(self, params: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
-        """Mean next-token cross-entropy (nats per token) of ``batch["inputs"/"targets"]``."""
-        logits_BxSxV = self.apply(params, batch["inputs"])
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits_BxSxV, batch["targets"]).mean()
+    def loss_fn(self, params: dict[str, Any], batch: dict[str, jax.Array]) -> Any:
+        """Next-token cross-entropy (nats per token) of ``batch["inputs"/"targets"]``;
+        ``segment_ids`` and ``loss_mask`` as :func:`jaxzero.models.common.token_loss`."""
+        return token_loss(self.apply(params, batch["inputs"], batch.get("segment_ids")), batch)
 
     def engine(self, optimizer: optax.GradientTransformation | None = None, **kwargs):
         """An :class:`jaxzero.Engine` for this model, gathering one layer at a time.
