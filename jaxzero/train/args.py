@@ -28,7 +28,9 @@ SHORTCUTS = {  # --flag: (config key, type, help); applied before --set, so --se
                          "(default 8 when only one CPU device would exist)"),
     "micro_batches": ("parallel.micro_batches", int, "gradient accumulation steps"),
     "precision": ("precision.compute", str, "fp32 or bf16"),
-    "data": ("data.path", str, "text file, directory of text files, or uint16 token file/dir"),
+    "data": ("data.path", str, "text file, directory of text files, uint16 token file/dir, "
+             "or JSONL (with --tokenizer)"),
+    "tokenizer": ("data.tokenizer", str, "tokenizer.json or a model directory holding one"),
     "steps": ("train.steps", int, "optimizer steps"),
     "name": ("logging.name", str, "run name: results go to runs/NAME/"),
 }  # fmt: skip

@@ -60,6 +60,9 @@ class DataConfig:
 
     path: str | None = None  # text file, directory of text files, .bin token file or directory
     format: Literal["auto", "bytes", "uint16"] = "auto"
+    # tokenizer.json or a model directory: text and JSONL (text, prompt/completion, chat
+    # messages) are tokenized once into a cached store and packed (jaxzero.data.store)
+    tokenizer: str | None = None
     max_bytes: int = 4_000_000  # cap on the stdlib/text-directory corpus (deterministic prefix)
     val_fraction: float = 0.05  # tail of the corpus held out when there is no val.bin
 

@@ -36,7 +36,7 @@ from jaxzero.train.config import DataConfig
 
 TOKEN_SUFFIX = ".bin"  # nanoGPT's uint16 token files
 BYTE_VOCAB = 256
-Kind = Literal["bytes", "uint16"]
+Kind = Literal["bytes", "uint16", "tokenizer"]
 
 
 class DataError(ValueError):
@@ -60,6 +60,10 @@ class Corpus:
     kind: Kind
     vocab_size: int
     source: str
+    train_mask: np.ndarray | None = None  # 1 where a loss is taken (None: everywhere)
+    val_mask: np.ndarray | None = None
+    eos: int | None = None  # separates packed documents (tokenizer data)
+    tokenizer: Any = None  # a jaxzero.data.tokenizer.Tokenizer for tokenizer data
 
 
 # --------------------------------------------------------------------------- reading
@@ -199,6 +203,8 @@ def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
     Raises:
       DataError: the path does not exist, holds no tokens, or is a binary file read as text.
     """
+    if cfg.tokenizer is not None:
+        return _tokenized_corpus(cfg, vocab_size)
     if cfg.path is None:
         files = stdlib_files()
         source = f"python stdlib sources ({sysconfig.get_paths()['stdlib']})"
@@ -235,6 +241,31 @@ def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
     return _bytes_corpus(*split(data, cfg.val_fraction), str(path))
 
 
+def _tokenized_corpus(cfg: DataConfig, vocab_size: int | None) -> Corpus:
+    """Text or JSONL through a tokenizer, from the cached token store; the validation
+    split is the tail of the document stream."""
+    from jaxzero.data import store as store_lib
+    from jaxzero.data.tokenizer import Tokenizer, TokenizerError
+
+    if cfg.path is None:
+        raise DataError("data.tokenizer needs data.path (text files or JSONL)")
+    try:
+        tok = Tokenizer.load(cfg.tokenizer)
+        store = store_lib.build(cfg.path, tok)
+    except (TokenizerError, store_lib.StoreError) as e:
+        raise DataError(str(e)) from None
+    if vocab_size is not None and tok.vocab_size > vocab_size:
+        raise DataError(f"the tokenizer's vocabulary ({tok.vocab_size}) is larger than "
+                        f"model.vocab_size={vocab_size}: its ids would index past the embedding")
+    n = len(store.tokens)
+    cut = n - max(1, int(n * cfg.val_fraction))
+    mask = store.mask
+    return Corpus(store.tokens[:cut], store.tokens[cut:], "tokenizer", vocab_size or tok.vocab_size,
+                  f"{cfg.path} ({store.meta['documents']:,} documents, {tok.source})",
+                  None if mask is None else mask[:cut], None if mask is None else mask[cut:],
+                  tok.eos_id, tok)
+
+
 def _bytes_corpus(train: np.ndarray, val: np.ndarray, source: str) -> Corpus:
     if len(train) == 0 or len(val) == 0:
         raise DataError(
@@ -261,16 +292,21 @@ def _max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
     return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))
 
 
-def decode(tokens: np.ndarray, kind: Kind) -> str:
-    """Text of byte tokens; uint16 ids have no tokenizer here, so they are printed as ids."""
+def decode(tokens: np.ndarray, kind: Kind, tokenizer: Any = None) -> str:
+    """Text of byte tokens or through ``tokenizer``; ids without one are printed as ids."""
     tokens = np.asarray(tokens).reshape(-1)
+    if tokenizer is not None:
+        return tokenizer.decode(tokens)
     if kind == "bytes":
         return bytes(tokens.astype(np.uint8).tolist()).decode("utf-8", errors="replace")
     return " ".join(str(int(t)) for t in tokens)
 
 
-def encode(text: str, kind: Kind) -> np.ndarray:
-    """Byte tokens of ``text``; for uint16 data (no tokenizer) an empty prompt."""
+def encode(text: str, kind: Kind, tokenizer: Any = None) -> np.ndarray:
+    """Byte tokens of ``text``, or through ``tokenizer``; for uint16 data (no tokenizer)
+    an empty prompt."""
+    if tokenizer is not None:
+        return np.asarray(tokenizer.encode(text), np.int32)
     if kind == "bytes":
         return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
     return np.zeros(0, np.int32)
@@ -294,15 +330,25 @@ def offsets(num_tokens: int, seq_len: int, batch_size: int, seed: int, step: int
     return rng.integers(0, num_tokens - seq_len, size=batch_size, dtype=np.int64)
 
 
-def read_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
-    """``{"inputs", "targets"}`` int32 ``[len(starts), seq_len]``: windows and their shift."""
-    rows = (
-        np.stack([np.asarray(tokens[s : s + seq_len + 1]) for s in starts])
-        if len(starts)
-        else np.zeros((0, seq_len + 1), tokens.dtype)
-    )
-    rows = rows.astype(np.int32)
-    return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+def read_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int,
+                 mask: np.ndarray | None = None, eos: int | None = None
+                 ) -> dict[str, np.ndarray]:
+    """``{"inputs", "targets"}`` int32 ``[len(starts), seq_len]``: windows and their shift.
+
+    With ``eos`` (packed documents) also ``segment_ids``: a document's tokens share one,
+    its EOS included, so attention stays inside it and positions restart after it. With
+    ``mask`` also ``loss_mask``: 1 where the target token carries a loss.
+    """
+    take = lambda a: (np.stack([np.asarray(a[s : s + seq_len + 1]) for s in starts])
+                      if len(starts) else np.zeros((0, seq_len + 1), a.dtype))
+    rows = take(tokens).astype(np.int32)
+    out = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+    if eos is not None:
+        ends = (out["inputs"] == eos).astype(np.int32)
+        out["segment_ids"] = np.cumsum(ends, axis=1) - ends  # the EOS ends its own segment
+    if mask is not None:
+        out["loss_mask"] = take(mask)[:, 1:].astype(np.int32)
+    return out
 
 
 def process_rows(device_rows: Mapping[Any, Any], batch_size: int) -> dict[int, slice]:
@@ -355,16 +401,18 @@ class Loader:
         batch_size: int,
         seed: int,
         rows: slice = slice(None),
+        mask: np.ndarray | None = None,
+        eos: int | None = None,
     ):
         check_length(tokens, seq_len, "training")
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
-        self.rows = rows
+        self.rows, self.mask, self.eos = rows, mask, eos
         self.step = 0
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of the global batch of ``step`` (pure: no position change)."""
         starts = offsets(len(self.tokens), self.seq_len, self.batch_size, self.seed, step)
-        return read_windows(self.tokens, starts[self.rows], self.seq_len)
+        return read_windows(self.tokens, starts[self.rows], self.seq_len, self.mask, self.eos)
 
     def __iter__(self) -> Loader:
         return self
@@ -403,9 +451,10 @@ def eval_starts(num_tokens: int, seq_len: int, batch_size: int, num_batches: int
 
 
 def eval_batches(
-    tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int, rows: slice = slice(None)
+    tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int, rows: slice = slice(None),
+    mask: np.ndarray | None = None, eos: int | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """This process's rows of the fixed validation batches."""
     check_length(tokens, seq_len, "validation")
     starts = eval_starts(len(tokens), seq_len, batch_size, num_batches)
-    return [read_windows(tokens, s[rows], seq_len) for s in starts]
+    return [read_windows(tokens, s[rows], seq_len, mask, eos) for s in starts]

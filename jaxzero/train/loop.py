@@ -259,7 +259,8 @@ def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress,
     b, seq, steps, lg = cfg.train.batch_size, cfg.model.seq_len, cfg.train.steps, cfg.logging
     rows = data_lib.process_rows(engine.batch_sharding.devices_indices_map((b, seq)), b)
     rows = rows[jax.process_index()]
-    loader = data_lib.Loader(corpus.train, seq, b, cfg.train.seed, rows)
+    loader = data_lib.Loader(corpus.train, seq, b, cfg.train.seed, rows, corpus.train_mask,
+                             corpus.eos)
     first = int(state.step) + 1
     loader.load_state_dict(position or {"step": first - 1, "seed": cfg.train.seed})
 
@@ -269,7 +270,8 @@ def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress,
 
     val = [
         engine.shard_batch(x)
-        for x in data_lib.eval_batches(corpus.val, seq, b, lg.eval_batches, rows)
+        for x in data_lib.eval_batches(corpus.val, seq, b, lg.eval_batches, rows,
+                                       corpus.val_mask, corpus.eos)
     ]
     with resume_lib.StopSignals() as stop:
         state, loss, val_loss = _steps(cfg, engine, state, loader, val, schedule, writer,
@@ -368,7 +370,7 @@ def _sample(cfg: Config, engine, state, model, corpus) -> str | None:
     if cfg.logging.sample_tokens == 0:
         return None
     params = engine.gather_params(state)  # every process: it may need a collective
-    prompt = data_lib.encode(cfg.logging.sample_prompt, corpus.kind)
+    prompt = data_lib.encode(cfg.logging.sample_prompt, corpus.kind, corpus.tokenizer)
     if prompt.size == 0:
         prompt = np.asarray(corpus.val[:1], np.int32)
     prompt = prompt[-cfg.model.seq_len :]
@@ -379,7 +381,7 @@ def _sample(cfg: Config, engine, state, model, corpus) -> str | None:
         jax.random.key(cfg.train.seed + 1),
         temperature=cfg.logging.sample_temperature,
     )
-    return data_lib.decode(tokens[0], corpus.kind)
+    return data_lib.decode(tokens[0], corpus.kind, corpus.tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:

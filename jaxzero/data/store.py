@@ -1,0 +1,231 @@
+"""Documents tokenized once into a cached, memory-mapped token store beside the data.
+
+Sources: text files (a file is a document) and JSONL, one document a line, as
+``{"text": ...}``, ``{"prompt": ..., "completion": ...}`` or a chat ``{"messages":
+[...]}`` rendered with the tokenizer's chat template (the last assistant turn is the
+completion). Every document ends with the tokenizer's EOS, so packed windows know
+their boundaries. Prompt tokens carry no loss: a ``mask.bin`` beside ``tokens.bin``
+holds 1 for every token a loss is taken on (the completion and its EOS).
+
+The store is streamed: lines are read and tokenized a batch at a time (the
+``tokenizers`` library spreads a batch over every core) and appended to the files,
+so a corpus of any size costs one batch of Python objects. It lives in
+``<data>.jaxzero-tokens/<key>/``, the key a hash of the sources (path, size,
+modification time), the tokenizer and this format; anything else is a new store, and
+a store is renamed into place only once complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxzero.data.tokenizer import Tokenizer
+
+VERSION = 1
+BATCH = 512  # documents tokenized at once
+
+
+class StoreError(ValueError):
+    """Data that cannot be tokenized; its message is one line (file and line number)."""
+
+
+@dataclass(frozen=True)
+class Document:
+    prompt: str  # no loss on it ("" for plain text)
+    text: str  # the loss is taken on it, and on the EOS after it
+
+
+@dataclass(frozen=True)
+class TokenStore:
+    """An opened store: ``tokens`` and ``mask`` (None: every token counts) memory-mapped."""
+
+    path: Path
+    tokens: np.ndarray
+    mask: np.ndarray | None
+    meta: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: Path) -> TokenStore:
+        meta = json.loads((path / "meta.json").read_text())
+        dtype = np.dtype(meta["dtype"])
+        tokens = np.memmap(path / "tokens.bin", dtype, "r") if meta["tokens"] else np.zeros(0,
+                                                                                         dtype)
+        mask = None
+        if meta["masked"]:
+            mask = np.memmap(path / "mask.bin", np.uint8, "r") if meta["tokens"] else None
+        return cls(path, tokens, mask, meta)
+
+
+def sources_of(path: Path) -> list[Path]:
+    """The files of a data path: itself, or a directory's ``.jsonl``/text files, sorted."""
+    if path.is_file():
+        return [path]
+    from jaxzero.train.data import text_files
+
+    return sorted(text_files(path))
+
+
+def _is_jsonl(path: Path) -> bool:
+    return path.suffix in (".jsonl", ".ndjson")
+
+
+def _render_chat(tok: Tokenizer, messages: Any, where: str) -> Document:
+    if not tok.chat_template:
+        raise StoreError(f"{where}: a 'messages' line needs a tokenizer with a chat template "
+                         f"({tok.source} has none)")
+    if (not isinstance(messages, list) or not messages
+            or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
+            or messages[-1]["role"] != "assistant"):
+        raise StoreError(f"{where}: 'messages' must be a list of {{role, content}} ending with "
+                         "an assistant turn (the completion)")
+    try:
+        import jinja2
+    except ImportError:
+        raise StoreError("chat templates need jinja2 (pip install jinja2)") from None
+    template = jinja2.Environment().from_string(tok.chat_template)
+    try:
+        prompt = template.render(messages=messages[:-1], add_generation_prompt=True)
+    except jinja2.TemplateError as e:
+        raise StoreError(f"{where}: the chat template failed ({e})") from None
+    return Document(prompt, messages[-1]["content"])
+
+
+def documents(path: Path, tok: Tokenizer) -> Iterator[tuple[Document, int]]:
+    """``(document, bytes read so far)`` of one source file, streamed."""
+    if not _is_jsonl(path):
+        text = path.read_text(errors="replace")
+        yield Document("", text), path.stat().st_size
+        return
+    done = 0
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            done += len(line)
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise StoreError(f"{where}: not JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise StoreError(f"{where}: a line must be a JSON object")
+            if isinstance(row.get("text"), str):
+                yield Document("", row["text"]), done
+            elif isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+                yield Document(row["prompt"], row["completion"]), done
+            elif "messages" in row:
+                yield _render_chat(tok, row["messages"], where), done
+            else:
+                raise StoreError(f"{where}: needs a string 'text', 'prompt' and 'completion', or "
+                                 f"'messages' (found {', '.join(sorted(row)) or 'nothing'})")
+
+
+def store_key(files: list[Path], tok: Tokenizer) -> str:
+    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    blob = json.dumps([VERSION, stats, tok.fingerprint]).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def cache_root(path: Path) -> Path:
+    path = path.resolve()
+    return path.parent / f"{path.name}.jaxzero-tokens"
+
+
+def build(path: str | Path, tok: Tokenizer, progress: bool = True) -> TokenStore:
+    """The store of ``path`` for ``tok``: opened from the cache, or tokenized now."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise StoreError(f"data path {str(path)!r} does not exist")
+    files = sources_of(path)
+    if not files:
+        raise StoreError(f"data directory {str(path)!r} holds no text or JSONL files")
+    root = cache_root(path)
+    out = root / store_key(files, tok)
+    if (out / "meta.json").is_file():
+        return TokenStore.open(out)
+    tmp = root / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _write(files, tok, tmp, progress)
+        os.replace(tmp, out)
+    except FileExistsError:
+        pass  # another process finished the same store first
+    except OSError as e:
+        if not (out / "meta.json").is_file():
+            raise StoreError(f"cannot write the token store {out}: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for stale in root.iterdir():  # older stores of other sources or tokenizers
+        if stale.is_dir() and stale.name != out.name and not stale.name.startswith("."):
+            shutil.rmtree(stale, ignore_errors=True)
+    return TokenStore.open(out)
+
+
+def _write(files: list[Path], tok: Tokenizer, out: Path, progress: bool) -> None:
+    from tqdm import tqdm
+
+    total = sum(f.stat().st_size for f in files)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", leave=False,
+               disable=None if progress else True)
+    n_tokens = n_docs = 0
+    masked = False
+    lengths: list[int] = []
+    with open(out / "tokens.bin", "wb") as ft, open(out / "mask.bin", "wb") as fm:
+        def flush(batch: list[Document]) -> None:
+            nonlocal n_tokens, n_docs, masked
+            prompts = tok.encode_batch([d.prompt for d in batch])
+            texts = tok.encode_batch([d.text for d in batch])
+            for p, t in zip(prompts, texts, strict=True):
+                ids = np.asarray(p + t + [tok.eos_id], tok.dtype)
+                ft.write(ids.tobytes())
+                fm.write(np.concatenate([np.zeros(len(p), np.uint8),
+                                         np.ones(len(t) + 1, np.uint8)]).tobytes())
+                masked |= bool(p)
+                n_tokens += len(ids)
+                n_docs += 1
+                lengths.append(len(ids))
+
+        seen = 0
+        for file in files:
+            batch: list[Document] = []
+            for doc, done in documents(file, tok):
+                batch.append(doc)
+                if len(batch) == BATCH:
+                    flush(batch)
+                    batch = []
+                bar.update(seen + done - bar.n)
+            if batch:
+                flush(batch)
+            seen += file.stat().st_size
+            bar.update(seen - bar.n)
+    bar.close()
+    if n_docs == 0:
+        raise StoreError(f"no documents in {', '.join(map(str, files[:3]))}")
+    if not masked:
+        (out / "mask.bin").unlink()
+    lens = np.asarray(lengths, np.int64)
+    np.save(out / "lengths.npy", lens)
+    meta = {"version": VERSION, "dtype": tok.dtype.name, "tokens": n_tokens, "documents": n_docs,
+            "masked": masked, "eos_id": tok.eos_id, "vocab_size": tok.vocab_size,
+            "tokenizer": tok.source, "tokenizer_fingerprint": tok.fingerprint,
+            "sources": [str(f) for f in files],
+            "document_tokens": {"mean": float(lens.mean()), "max": int(lens.max()),
+                                "min": int(lens.min())}}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # last: complete
+
+
+def real_fraction(store: TokenStore, seq_len: int) -> float:
+    """The fraction of a row's tokens that are real if each document had a row of its
+    own (padded, longer ones cut); packed windows (what the loader reads) are all real."""
+    lens = np.load(store.path / "lengths.npy")
+    return float(np.minimum(lens, seq_len + 1).sum() / (len(lens) * (seq_len + 1)))
