@@ -152,7 +152,8 @@ def test_export_hf_of_a_gpt_run_is_refused(tmp_path, capsys):
 
 
 def test_sample_from_a_hugging_face_directory(capsys):
-    path = FIXTURES / "llama_gqa" / "single"
+    """Without a tokenizer beside the weights: token ids in and out; with one, text."""
+    path = FIXTURES / "llama_gqa" / "sharded"
     argv = ["sample", str(path), "--prompt", "5 9 17", "--tokens", "6", "--seed", "1"]
     assert cli.main(argv) == 0
     first = capsys.readouterr().out.split()
@@ -162,3 +163,7 @@ def test_sample_from_a_hugging_face_directory(capsys):
     assert capsys.readouterr().out.split() == first  # deterministic given the seed
     assert cli.main(["sample", str(path), "--prompt", "hello"]) == 2
     assert "token ids" in capsys.readouterr().err
+    with_tokenizer = FIXTURES / "llama_gqa" / "single"
+    assert cli.main(["sample", str(with_tokenizer), "--prompt", "t5 t9", "--tokens", "4"]) == 0
+    words = capsys.readouterr().out.split()
+    assert words[:2] == ["t5", "t9"] and len(words) >= 3  # decoded by its tokenizer.json

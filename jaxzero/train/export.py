@@ -127,9 +127,11 @@ def run_config(step_dir: Path) -> dict[str, Any]:
 
 
 def token_kind(config: dict[str, Any]) -> str:
-    """``bytes`` or ``uint16``, by the rule ``jaxzero.train.data.load_corpus`` read the
-    data with."""
+    """``bytes``, ``uint16`` or ``tokenizer``, by the rule
+    ``jaxzero.train.data.load_corpus`` read the data with."""
     data = config.get("data") or {}
+    if data.get("tokenizer"):
+        return "tokenizer"
     if data.get("format") in ("bytes", "uint16"):
         return data["format"]
     if data.get("path") is None:
@@ -233,6 +235,28 @@ def export_params(step_dir: Path, out_file: Path, dtype: str = "fp32") -> dict[s
             "largest_leaf_bytes": max(math.prod(s) * dt.itemsize for *_, s in entries)}
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_tokenizer(run: dict[str, Any], out: Path) -> None:
+    """The run's tokenizer files (``data.tokenizer``) into an export, so it stands alone."""
+    import shutil
+
+    name = (run.get("data") or {}).get("tokenizer")
+    if not name:
+        return
+    src = Path(name).expanduser()
+    folder = src if src.is_dir() else src.parent
+    files = [folder / f for f in TOKENIZER_FILES if (folder / f).is_file()]
+    if src.is_file() and src not in files:
+        files.insert(0, src)
+    if not files:
+        raise ExportError(f"the run's tokenizer {src} is gone: export needs it beside the "
+                          "weights (put it back, or export from a copy of the run config)")
+    for f in files:
+        shutil.copyfile(f, out / ("tokenizer.json" if f == src else f.name))
+
+
 def export_hf(step_dir: Path, run: dict[str, Any], meta: dict[str, Any], out: Path,
               dtype: str) -> Path:
     """A Hugging Face model directory (``transformers`` loads it) from a Llama run."""
@@ -248,11 +272,13 @@ def export_hf(step_dir: Path, run: dict[str, Any], meta: dict[str, Any], out: Pa
     arrays = (reader.read(leaf, shape, DTYPES["fp32"]) for _, leaf, shape in entries)
     overwrite = out.is_dir() and (out / hf.CONFIG).is_file()  # an earlier export
     try:
-        return hf.write_model(out, from_fields(fields), [(n, s) for n, _, s in entries], arrays,
-                              {"fp32": "float32", "bf16": "bfloat16"}[dtype],
-                              overwrite=overwrite)
+        out = hf.write_model(out, from_fields(fields), [(n, s) for n, _, s in entries], arrays,
+                             {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+                             overwrite=overwrite)
     except hf.HFError as e:
         raise ExportError(str(e)) from None
+    copy_tokenizer(run, out)
+    return out
 
 
 def export(path: str | Path, out: str | Path, dtype: str = "fp32",
@@ -284,6 +310,7 @@ def export(path: str | Path, out: str | Path, dtype: str = "fp32",
                          "stage": meta.get("stage"), "num_shards": meta.get("num_shards"),
                          "precision": meta.get("precision")}}
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    copy_tokenizer(run, out)
     return out
 
 

@@ -72,7 +72,7 @@ def load_model(path: str | Path, step: int | None = None) -> tuple[Any, dict[str
         raise ExportError(f"{source}: model config is invalid ({e})") from None
     _check_shapes(model, flat, source)
     kind = config.get("tokens", "bytes")
-    if kind not in ("bytes", "uint16"):  # ("ids": Hugging Face directories, above)
+    if kind not in ("bytes", "uint16", "tokenizer"):  # ("ids": Hugging Face dirs, above)
         raise ExportError(f"{source}: tokens must be bytes or uint16, not {kind!r}")
     return model, nest(flat), kind
 
@@ -112,16 +112,43 @@ def encode_prompt(prompt: str, kind: str) -> np.ndarray:
                           ) from None
 
 
+def find_tokenizer(path: str | Path, step: int | None = None) -> Path | None:
+    """The tokenizer a model was trained with: ``tokenizer.json`` beside the weights (a
+    Hugging Face directory, an export), else the run config's ``data.tokenizer``."""
+    path = Path(path)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return path / "tokenizer.json"
+    if path.is_dir() and ((path / WEIGHTS).is_file() or (path / CONFIG).is_file()):
+        return None
+    name = (run_config(find_step_dir(path, step)).get("data") or {}).get("tokenizer")
+    return Path(name).expanduser() if name else None
+
+
 def sample(path: str | Path, prompt: str = "def ", tokens: int = 200,
            temperature: float = 0.8, top_k: int | None = None, seed: int = 0,
-           step: int | None = None) -> tuple[np.ndarray, str]:
-    """``(generated token ids, prompt + generated text)``; deterministic given ``seed``."""
+           step: int | None = None, tokenizer: str | Path | None = None
+           ) -> tuple[np.ndarray, str]:
+    """``(generated token ids, prompt + generated text)``; deterministic given ``seed``.
+
+    Text goes through ``tokenizer`` (default: the model's own, :func:`find_tokenizer`);
+    without one, byte models read bytes and token models ids.
+    """
     import jax
 
+    from jaxzero.data.tokenizer import Tokenizer, TokenizerError
     from jaxzero.train.data import decode
 
     model, params, kind = load_model(path, step)
-    ids = encode_prompt(prompt, kind)
+    tokenizer = tokenizer or find_tokenizer(path, step)
+    if tokenizer is None and kind == "tokenizer":
+        raise ExportError(f"{path} was trained with a tokenizer that is not recorded: "
+                          "give --tokenizer")
+    try:
+        tok = Tokenizer.load(tokenizer) if tokenizer is not None else None
+    except TokenizerError as e:
+        raise ExportError(str(e)) from None
+    ids = (np.asarray(tok.encode(prompt), np.int32) if tok is not None
+           else encode_prompt(prompt, kind))
     if ids.size and int(ids.max()) >= model.config.vocab_size:
         raise ExportError(f"prompt token {int(ids.max())} is outside the model's vocabulary "
                           f"of {model.config.vocab_size}")
@@ -133,7 +160,7 @@ def sample(path: str | Path, prompt: str = "def ", tokens: int = 200,
         out = model.generate(params, ids[None], tokens, jax.random.key(seed),
                              temperature=temperature, top_k=top_k)[0]
     new = out[len(out) - tokens:] if tokens else out[:0]
-    return new, decode(out if ids.size else new, kind)
+    return new, decode(out if ids.size else new, kind, tok)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -142,7 +169,7 @@ def sample(path: str | Path, prompt: str = "def ", tokens: int = 200,
 def _sample_parser() -> argparse.ArgumentParser:
     p = Parser(prog="jaxzero sample", description="Generate text with a run's model (GPT or "
                "Llama) from a run, checkpoint, export or Hugging Face model directory "
-               "(token ids in and out), on one device.")
+               "(text through its tokenizer, else bytes or token ids), on one device.")
     p.add_argument("path", metavar="RUN_OR_EXPORT",
                    help="run, checkpoint, export or Hugging Face model dir")
     p.add_argument("--prompt", default="def ")
@@ -151,6 +178,8 @@ def _sample_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    p.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or a directory holding "
+                   "one (default: the model's own; without one, bytes or token ids)")
     return p
 
 
@@ -161,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.tokens < 0 or args.temperature < 0:
             raise ArgError("--tokens and --temperature must be >= 0")
         _, text = sample(args.path, args.prompt, args.tokens, args.temperature, args.top_k,
-                         args.seed, args.step)
+                         args.seed, args.step, args.tokenizer)
         print(text)
 
     return run_cli("sample", body)

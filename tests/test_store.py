@@ -1,0 +1,159 @@
+"""Tokenizers and the token store (jaxzero.data): documents and prompt/completion pairs
+tokenized once, cached and invalidated, packed windows with segment ids and loss masks,
+and one-line errors for bad data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxzero import cli
+from jaxzero.data import store as store_lib
+from jaxzero.data.tokenizer import Tokenizer, TokenizerError
+from jaxzero.train import data as data_lib
+from jaxzero.train.config import DataConfig
+
+WORDS = "the cat dog sat on mat ran fast slow big small red blue a and or not is was".split()
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def sentence(rng: np.random.Generator, n: int) -> str:
+    return " ".join(rng.choice(WORDS, n))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer trained here, offline, with an EOS and a chat template."""
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(0)
+    raw = Raw(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    raw.train_from_iterator([sentence(rng, 20) for _ in range(300)], trainer)
+    out = tmp_path_factory.mktemp("tok")
+    raw.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "chat_template": TEMPLATE}))
+    return out
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_tokenizer_round_trips_text_and_finds_its_eos(tokenizer_dir, tmp_path):
+    tok = Tokenizer.load(tokenizer_dir)  # a directory holding tokenizer.json
+    text = "the big cat sat on the red mat, and was not slow!"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode([tok.eos_id]) == "<|endoftext|>" and tok.dtype == np.uint16
+    assert Tokenizer.load(tokenizer_dir / "tokenizer.json").fingerprint == tok.fingerprint
+    with pytest.raises(TokenizerError, match="no tokenizer at"):
+        Tokenizer.load(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="is not a tokenizers file"):
+        Tokenizer.load(tmp_path)
+
+
+def test_store_tokenizes_documents_once_with_prompt_masks(tokenizer_dir, tmp_path):
+    tok = Tokenizer.load(tokenizer_dir)
+    rows = [{"text": "the cat sat"}, {"prompt": "Q: a dog?", "completion": " ran fast"},
+            {"messages": [{"role": "user", "content": "red or blue"},
+                          {"role": "assistant", "content": "blue"}]}]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    store = store_lib.build(data, tok, progress=False)
+    eos = tok.eos_id
+    chat_prompt = "<|user|>red or blue\n<|assistant|>"
+    want = (tok.encode("the cat sat") + [eos] + tok.encode("Q: a dog?") + tok.encode(" ran fast")
+            + [eos] + tok.encode(chat_prompt) + tok.encode("blue") + [eos])
+    np.testing.assert_array_equal(store.tokens, want)
+    n1, n2 = len(tok.encode("the cat sat")) + 1, len(tok.encode("Q: a dog?"))
+    n3 = len(tok.encode(" ran fast")) + 1
+    n4 = len(tok.encode(chat_prompt))
+    mask = [1] * n1 + [0] * n2 + [1] * n3 + [0] * n4 + [1] * (len(tok.encode("blue")) + 1)
+    np.testing.assert_array_equal(store.mask, mask)
+    assert store.meta["documents"] == 3
+    assert store.path.parent == tmp_path / "data.jsonl.jaxzero-tokens"  # beside the data
+
+    again = store_lib.build(data, tok, progress=False)  # cached: the same files, not rebuilt
+    assert again.path == store.path
+    assert (store.path / "tokens.bin").stat().st_mtime_ns == \
+        (again.path / "tokens.bin").stat().st_mtime_ns
+    write_jsonl(data, rows + [{"text": "a new line"}])  # the data changed: a new store
+    changed = store_lib.build(data, tok, progress=False)
+    assert changed.path != store.path and not store.path.exists()
+    assert changed.meta["documents"] == 4
+
+
+def test_packed_windows_carry_segments_and_the_loss_mask():
+    tokens = np.array([5, 6, 0, 7, 8, 9, 0, 4, 4, 0], np.uint16)  # eos 0
+    mask = np.array([1, 1, 1, 0, 0, 1, 1, 0, 1, 1], np.uint8)
+    out = data_lib.read_windows(tokens, np.array([0, 3]), 6, mask, eos=0)
+    np.testing.assert_array_equal(out["inputs"][0], [5, 6, 0, 7, 8, 9])
+    np.testing.assert_array_equal(out["segment_ids"][0], [0, 0, 0, 1, 1, 1])  # EOS ends its own
+    np.testing.assert_array_equal(out["loss_mask"][0], mask[1:7])  # aligned with the targets
+    np.testing.assert_array_equal(out["segment_ids"][1], [0, 0, 0, 0, 1, 1])
+    assert set(data_lib.read_windows(tokens, np.array([0]), 6)) == {"inputs", "targets"}
+
+
+def test_corpus_from_a_tokenizer_and_how_much_packing_saves(tokenizer_dir, tmp_path):
+    rng = np.random.default_rng(1)
+    rows = [{"prompt": "Q: " + sentence(rng, int(rng.integers(2, 8))),
+             "completion": " " + sentence(rng, int(rng.integers(1, 12)))} for _ in range(200)]
+    data = write_jsonl(tmp_path / "sft.jsonl", rows)
+    cfg = DataConfig(path=str(data), tokenizer=str(tokenizer_dir), val_fraction=0.1)
+    corpus = data_lib.load_corpus(cfg)
+    assert corpus.kind == "tokenizer" and corpus.eos == Tokenizer.load(tokenizer_dir).eos_id
+    assert len(corpus.train_mask) == len(corpus.train) and 0 < corpus.train_mask.mean() < 1
+    loader = data_lib.Loader(corpus.train, 32, 8, 0, mask=corpus.train_mask, eos=corpus.eos)
+    batch = loader.batch(3)
+    assert set(batch) == {"inputs", "targets", "segment_ids", "loss_mask"}
+    np.testing.assert_array_equal(loader.batch(3)["loss_mask"], batch["loss_mask"])  # pure
+    store = store_lib.build(data, Tokenizer.load(tokenizer_dir), progress=False)
+    unpacked = store_lib.real_fraction(store, 32)
+    assert 0.2 < unpacked < 0.8  # short pairs padded to 33 tokens; packed windows: 1.0
+    with pytest.raises(data_lib.DataError, match=r"vocabulary \(300\) is larger than "
+                       r"model.vocab_size=256"):
+        data_lib.load_corpus(cfg, vocab_size=256)
+
+
+@pytest.mark.parametrize("line,match", [
+    ("{\"text\": \"ok\"}\n{not json\n", r"bad.jsonl:2: not JSON"),
+    ("{\"txt\": \"typo\"}\n", r"bad.jsonl:1: needs a string 'text'.*found txt"),
+    ("[1, 2]\n", r"bad.jsonl:1: a line must be a JSON object"),
+    ("\n\n", r"no documents in"),
+    ("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n", "ending with an assistant"),
+])
+def test_bad_lines_are_named_by_file_and_line(tokenizer_dir, tmp_path, line, match):
+    (tmp_path / "bad.jsonl").write_text(line)
+    cfg = DataConfig(path=str(tmp_path / "bad.jsonl"), tokenizer=str(tokenizer_dir))
+    with pytest.raises(data_lib.DataError, match=match) as e:
+        data_lib.load_corpus(cfg)
+    assert "\n" not in str(e.value)
+    assert not any(p.name.startswith(".") for p in (tmp_path / "bad.jsonl.jaxzero-tokens")
+                   .iterdir()), "no partial store left behind"
+
+
+def test_train_on_jsonl_with_a_tokenizer_and_sample_with_it(tokenizer_dir, tmp_path, capsys):
+    rng = np.random.default_rng(2)
+    rows = [{"text": sentence(rng, int(rng.integers(5, 30)))} for _ in range(150)]
+    data = write_jsonl(tmp_path / "docs.jsonl", rows)
+    argv = ["train", "--tokenizer", str(tokenizer_dir), "--data", str(data),
+            "--set", "model.arch=llama", "--set", "model.d_model=32", "--set", "model.n_layers=1",
+            "--set", "model.seq_len=16", "--set", "train.steps=2", "--set", "train.batch_size=8",
+            "--set", "logging.eval_every=2", "--set", "logging.sample_tokens=0",
+            "--set", "checkpoint.every=2", "--set", f"logging.root={tmp_path}",
+            "--name", "tok", "--devices", "2"]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    assert cli.main(["sample", str(tmp_path / "tok"), "--prompt", "the cat", "--tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("the cat") and len(out.split()) >= 2  # text, not ids
