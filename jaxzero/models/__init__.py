@@ -25,6 +25,17 @@ def from_fields(fields: dict[str, Any]) -> Any:
     absent fields take their defaults, ``vocab_size`` must be set)."""
     arch = fields.get("arch") or "gpt"
     get = lambda k, default=None: default if fields.get(k) is None else fields[k]
+    if fields.get("hf_config"):  # the exact architecture of a fine-tuned checkpoint
+        from pathlib import Path
+
+        from jaxzero.hf.config import llama_config, read_json
+        from jaxzero.models.llama import Llama
+
+        raw = read_json(Path(fields["hf_config"]).expanduser())
+        model = Llama(llama_config(raw, seq_len=get("seq_len", 128), remat=get("remat", "none"),
+                                   attention=get("attention", "auto")))
+        model.hf_config = raw  # hf.save / export --format hf write this architecture
+        return model
     if arch == "gpt":
         from jaxzero.models.gpt import GPT, GPTConfig
 

@@ -31,6 +31,8 @@ SHORTCUTS = {  # --flag: (config key, type, help); applied before --set, so --se
     "data": ("data.path", str, "text file, directory of text files, uint16 token file/dir, "
              "or JSONL (with --tokenizer)"),
     "tokenizer": ("data.tokenizer", str, "tokenizer.json or a model directory holding one"),
+    "init_from": ("train.init_from", str, "hf:PATH: fine-tune a Hugging Face checkpoint (its "
+                  "config sets the model, its tokenizer the data's)"),
     "steps": ("train.steps", int, "optimizer steps"),
     "name": ("logging.name", str, "run name: results go to runs/NAME/"),
 }  # fmt: skip

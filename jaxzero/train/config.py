@@ -52,6 +52,9 @@ class ModelConfig:
     n_kv_heads: int | None = None  # llama: key/value heads (None: n_heads)
     head_dim: int | None = None  # llama: None: d_model // n_heads
     rope_theta: float = 10000.0  # llama: rotary base
+    # a Hugging Face config.json that defines the Llama exactly (biases, rope scaling, ...);
+    # train.init_from sets it to the copy in the run directory
+    hf_config: str | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,9 @@ class TrainConfig:
     batch_size: int = 32  # global rows per optimizer step
     seed: int = 0
     peak_flops_per_device: float | None = None  # None: a nominal figure for the backend
+    # "hf:PATH": fine-tune a Hugging Face checkpoint; its config sets the model fields and
+    # its tokenizer the data's (jaxzero.train.finetune)
+    init_from: str | None = None
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 RUN_CONFIG = "config.yaml"  # jaxzero.train.args.RESOLVED_CONFIG (not imported: it pulls in JAX)
 MODEL_FIELDS = ("arch", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
-                "tie_embeddings", "remat", "n_kv_heads", "head_dim", "rope_theta")
+                "tie_embeddings", "remat", "n_kv_heads", "head_dim", "rope_theta", "hf_config")
 FORMATS = ("jaxzero", "hf")
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}
 

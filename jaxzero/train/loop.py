@@ -26,6 +26,7 @@ from jaxzero.checkpoint import CheckpointError, CheckpointManager
 from jaxzero.cli import ArgError
 from jaxzero.train import config as config_lib
 from jaxzero.train import data as data_lib
+from jaxzero.train import finetune
 from jaxzero.train import metrics as metrics_lib
 from jaxzero.train import resume as resume_lib
 from jaxzero.train.args import RESOLVED_CONFIG, build_parser, config_from_args
@@ -127,6 +128,8 @@ def printable_config(cfg: Config) -> str:
     in as ``train`` would; what only the data decides is said in a YAML comment.
     """
     mesh, simulated = setup_devices(cfg.parallel)
+    if finetune.source(cfg) is not None:
+        cfg, _ = finetune.resolve(cfg)
     vocab = cfg.model.vocab_size
     if vocab is None and data_lib.data_kind(cfg.data) == "bytes":
         vocab = data_lib.BYTE_VOCAB
@@ -188,6 +191,9 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
     # so that a wrong RANK or an absent coordinator fails before any data is read.
     job = distributed.initialize(simulate_devices=cfg.parallel.simulate_devices,
                                  init_timeout=init_timeout)
+    pretrained = None
+    if resume is None and finetune.source(cfg) is not None:
+        cfg, pretrained = finetune.resolve(cfg)  # its model fields and tokenizer
     corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)
     seq = cfg.model.seq_len
     data_lib.check_length(corpus.train, seq, "training")
@@ -213,6 +219,8 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
     run_dir = metrics_lib.prepare_run_dir(cfg, is_main, resume=resume is not None)
     ckpt = CheckpointManager(resume_lib.checkpoint_dir(cfg, run_dir), cfg.checkpoint.keep_last,
                              cfg.checkpoint.keep_every)
+    if pretrained is not None:
+        cfg = finetune.pin_architecture(cfg, pretrained, run_dir, is_main)
     model, engine, schedule = build(cfg, mesh)
     extra: dict[str, Any] = {}
     if resume is not None:
@@ -225,7 +233,11 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
         if is_main:
             (run_dir / RESOLVED_CONFIG).write_text(config_lib.dump_yaml(cfg))
             writer.text("config", config_lib.dump_yaml(cfg))
-        if resume is None:
+        if pretrained is not None:
+            from jaxzero import hf
+
+            state = hf.load(finetune.source(cfg), engine)  # each device reads its slices
+        elif resume is None:
             state = engine.init_from(model.init, jax.random.key(cfg.train.seed))
         per_run = None if job.multi else simulated  # multi-process: the mesh line says it
         progress.print(metrics_lib.banner(cfg, corpus, engine.num_params, per_run, run_dir)
