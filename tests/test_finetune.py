@@ -91,3 +91,36 @@ def test_the_sft_config_takes_its_model_from_the_checkpoint(capsys):
     out = capsys.readouterr().out
     assert "arch: llama" in out and "d_model: 32" in out and "n_kv_heads: 2" in out
     assert "init_from: hf:" in out and "lr: 2.0e-05" in out
+
+
+@pytest.mark.slow
+def test_a_fine_tune_killed_mid_epoch_resumes_with_the_same_batches(pairs, tmp_path):
+    """SIGKILL after step 6 (checkpoint of step 4): the resumed run reads exactly the packed,
+    masked batches an uninterrupted one read, so its losses are the same bits."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.test_checkpoint import _records, _run_until
+
+    def cmd(name: str) -> list[str]:
+        return [sys.executable, "-m", "jaxzero.train", "--init-from",
+                f"hf:{FIXTURES / 'llama_gqa/single'}", "--data", str(pairs), "--steps", "8",
+                "--name", name, "--simulate-devices", "2", "--set", f"logging.root={tmp_path}",
+                "--set", "model.seq_len=16", "--set", "train.batch_size=8",
+                "--set", "logging.log_every=1", "--set", "logging.eval_every=100",
+                "--set", "logging.eval_batches=1", "--set", "logging.sample_tokens=0",
+                "--set", "logging.tensorboard=false", "--set", "checkpoint.every=4"]
+
+    full = subprocess.run(cmd("full"), capture_output=True, text=True)
+    assert full.returncode == 0, full.stderr[-2000:]
+    want = _records(tmp_path / "full")
+    run = tmp_path / "killed"
+    proc, _ = _run_until(cmd("killed"), run, 6, signal.SIGKILL, saved=4)
+    assert proc.returncode == -signal.SIGKILL and max(_records(run)) < 8
+    again = subprocess.run([sys.executable, "-m", "jaxzero.train", "--resume", str(run)],
+                           capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "(step 4)" in again.stdout
+    got = _records(run)
+    assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]
