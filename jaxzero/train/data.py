@@ -1,10 +1,13 @@
 """Token corpora and a deterministic, resumable, per-process batch loader.
 
-Two on-disk formats are read: raw bytes (any text; vocab 256, no tokenizer to
-install) and nanoGPT-style token files, a flat ``uint16`` array written with
-``ndarray.tofile`` (``train.bin``/``val.bin``), read through ``np.memmap`` so
-a corpus of billions of tokens costs no RAM. With no path, the corpus is this
-Python's own standard library sources: every machine that can run jaxzero has it.
+Three sources are read: raw bytes (any text; vocab 256, no tokenizer to install),
+nanoGPT-style token files, a flat ``uint16`` array written with ``ndarray.tofile``
+(``train.bin``/``val.bin``), read through ``np.memmap`` so a corpus of billions of
+tokens costs no RAM, and, with ``data.tokenizer``, text and JSONL through the cached
+token store of :mod:`jaxzero.data.store` (documents packed with their EOS, and a loss
+mask for prompt/completion data; windows then carry ``segment_ids`` and
+``loss_mask``). With no path, the corpus is this Python's own standard library
+sources: every machine that can run jaxzero has it.
 
 Batches are windows of ``seq_len + 1`` tokens at offsets drawn from
 ``numpy.random.default_rng((seed, step))``. The batch of a step is therefore a
@@ -17,7 +20,8 @@ pipelines with worker processes, and is the right tool for record datasets
 with decoding and augmentation. Here a "record" is a random crop of one flat
 token array, reading it is a memmap slice, and the state is one integer; grain
 would add a dependency and worker machinery (and its record-index sampling
-does not express random crops of a stream) for nothing this module lacks.
+does not express random crops of a stream) for nothing this module lacks: a packed,
+masked batch of 32 x 1024 tokens takes 0.5 ms here (``experiments/bench_tokenize.py``).
 """
 
 from __future__ import annotations
