@@ -157,3 +157,38 @@ def test_train_on_jsonl_with_a_tokenizer_and_sample_with_it(tokenizer_dir, tmp_p
     assert cli.main(["sample", str(tmp_path / "tok"), "--prompt", "the cat", "--tokens", "5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("the cat") and len(out.split()) >= 2  # text, not ids
+
+
+def test_packing_off_gives_each_document_a_padded_row():
+    tokens = np.array([5, 6, 0, 7, 8, 9, 9, 9, 0], np.uint16)  # two documents, eos 0
+    mask = np.array([0, 1, 1, 0, 1, 1, 1, 1, 1], np.uint8)
+    docs = np.array([[0, 3], [3, 9]])
+    out = data_lib.read_documents(tokens, docs, 4, mask, eos=0)
+    np.testing.assert_array_equal(out["inputs"], [[5, 6, 0, 0], [7, 8, 9, 9]])
+    np.testing.assert_array_equal(out["segment_ids"], [[0, 0, 0, 1], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(out["loss_mask"], [[1, 1, 0, 0], [1, 1, 1, 1]])  # no pad loss
+    assert data_lib.truncated(docs, 4) == 1  # the second document is cut at 5 tokens
+
+
+def test_packing_off_trains_and_says_what_it_cut(tokenizer_dir, tmp_path, capsys):
+    rng = np.random.default_rng(3)
+    rows = [{"prompt": sentence(rng, 3), "completion": " " + sentence(rng, int(n))}
+            for n in rng.integers(1, 40, 60)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    cfg = DataConfig(path=str(data), tokenizer=str(tokenizer_dir), packing=False)
+    corpus = data_lib.load_corpus(cfg)
+    assert corpus.train_docs is not None and corpus.val_docs[0, 0] == 0  # val starts a doc
+    loader = data_lib.Loader(corpus.train, 16, 4, 0, mask=corpus.train_mask, eos=corpus.eos,
+                             docs=corpus.train_docs)
+    batch = loader.batch(0)
+    assert batch["inputs"].shape == (4, 16) and (batch["loss_mask"] <= 1).all()
+    argv = ["train", "--tokenizer", str(tokenizer_dir), "--data", str(data),
+            "--set", "data.packing=false", "--set", "model.arch=llama",
+            "--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "model.seq_len=16",
+            "--set", "train.steps=1", "--set", "train.batch_size=4", "--set",
+            "logging.eval_every=1", "--set", "logging.eval_batches=1", "--set",
+            "logging.sample_tokens=0", "--set", f"logging.root={tmp_path}", "--name", "unpacked",
+            "--devices", "2"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "packing off:" in out and "train documents cut at 17 tokens" in out

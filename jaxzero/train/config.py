@@ -66,6 +66,9 @@ class DataConfig:
     # tokenizer.json or a model directory: text and JSONL (text, prompt/completion, chat
     # messages) are tokenized once into a cached store and packed (jaxzero.data.store)
     tokenizer: str | None = None
+    # with a tokenizer: False gives each document a row of its own (padded, cut at seq_len
+    # + 1 tokens) instead of packed windows
+    packing: bool = True
     max_bytes: int = 4_000_000  # cap on the stdlib/text-directory corpus (deterministic prefix)
     val_fraction: float = 0.05  # tail of the corpus held out when there is no val.bin
 
@@ -403,6 +406,9 @@ def validate(config: Config) -> Config:
         raise ConfigError(
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}"
         )
+    if not config.data.packing and config.data.tokenizer is None and config.train.init_from is None:
+        raise ConfigError("data.packing=false needs documents: give data.tokenizer (or "
+                          "train.init_from)")
     if not 0.0 < config.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {config.data.val_fraction}")
     if o.lr <= 0 or not 0.0 <= o.min_lr_ratio <= 1.0:

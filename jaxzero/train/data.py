@@ -68,6 +68,8 @@ class Corpus:
     val_mask: np.ndarray | None = None
     eos: int | None = None  # separates packed documents (tokenizer data)
     tokenizer: Any = None  # a jaxzero.data.tokenizer.Tokenizer for tokenizer data
+    train_docs: np.ndarray | None = None  # [n, 2] document start/end (packing off only)
+    val_docs: np.ndarray | None = None
 
 
 # --------------------------------------------------------------------------- reading
@@ -261,13 +263,25 @@ def _tokenized_corpus(cfg: DataConfig, vocab_size: int | None) -> Corpus:
     if vocab_size is not None and tok.vocab_size > vocab_size:
         raise DataError(f"the tokenizer's vocabulary ({tok.vocab_size}) is larger than "
                         f"model.vocab_size={vocab_size}: its ids would index past the embedding")
-    n = len(store.tokens)
-    cut = n - max(1, int(n * cfg.val_fraction))
+    ends = np.cumsum(np.load(store.path / "lengths.npy"))
+    docs = np.stack([ends - np.load(store.path / "lengths.npy"), ends], axis=1)
+    if len(docs) < 2:
+        raise DataError(f"{cfg.path} holds one document: a validation split needs two")
+    n_val = min(len(docs) - 1, max(1, round(len(docs) * cfg.val_fraction)))
+    cut = int(docs[-n_val, 0])  # the validation split starts at a document
     mask = store.mask
+    source = f"{cfg.path} ({store.meta['documents']:,} documents, {tok.source})"
+    train_docs = val_docs = None
+    if not cfg.packing:
+        train_docs, val_docs = docs[:-n_val], docs[-n_val:] - cut
     return Corpus(store.tokens[:cut], store.tokens[cut:], "tokenizer", vocab_size or tok.vocab_size,
-                  f"{cfg.path} ({store.meta['documents']:,} documents, {tok.source})",
-                  None if mask is None else mask[:cut], None if mask is None else mask[cut:],
-                  tok.eos_id, tok)
+                  source, None if mask is None else mask[:cut],
+                  None if mask is None else mask[cut:], tok.eos_id, tok, train_docs, val_docs)
+
+
+def truncated(docs: np.ndarray | None, seq_len: int) -> int:
+    """Documents longer than a row (``seq_len + 1`` tokens), cut when packing is off."""
+    return 0 if docs is None else int(np.sum(docs[:, 1] - docs[:, 0] > seq_len + 1))
 
 
 def _bytes_corpus(train: np.ndarray, val: np.ndarray, source: str) -> Corpus:
@@ -355,6 +369,22 @@ def read_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int,
     return out
 
 
+def read_documents(tokens: np.ndarray, docs: np.ndarray, seq_len: int,
+                   mask: np.ndarray | None, eos: int) -> dict[str, np.ndarray]:
+    """One document a row (packing off): cut at ``seq_len + 1`` tokens, padded with EOS.
+    The padding carries no loss and a segment of its own."""
+    rows = np.full((len(docs), seq_len + 1), eos, np.int32)
+    loss = np.zeros((len(docs), seq_len + 1), np.int32)  # 0 on the padding
+    pad = np.ones((len(docs), seq_len + 1), np.int32)
+    for i, (start, end) in enumerate(docs):
+        n = min(int(end - start), seq_len + 1)
+        rows[i, :n] = tokens[start : start + n]
+        loss[i, :n] = 1 if mask is None else mask[start : start + n]
+        pad[i, :n] = 0
+    return {"inputs": rows[:, :-1], "targets": rows[:, 1:], "segment_ids": pad[:, :-1],
+            "loss_mask": loss[:, 1:]}
+
+
 def process_rows(device_rows: Mapping[Any, Any], batch_size: int) -> dict[int, slice]:
     """Which contiguous rows of the global batch each process must supply.
 
@@ -407,14 +437,21 @@ class Loader:
         rows: slice = slice(None),
         mask: np.ndarray | None = None,
         eos: int | None = None,
+        docs: np.ndarray | None = None,
     ):
-        check_length(tokens, seq_len, "training")
+        if docs is None:
+            check_length(tokens, seq_len, "training")
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
-        self.rows, self.mask, self.eos = rows, mask, eos
+        self.rows, self.mask, self.eos, self.docs = rows, mask, eos, docs
         self.step = 0
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of the global batch of ``step`` (pure: no position change)."""
+        if self.docs is not None:  # packing off: documents drawn at random, a row each
+            rng = np.random.default_rng((self.seed, step))
+            picked = rng.integers(0, len(self.docs), size=self.batch_size)[self.rows]
+            return read_documents(self.tokens, self.docs[picked], self.seq_len, self.mask,
+                                  self.eos)
         starts = offsets(len(self.tokens), self.seq_len, self.batch_size, self.seed, step)
         return read_windows(self.tokens, starts[self.rows], self.seq_len, self.mask, self.eos)
 
@@ -456,9 +493,14 @@ def eval_starts(num_tokens: int, seq_len: int, batch_size: int, num_batches: int
 
 def eval_batches(
     tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int, rows: slice = slice(None),
-    mask: np.ndarray | None = None, eos: int | None = None,
+    mask: np.ndarray | None = None, eos: int | None = None, docs: np.ndarray | None = None,
 ) -> list[dict[str, np.ndarray]]:
-    """This process's rows of the fixed validation batches."""
+    """This process's rows of the fixed validation batches (packing off: documents spread
+    evenly over the split, a row each)."""
+    if docs is not None:
+        picks = np.linspace(0, len(docs) - 1, num_batches * batch_size).astype(np.int64)
+        return [read_documents(tokens, docs[p[rows]], seq_len, mask, eos)
+                for p in picks.reshape(num_batches, batch_size)]
     check_length(tokens, seq_len, "validation")
     starts = eval_starts(len(tokens), seq_len, batch_size, num_batches)
     return [read_windows(tokens, s[rows], seq_len, mask, eos) for s in starts]

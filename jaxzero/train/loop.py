@@ -196,8 +196,14 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
         cfg, pretrained = finetune.resolve(cfg)  # its model fields and tokenizer
     corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)
     seq = cfg.model.seq_len
-    data_lib.check_length(corpus.train, seq, "training")
-    data_lib.check_length(corpus.val, seq, "validation")
+    if corpus.train_docs is None:  # packed windows need seq_len + 1 tokens
+        data_lib.check_length(corpus.train, seq, "training")
+        data_lib.check_length(corpus.val, seq, "validation")
+    else:  # packing off: say how many documents a row cuts
+        cut = data_lib.truncated(corpus.train_docs, seq)
+        corpus = dataclasses.replace(corpus, source=f"{corpus.source}, packing off: {cut:,} of "
+                                     f"{len(corpus.train_docs):,} train documents cut at "
+                                     f"{seq + 1} tokens")
     vocab = cfg.model.vocab_size or corpus.vocab_size
     if vocab < corpus.vocab_size:
         raise ConfigError(
@@ -272,7 +278,7 @@ def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress,
     rows = data_lib.process_rows(engine.batch_sharding.devices_indices_map((b, seq)), b)
     rows = rows[jax.process_index()]
     loader = data_lib.Loader(corpus.train, seq, b, cfg.train.seed, rows, corpus.train_mask,
-                             corpus.eos)
+                             corpus.eos, corpus.train_docs)
     first = int(state.step) + 1
     loader.load_state_dict(position or {"step": first - 1, "seed": cfg.train.seed})
 
@@ -283,7 +289,7 @@ def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress,
     val = [
         engine.shard_batch(x)
         for x in data_lib.eval_batches(corpus.val, seq, b, lg.eval_batches, rows,
-                                       corpus.val_mask, corpus.eos)
+                                       corpus.val_mask, corpus.eos, corpus.val_docs)
     ]
     with resume_lib.StopSignals() as stop:
         state, loss, val_loss = _steps(cfg, engine, state, loader, val, schedule, writer,
