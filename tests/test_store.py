@@ -192,3 +192,19 @@ def test_packing_off_trains_and_says_what_it_cut(tokenizer_dir, tmp_path, capsys
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "packing off:" in out and "train documents cut at 17 tokens" in out
+
+
+def test_a_long_text_file_is_one_document_read_in_pieces(tokenizer_dir, tmp_path, monkeypatch):
+    """A text file streams a piece at a time (whole lines), with one EOS at its end."""
+    monkeypatch.setattr(store_lib, "PIECE", 64)
+    rng = np.random.default_rng(4)
+    lines = [sentence(rng, 6) + "\n" for _ in range(40)]
+    (tmp_path / "a.txt").write_text("".join(lines))
+    (tmp_path / "b.txt").write_text("the end\n")
+    tok = Tokenizer.load(tokenizer_dir)
+    store = store_lib.build(tmp_path, tok, progress=False)
+    assert store.meta["documents"] == 2 and store.mask is None
+    whole = tok.encode("".join(lines))
+    np.testing.assert_array_equal(store.tokens[: len(whole) + 1], whole + [tok.eos_id])
+    np.testing.assert_array_equal(np.load(store.path / "lengths.npy"),
+                                  [len(whole) + 1, len(tok.encode("the end\n")) + 1])

@@ -1,11 +1,12 @@
 """Documents tokenized once into a cached, memory-mapped token store beside the data.
 
-Sources: text files (a file is a document) and JSONL, one document a line, as
-``{"text": ...}``, ``{"prompt": ..., "completion": ...}`` or a chat ``{"messages":
-[...]}`` rendered with the tokenizer's chat template (the last assistant turn is the
-completion). Every document ends with the tokenizer's EOS, so packed windows know
-their boundaries. Prompt tokens carry no loss: a ``mask.bin`` beside ``tokens.bin``
-holds 1 for every token a loss is taken on (the completion and its EOS).
+Sources: text files (a file is a document, read a megabyte of whole lines at a time)
+and JSONL, one document a line, as ``{"text": ...}``, ``{"prompt": ...,
+"completion": ...}`` or a chat ``{"messages": [...]}`` rendered with the tokenizer's
+chat template (the last assistant turn is the completion). Every document ends with
+the tokenizer's EOS, so packed windows know their boundaries. Prompt tokens carry no
+loss: a ``mask.bin`` beside ``tokens.bin`` holds 1 for every token a loss is taken on
+(the completion and its EOS).
 
 The store is streamed: lines are read and tokenized a batch at a time (the
 ``tokenizers`` library spreads a batch over every core) and appended to the files,
@@ -40,8 +41,14 @@ class StoreError(ValueError):
 
 @dataclass(frozen=True)
 class Document:
+    """A document, or a piece of a long text file (``eos`` False but on its last)."""
+
     prompt: str  # no loss on it ("" for plain text)
     text: str  # the loss is taken on it, and on the EOS after it
+    eos: bool = True
+
+
+PIECE = 1 << 20  # a text file is read and tokenized a megabyte of whole lines at a time
 
 
 @dataclass(frozen=True)
@@ -101,9 +108,16 @@ def _render_chat(tok: Tokenizer, messages: Any, where: str) -> Document:
 
 def documents(path: Path, tok: Tokenizer) -> Iterator[tuple[Document, int]]:
     """``(document, bytes read so far)`` of one source file, streamed."""
-    if not _is_jsonl(path):
-        text = path.read_text(errors="replace")
-        yield Document("", text), path.stat().st_size
+    if not _is_jsonl(path):  # one document, streamed in pieces that end at a newline
+        done, piece = 0, []
+        with open(path, "rb") as f:
+            for line in f:
+                piece.append(line)
+                done += len(line)
+                if sum(map(len, piece)) >= PIECE:
+                    yield Document("", b"".join(piece).decode(errors="replace"), False), done
+                    piece = []
+        yield Document("", b"".join(piece).decode(errors="replace")), done
         return
     done = 0
     with open(path, "rb") as f:
@@ -177,23 +191,26 @@ def _write(files: list[Path], tok: Tokenizer, out: Path, progress: bool) -> None
     total = sum(f.stat().st_size for f in files)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", leave=False,
                disable=None if progress else True)
-    n_tokens = n_docs = 0
+    n_tokens = n_docs = current = 0
     masked = False
     lengths: list[int] = []
     with open(out / "tokens.bin", "wb") as ft, open(out / "mask.bin", "wb") as fm:
         def flush(batch: list[Document]) -> None:
-            nonlocal n_tokens, n_docs, masked
+            nonlocal n_tokens, n_docs, current, masked
             prompts = tok.encode_batch([d.prompt for d in batch])
             texts = tok.encode_batch([d.text for d in batch])
-            for p, t in zip(prompts, texts, strict=True):
-                ids = np.asarray(p + t + [tok.eos_id], tok.dtype)
+            for d, p, t in zip(batch, prompts, texts, strict=True):
+                ids = np.asarray(p + t + [tok.eos_id] * d.eos, tok.dtype)
                 ft.write(ids.tobytes())
                 fm.write(np.concatenate([np.zeros(len(p), np.uint8),
-                                         np.ones(len(t) + 1, np.uint8)]).tobytes())
+                                         np.ones(len(ids) - len(p), np.uint8)]).tobytes())
                 masked |= bool(p)
                 n_tokens += len(ids)
-                n_docs += 1
-                lengths.append(len(ids))
+                current += len(ids)
+                if d.eos:
+                    n_docs += 1
+                    lengths.append(current)
+                    current = 0
 
         seen = 0
         for file in files:
