@@ -176,6 +176,26 @@ def _fingerprint(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jnp.sum(h ^ (h >> 15), dtype=jnp.uint32)
 
 
+def host_fingerprint(x: np.ndarray, chunk: int = 1 << 18) -> int:
+    """:func:`_fingerprint` of a host array holding exactly the logical region, in numpy
+    and in chunks (a reader that streams leaves checks them without JAX or a copy)."""
+    flat = np.ascontiguousarray(x).reshape(-1).view(np.dtype(f"u{x.dtype.itemsize}"))
+    total = np.uint32(0)
+    with np.errstate(over="ignore"):
+        for start in range(0, flat.size, chunk):
+            bits = flat[start:start + chunk].astype(np.uint32)
+            idx = (np.arange(start, start + len(bits), dtype=np.uint64) % 2**32).astype(np.uint32)
+            h = (bits + idx * np.uint32(0x9E3779B9)) * np.uint32(0x85EBCA6B)
+            total = total + np.sum(h ^ (h >> np.uint32(15)), dtype=np.uint32)
+    return int(total)
+
+
+def older_steps(directory: Path, step: int) -> list[int] | str:
+    """The other complete checkpoints beside ``step`` (for a damaged one's message)."""
+    return sorted(int(p.name) for p in directory.iterdir()
+                  if p.is_dir() and p.name.isdigit() and int(p.name) != step) or "none"
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _fingerprints(arrays: tuple, shapes: tuple) -> tuple:
     return tuple(_fingerprint(x, s) for x, s in zip(arrays, shapes, strict=True))

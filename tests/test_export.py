@@ -289,3 +289,44 @@ def test_cli_subprocess_error_has_no_traceback(saved, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("jaxzero export: error: checkpoint ")
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+# --------------------------------------------------------------------------- integrity
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+def test_host_fingerprint_is_the_saved_one(dtype):
+    """The numpy fingerprint export checks equals the one the checkpoint writes."""
+    from jaxzero.checkpoint import _fingerprints, host_fingerprint
+
+    x = np.asarray(jax.random.normal(jax.random.key(0), (37, 53))).astype(dtype)
+    want = int(jax.device_get(_fingerprints((jnp.asarray(x),), ((37, 53),)))[0])
+    assert host_fingerprint(x, chunk=100) == want
+    assert host_fingerprint(np.roll(x, 1, axis=0), chunk=100) != want
+
+
+def test_a_damaged_checkpoint_stops_export_and_sample(saved, tmp_path, capsys):
+    """Flipped bytes in the data: export and sample stop with one line naming the damage
+    and the intact checkpoints (exit 2); none of the flips passes silently."""
+    src = saved["bf16"][0]  # a run: checkpoints of steps 0 and 5
+    refused = 0
+    files = sorted(f for f in (src / "checkpoints" / "5" / "state").rglob("d/*") if f.is_file())
+    biggest = max(files, key=lambda f: f.stat().st_size)
+    for i, frac in enumerate((0.2, 0.5, 0.8)):
+        bad = tmp_path / f"bad{i}"
+        shutil.copytree(src, bad)
+        f = bad / biggest.relative_to(src)
+        data = bytearray(f.read_bytes())
+        at = int(len(data) * frac)
+        data[at:at + 64] = bytes(x ^ 0x5A for x in data[at:at + 64])
+        f.write_bytes(bytes(data))
+        for argv in (["export", str(bad), "--out", str(tmp_path / f"x{i}")],
+                     ["sample", str(bad), "--tokens", "2"]):
+            rc, _, err = _cli(capsys, *argv)
+            if rc == 0:
+                continue  # bytes that hold no param (e.g. the optimizer state's)
+            refused += 1
+            assert rc == 2 and err.count("\n") == 1, err
+            assert "is damaged" in err or "could not be read" in err
+            assert "Older checkpoints: [0]" in err
+    assert refused >= 2, "flipping 64 bytes of the params' largest file went unnoticed"

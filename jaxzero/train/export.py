@@ -27,7 +27,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxzero.checkpoint import CheckpointError
+from jaxzero.checkpoint import CheckpointError, host_fingerprint, older_steps
 from jaxzero.cli import ArgError, Parser
 from jaxzero.hf import safetensors
 from jaxzero.hf.config import HFError
@@ -167,12 +167,16 @@ def param_entries(meta: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...]]
 
 
 class LeafReader:
-    """Opens one stored leaf at a time and reads its logical region (never the padding)."""
+    """Opens one stored leaf at a time and reads its logical region (never the padding),
+    checked against the fingerprint the checkpoint's ``meta`` recorded for it at save
+    time: export, sample and resume all refuse a damaged leaf."""
 
     def __init__(self, step_dir: Path):
         import tensorstore as ts
 
         self._ts, self.dir = ts, (step_dir / "state").absolute()
+        self._sums = {name: entry.get("fingerprint")
+                      for name, entry in read_meta(step_dir)["leaves"].items()}
         try:
             info = json.loads((self.dir / "_METADATA").read_text())
         except (OSError, ValueError) as e:
@@ -190,32 +194,46 @@ class LeafReader:
 
     def read(self, leaf: str, shape: tuple[int, ...], dtype: np.dtype,
              buffer: np.ndarray | None = None) -> np.ndarray:
-        """The ``shape`` corner of ``leaf`` as a C-contiguous ``dtype`` array.
+        """The ``shape`` corner of ``leaf`` as a C-contiguous ``dtype`` array, verified.
 
-        With ``buffer`` (bytes, reused across leaves) the array is a view of it and
-        tensorstore decodes and casts chunk by chunk straight into it: no
-        per-leaf allocation for the allocator to keep (glibc holds on to freed
-        blocks below its mmap threshold, which grew RSS by leaves, not by one).
+        With ``buffer`` (bytes, reused across leaves, at least the leaf in its stored
+        dtype) the stored values land in it and tensorstore decodes chunk by chunk
+        straight into it: no per-leaf allocation for the allocator to keep (glibc
+        holds on to freed blocks below its mmap threshold, which grew RSS by leaves,
+        not by one). A cast to another ``dtype`` (rounding to nearest even, as
+        numpy/JAX ``astype``) then allocates that leaf once.
         """
         ts = self._ts
-        nbytes = math.prod(shape) * dtype.itemsize
-        out = (np.empty(shape, dtype) if buffer is None
-               else buffer[:nbytes].view(dtype).reshape(shape))
         try:
             store = ts.open(self._spec(leaf), open=True, context=self._ctx).result()
             if len(store.shape) != len(shape) or any(a < b for a, b in zip(store.shape, shape,
                                                                           strict=True)):
                 raise ValueError(f"stored shape {tuple(store.shape)} cannot hold {shape}")
             src = store[tuple(slice(0, n) for n in shape)]
-            if src.dtype.numpy_dtype != dtype:
-                src = ts.cast(src, dtype)  # round to nearest even, as numpy/JAX astype
-            ts.array(out, copy=False, write=True, context=self._ctx).write(src).result()
+            stored = np.dtype(src.dtype.numpy_dtype)
+            nbytes = math.prod(shape) * stored.itemsize
+            raw = (np.empty(shape, stored) if buffer is None or buffer.nbytes < nbytes
+                   else buffer[:nbytes].view(stored).reshape(shape))
+            ts.array(raw, copy=False, write=True, context=self._ctx).write(src).result()
         except Exception as e:  # tensorstore raises ValueError/RuntimeError/... for bad files
             msg = (str(e).strip().splitlines() or [""])[0][:200]
             raise CheckpointError(
                 f"checkpoint {self.dir.parent} could not be read at {leaf} "
-                f"({type(e).__name__}: {msg}); it is damaged or incomplete") from None
-        return out
+                f"({type(e).__name__}: {msg}); it is damaged or incomplete. Older "
+                f"checkpoints: {older_steps(self.dir.parent.parent, _step(self.dir))}"
+            ) from None
+        want = self._sums.get(leaf)
+        if want is not None and host_fingerprint(raw) != want:
+            raise CheckpointError(
+                f"checkpoint {self.dir.parent} is damaged: {leaf} no longer matches the "
+                "fingerprint written when it was saved. Older checkpoints: "
+                f"{older_steps(self.dir.parent.parent, _step(self.dir))}")
+        return raw if stored == dtype else raw.astype(dtype)
+
+
+def _step(state_dir: Path) -> int:
+    name = state_dir.parent.name
+    return int(name) if name.isdigit() else -1
 
 
 # --------------------------------------------------------------------------- export
@@ -227,7 +245,8 @@ def export_params(step_dir: Path, out_file: Path, dtype: str = "fp32") -> dict[s
     entries = param_entries(meta)
     dt = DTYPES[dtype]
     reader = LeafReader(step_dir)
-    buffer = np.empty(max((math.prod(s) * dt.itemsize for *_, s in entries), default=0), np.uint8)
+    # room for any leaf as stored (at most 4 bytes an element: fp32 master or params)
+    buffer = np.empty(max((math.prod(s) * 4 for *_, s in entries), default=0), np.uint8)
     arrays = (reader.read(leaf, shape, dt, buffer) for _, leaf, shape in entries)
     size = safetensors.write(out_file, [(n, dt, s) for n, _, s in entries], arrays,
                              {"format": "jaxzero", "step": str(meta.get("step"))})
