@@ -85,6 +85,9 @@ class OptimizerConfig:
     b2: float = 0.99
     eps: float = 1e-8
     max_grad_norm: float | None = 1.0  # global-norm clipping inside the engine; None: off
+    # the cosine's horizon (None: train.steps); a resume with more --steps keeps the
+    # original one (the rate stays at its floor after it) unless this is set
+    decay_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -119,10 +122,16 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Checkpoint cadence and retention (``every=0``: only on SIGTERM/SIGINT)."""
+    """Checkpoint cadence and retention.
+
+    ``final`` (on by default) saves at the end of training, so every finished run can be
+    exported, sampled and extended; ``every=K`` also saves every K steps (the long
+    configs in experiments/configs set it), and SIGTERM/SIGINT save where they stop.
+    """
 
     dir: str | None = None  # None: RUN_DIR/checkpoints
-    every: int = 0  # save every K steps and at the end
+    every: int = 0  # save every K steps (0: only at the end and on a signal)
+    final: bool = True  # save when training ends
     keep_last: int = 3  # recent checkpoints kept
     keep_every: int | None = None  # also keep steps that are multiples of this
     on_nan: Literal["stop", "rollback"] = "stop"  # rollback: latest checkpoint, skip the batch

@@ -14,11 +14,13 @@ the backend starts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from jaxzero import distributed
@@ -187,6 +189,12 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
       init_timeout: seconds a multi-process run waits for all processes to connect.
     """
     watch = metrics_lib.Stopwatch(started)
+    if resume is not None:
+        run = Path(cfg.logging.root) / str(cfg.logging.name)
+        if resume_lib.finished(run, cfg.train.steps) is not None:
+            print(f"jaxzero train: {run} finished at step {cfg.train.steps}; nothing to resume "
+                  "(give --steps N to train it further)")
+            return json.loads((run / metrics_lib.SUMMARY_FILE).read_text())
     # Joins the job when launched as one of several processes (a no-op otherwise): first,
     # so that a wrong RANK or an absent coordinator fails before any data is read.
     job = distributed.initialize(simulate_devices=cfg.parallel.simulate_devices,
@@ -223,8 +231,17 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
     cfg = resolve_run(cfg, n_dev, simulated, vocab)
     is_main = jax.process_index() == 0
     run_dir = metrics_lib.prepare_run_dir(cfg, is_main, resume=resume is not None)
-    ckpt = CheckpointManager(resume_lib.checkpoint_dir(cfg, run_dir), cfg.checkpoint.keep_last,
-                             cfg.checkpoint.keep_every)
+    ckpt_dir = resume_lib.checkpoint_dir(cfg, run_dir)
+    if resume is None and is_main:  # a fresh run never inherits checkpoints it did not write
+        if cfg.checkpoint.dir is None:
+            aside = resume_lib.set_aside(ckpt_dir)
+            if aside is not None:
+                print(f"jaxzero train: {ckpt_dir} held another run's checkpoints (an aborted "
+                      f"or overwritten run); moved them to {aside}")
+        elif ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+            raise ConfigError(f"checkpoint.dir {str(ckpt_dir)!r} already holds checkpoints of "
+                              "another run: give an empty directory, or --resume that run")
+    ckpt = CheckpointManager(ckpt_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
     if pretrained is not None:
         cfg = finetune.pin_architecture(cfg, pretrained, run_dir, is_main)
     model, engine, schedule = build(cfg, mesh)
@@ -284,7 +301,12 @@ def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress,
 
     def save(state, force=False):
         extra = {"config": config_lib.to_dict(cfg), "loader": loader.state_dict()}
+        begin = time.perf_counter()
         ckpt.save(engine, state, extra=extra, force=force)
+        step = int(state.step)
+        progress.print(f"checkpoint step {step} -> {ckpt.directory / str(step)} "
+                       f"({time.perf_counter() - begin:.1f}s to the host; written in the "
+                       "background)")
 
     val = [
         engine.shard_batch(x)
@@ -294,7 +316,8 @@ def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress,
     with resume_lib.StopSignals() as stop:
         state, loss, val_loss = _steps(cfg, engine, state, loader, val, schedule, writer,
                                        progress, watch, first, save, stop, ckpt, run_dir)
-    if cfg.checkpoint.every and steps % cfg.checkpoint.every:
+    every = cfg.checkpoint.every
+    if (every and steps % every) or (not every and cfg.checkpoint.final):
         save(state)  # the end (a multiple of every was saved in the loop)
     ckpt.wait()
     summary = metrics_lib.summarize(cfg, engine, model, watch, loss, val_loss)

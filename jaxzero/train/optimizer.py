@@ -53,7 +53,7 @@ def make_optimizer(opt: config_lib.OptimizerConfig, steps: int):
     """AdamW with the schedule and mask above; clipping is the engine's ``max_grad_norm``."""
     import optax
 
-    schedule = lr_schedule(opt, steps)
+    schedule = lr_schedule(opt, opt.decay_steps or steps)
     tx = optax.adamw(
         schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay, mask=decay_mask
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +72,42 @@ def check_changes(diff: dict[str, tuple[Any, Any]]) -> list[str]:
 
 
 def resumed_config(run: Path, apply: Any) -> tuple[Config, list[str]]:
-    """The run's saved config with this command's overrides (``apply(cfg) -> cfg``)."""
+    """The run's saved config with this command's overrides (``apply(cfg) -> cfg``).
+
+    More ``--steps`` extend the run but not its learning-rate schedule: the cosine keeps
+    the horizon it was trained with (``optimizer.decay_steps``, recorded here), so the
+    rate never jumps back up at the resume step.
+    """
     saved = config_lib.load_file(run / "config.yaml")
     saved = dataclasses.replace(saved, logging=dataclasses.replace(
         saved.logging, root=str(run.parent), name=run.name))
     new = apply(saved)
-    return new, check_changes(changes(saved, new))
+    said = check_changes(changes(saved, new))
+    if new.train.steps != saved.train.steps and saved.optimizer.decay_steps is None:
+        new = dataclasses.replace(new, optimizer=dataclasses.replace(
+            new.optimizer, decay_steps=saved.train.steps))
+        said.append(f"optimizer.decay_steps: None -> {saved.train.steps} (the learning-rate "
+                    "schedule keeps its horizon; --set optimizer.decay_steps=N to change it)")
+    return new, said
+
+
+def finished(run: Path, steps: int) -> int | None:
+    """``steps`` when the run already ended there (its summary says so), else None."""
+    try:
+        summary = json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return steps if isinstance(summary, dict) and summary.get("steps") == steps else None
+
+
+def set_aside(directory: Path) -> Path | None:
+    """Moves the checkpoints a fresh run finds in its directory (an aborted or
+    overwritten run's) aside, so it never resumes or exports them; returns where."""
+    if not directory.is_dir() or not any(p.name.isdigit() for p in directory.iterdir()):
+        return None
+    aside = directory.with_name(f"{directory.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    directory.rename(aside)
+    return aside
 
 
 def drop_records_after(metrics_file: Path, step: int) -> int:

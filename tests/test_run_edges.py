@@ -1,0 +1,72 @@
+"""A run keeps what it trained and uses no one else's weights: a final checkpoint by
+default, a message per save, a finished run left alone on --resume, a schedule that keeps
+its horizon when extended, and checkpoints of an earlier run under the same name set aside."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jaxzero import cli
+from jaxzero.train import metrics
+
+ROOT = Path(__file__).parent.parent
+TINY = str(ROOT / "experiments" / "configs" / "tiny.yaml")
+
+
+def _train(root: Path, name: str, *extra: str) -> int:
+    return cli.main(["train", "--config", TINY, "--name", name, "--devices", "2",
+                     "--set", f"logging.root={root}", "--set", "logging.eval_every=100",
+                     "--set", "logging.sample_tokens=0", "--set", "logging.log_every=1",
+                     "--set", "logging.tensorboard=false", "--set", "data.max_bytes=60000",
+                     "--set", "model.d_model=32", "--set", "model.seq_len=32", *extra])
+
+
+def _records(run: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in metrics.read_jsonl(run / metrics.METRICS_FILE)}
+
+
+def test_a_default_run_keeps_an_exportable_checkpoint(tmp_path, capsys):
+    assert _train(tmp_path, "plain", "--steps", "3") == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint step 3 -> {tmp_path / 'plain' / 'checkpoints' / '3'}" in out
+    assert cli.main(["export", str(tmp_path / "plain"), "--out", str(tmp_path / "x")]) == 0
+
+
+def test_resume_leaves_a_finished_run_alone_and_extends_without_a_jump(tmp_path, capsys):
+    run = tmp_path / "done"
+    assert _train(tmp_path, "done", "--steps", "6", "--set", "optimizer.warmup_steps=2") == 0
+    summary = (run / "summary.json").read_bytes()
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", str(run)]) == 0
+    assert "finished at step 6; nothing to resume" in capsys.readouterr().out
+    assert (run / "summary.json").read_bytes() == summary
+    assert cli.main(["train", "--resume", str(run), "--steps", "9"]) == 0
+    assert "optimizer.decay_steps: None -> 6" in capsys.readouterr().out
+    lr = {s: r["lr"] for s, r in _records(run).items()}
+    assert sorted(lr) == list(range(1, 10))
+    assert lr[7] <= lr[6] and lr[7] == pytest.approx(lr[9])  # the floor, no jump back up
+
+
+def test_a_fresh_run_never_inherits_checkpoints_under_its_name(tmp_path, capsys):
+    old = tmp_path / "reused" / "checkpoints" / "1"  # an aborted run's step-1 checkpoint
+    old.mkdir(parents=True)
+    (old / "marker").write_text("not this run's")
+    assert _train(tmp_path, "reused", "--steps", "2") == 0
+    out = capsys.readouterr().out
+    assert "held another run's checkpoints" in out and "moved them to" in out
+    steps = sorted(p.name for p in (tmp_path / "reused" / "checkpoints").iterdir())
+    assert steps == ["2"]
+    aside = [p for p in (tmp_path / "reused").iterdir() if ".replaced-" in p.name]
+    assert len(aside) == 1 and (aside[0] / "1" / "marker").is_file()  # kept, not deleted
+
+
+def test_a_checkpoint_dir_holding_another_run_is_refused_before_compiling(tmp_path, capsys):
+    shared = tmp_path / "shared"
+    (shared / "5").mkdir(parents=True)
+    rc = _train(tmp_path, "other", "--steps", "2", "--set", f"checkpoint.dir={shared}")
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert "already holds checkpoints of another run" in err
+    assert not (tmp_path / "other" / metrics.SUMMARY_FILE).exists()
