@@ -90,6 +90,20 @@ def _timeout_message(job: Job, waited: float) -> str:
             f"to {where}; not all did (check the number of tasks and the job's variables)")
 
 
+def check_port_free(port: Any) -> None:
+    """Rank 0 binds the coordinator's port itself: a port another process holds (a
+    launcher's store) would otherwise fail inside JAX's server, uncatchably."""
+    with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as s:
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("", int(port.value)))
+        except OSError as e:
+            raise DistributedError(
+                f"the coordinator's port {port.value} ({port}) cannot be bound: "
+                f"{e.strerror or e}; another process (a launcher's store?) holds it. Set "
+                "JAXZERO_PORT to a free port") from None
+
+
 def initialize(host: str | None = None, port: int | None = None, rank: int | None = None,
                world_size: int | None = None, local_rank: int | None = None,
                local_world_size: int | None = None, *, simulate_devices: int | None = None,
@@ -141,6 +155,8 @@ def initialize(host: str | None = None, port: int | None = None, rank: int | Non
     deadline = started + job.init_timeout
     if job.mode == "explicit" and job.rank != 0:
         probe(job.host.value, job.port.value, job.init_timeout, job.named("host", "port"))
+    if job.mode == "explicit" and job.rank == 0:
+        check_port_free(job.port)
     dog = _Watchdog(max(deadline - time.monotonic(), 0.1),
                     lambda: _timeout_message(job, job.init_timeout))
     kwargs: dict[str, Any] = dict(

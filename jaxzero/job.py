@@ -38,6 +38,13 @@ VARIABLES = {
 }
 
 
+# Under torchrun (which sets TORCHELASTIC_RUN_ID) MASTER_PORT is its rendezvous store's,
+# already bound on rank 0's host: the JAX coordinator takes the port this far above it
+# (JAXZERO_PORT, when set, is used as it is).
+TORCHRUN_MARKER = "TORCHELASTIC_RUN_ID"
+TORCHRUN_PORT_OFFSET = 1
+
+
 class DistributedError(RuntimeError):
     """The job cannot be set up; the message is one line naming the variables at fault."""
 
@@ -218,6 +225,10 @@ def resolve(environ: Mapping[str, str] | None = None, *, accelerator: bool = Fal
         if "port" not in got or _order(got["host"]) < _order(got["port"]):
             port = _pick("port", embedded, {})
             got["port"] = dataclasses.replace(port, source=got["host"].source)
+    if ("port" in got and got["port"].source == "MASTER_PORT"
+            and TORCHRUN_MARKER in environ):  # torchrun's own store listens on MASTER_PORT
+        got["port"] = Setting(got["port"].value + TORCHRUN_PORT_OFFSET,
+                              f"MASTER_PORT+{TORCHRUN_PORT_OFFSET}", "port")
     host, port = got.get("host"), got.get("port")
     common = dict(
         settings=got,

@@ -222,3 +222,31 @@ def test_train_builds_the_hybrid_mesh_from_group_size():
     assert dict(mesh.shape) == {"data": 8}
     with pytest.raises(C.ConfigError, match="mesh.group_size=3 must divide the 8 devices"):
         train.setup_devices(C.ParallelConfig(devices=8), None, 3)
+
+
+def test_under_torchrun_the_coordinator_moves_off_the_stores_port():
+    """torchrun (TORCHELASTIC_RUN_ID set) already listens on MASTER_PORT: JAX's coordinator
+    takes the next port; JAXZERO_PORT, when set, wins as it is."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "2",
+           "TORCHELASTIC_RUN_ID": "none"}
+    job = resolve(env)
+    assert job.coordinator == "127.0.0.1:29501" and str(job.port) == "MASTER_PORT+1=29501"
+    assert resolve({**env, "JAXZERO_PORT": "31000"}).coordinator == "127.0.0.1:31000"
+    del env["TORCHELASTIC_RUN_ID"]
+    assert resolve(env).coordinator == "127.0.0.1:29500"  # not torchrun: its port as it is
+
+
+def test_a_taken_coordinator_port_is_one_line_not_a_crash():
+    import socket
+
+    from jaxzero.distributed import check_port_free
+
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        job = resolve({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                       "WORLD_SIZE": "2"})
+        with pytest.raises(DistributedError, match=rf"port {port} \(MASTER_PORT={port}\) "
+                           r"cannot be bound.*Set JAXZERO_PORT"):
+            check_port_free(job.port)

@@ -229,3 +229,35 @@ def test_world_sizes_that_differ_between_processes_are_refused():
     assert procs[1].returncode != 0 and "joined" not in out
     assert f"WORLD_SIZE=3 but the coordinator at 127.0.0.1:{port} runs a job of 2 processes" \
         in err, err[-2000:]
+
+
+@pytest.mark.slow
+def test_a_store_holding_master_port_does_not_stop_a_torchrun_job():
+    """As under torchrun, whose rendezvous store listens on MASTER_PORT on rank 0's host:
+    with TORCHELASTIC_RUN_ID set the coordinator takes the next port and the job trains."""
+    import socket
+
+    for _ in range(20):  # a port whose successor is free too
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", 0))
+        port = holder.getsockname()[1]
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port + 1))
+                break
+            except OSError:
+                holder.close()
+    holder.listen()
+    try:
+        procs = [subprocess.Popen([sys.executable, str(HERE / "_mp_env_worker.py")],
+                                  env=_torchrun_env(i, port, TORCHELASTIC_RUN_ID="test",
+                                                    XLA_FLAGS="--xla_force_host_platform_"
+                                                    "device_count=2"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+        results = [p.communicate(timeout=300) for p in procs]
+    finally:
+        holder.close()
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    assert f"127.0.0.1:{port + 1}" in results[0][1] or "MASTER_PORT+1" in results[0][1]
