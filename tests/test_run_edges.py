@@ -70,3 +70,18 @@ def test_a_checkpoint_dir_holding_another_run_is_refused_before_compiling(tmp_pa
     assert rc == 2 and err.count("\n") == 1
     assert "already holds checkpoints of another run" in err
     assert not (tmp_path / "other" / metrics.SUMMARY_FILE).exists()
+
+
+def test_export_and_sample_name_the_step_and_warn_of_a_stale_checkpoint(tmp_path, capsys):
+    run = tmp_path / "stale"
+    assert _train(tmp_path, "stale", "--steps", "2") == 0
+    capsys.readouterr()
+    assert cli.main(["export", str(run), "--out", str(tmp_path / "x")]) == 0
+    err = capsys.readouterr().err
+    assert f"from the checkpoint of step 2 ({run / 'checkpoints' / '2'})" in err
+    assert "warning" not in err
+    with open(run / metrics.METRICS_FILE, "a") as f:  # trained on, stopped before a save
+        f.write('{"step": 5, "loss": 1.0}\n')
+    assert cli.main(["sample", str(run), "--tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the run logged step 5, after its latest checkpoint" in err

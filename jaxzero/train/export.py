@@ -333,6 +333,24 @@ def export(path: str | Path, out: str | Path, dtype: str = "fp32",
     return out
 
 
+def describe_source(path: str | Path, step: int | None = None) -> str:
+    """Which checkpoint step a command used, and a warning when the run trained (and
+    logged) further than its latest checkpoint."""
+    step_dir = find_step_dir(path, step)
+    line = f"from the checkpoint of step {step_dir.name} ({step_dir})"
+    metrics = step_dir.parent.parent / "metrics.jsonl"
+    if step is None and metrics.is_file():
+        try:
+            logged = max((json.loads(x).get("step", 0) for x in metrics.read_text().splitlines()
+                          if x.strip()), default=0)
+        except ValueError:
+            logged = 0
+        if step_dir.name.isdigit() and logged > int(step_dir.name):
+            line += (f"; warning: the run logged step {logged}, after its latest checkpoint "
+                     "(it was stopped before saving; resume it to save the rest)")
+    return line
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -373,5 +391,6 @@ def main(argv: list[str] | None = None) -> int:
         out = export(args.path, args.out, args.dtype, args.step, args.format)
         print(f"exported {out} (Hugging Face format)" if args.format == "hf" else
               f"exported {out / WEIGHTS} and {out / CONFIG}")
+        print(describe_source(args.path, args.step), file=sys.stderr)
 
     return run_cli("export", body)

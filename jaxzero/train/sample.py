@@ -26,6 +26,7 @@ from jaxzero.train.export import (
     WEIGHTS,
     ExportError,
     LeafReader,
+    describe_source,
     find_step_dir,
     model_fields,
     param_entries,
@@ -192,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         _, text = sample(args.path, args.prompt, args.tokens, args.temperature, args.top_k,
                          args.seed, args.step, args.tokenizer)
         print(text)
+        path = Path(args.path)
+        if not (path / CONFIG).is_file():  # a run or checkpoint, not an export or HF dir
+            print(describe_source(path, args.step), file=sys.stderr)
 
     return run_cli("sample", body)
 
