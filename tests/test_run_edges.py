@@ -4,6 +4,7 @@ its horizon when extended, and checkpoints of an earlier run under the same name
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,39 @@ def test_export_and_sample_name_the_step_and_warn_of_a_stale_checkpoint(tmp_path
     assert cli.main(["sample", str(run), "--tokens", "2"]) == 0
     err = capsys.readouterr().err
     assert "warning: the run logged step 5, after its latest checkpoint" in err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through read-only permissions")
+def test_unwritable_outputs_are_refused_in_one_line_before_compiling(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        rc = _train(tmp_path, "ro", "--steps", "2", "--set", f"checkpoint.dir={locked / 'c'}")
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and "cannot write checkpoints to" in err
+        assert not (tmp_path / "ro").exists()  # no half-made run directory
+    finally:
+        locked.chmod(0o700)
+
+
+def test_checkpoint_dir_and_export_out_fail_in_one_line(tmp_path, capsys):
+    """As root too: a path under a file cannot be created."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc = _train(tmp_path, "under", "--steps", "2", "--set", f"checkpoint.dir={blocker / 'c'}")
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "cannot write checkpoints to" in err
+    assert not (tmp_path / "under").exists()
+    assert _train(tmp_path, "ok", "--steps", "2") == 0
+    capsys.readouterr()
+    rc = cli.main(["export", str(tmp_path / "ok"), "--out", str(blocker / "x")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "cannot create --out" in err
+
+
+@pytest.mark.parametrize("name", ["../escaped", "a/b", ".."])
+def test_a_run_name_stays_inside_the_root(tmp_path, capsys, name):
+    assert _train(tmp_path / "root", name, "--steps", "1") == 2
+    assert "a run name is one directory name inside logging.root" in capsys.readouterr().err
+    assert not (tmp_path / "escaped").exists()

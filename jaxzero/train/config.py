@@ -431,6 +431,10 @@ def validate(config: Config) -> Config:
             f"train.batch_size={t.batch_size} is not divisible by "
             f"parallel.micro_batches={p.micro_batches}"
         )
+    if lg.name is not None and (lg.name in ("", ".", "..") or "/" in lg.name
+                                or "\\" in lg.name):
+        raise ConfigError(f"logging.name={lg.name!r}: a run name is one directory name inside "
+                          "logging.root (no '/' or '..'); set logging.root for another place")
     if lg.sample_tokens < 0 or config.checkpoint.every < 0:
         raise ConfigError("logging.sample_tokens and checkpoint.every must be >= 0")
     ck = config.checkpoint

@@ -315,9 +315,16 @@ def export(path: str | Path, out: str | Path, dtype: str = "fp32",
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file")
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"cannot create --out {out}: {e.strerror or e}") from None
     try:
         info = export_params(step_dir, out / WEIGHTS, dtype)
+    except OSError as e:
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise ExportError(f"cannot write {out / WEIGHTS}: {e.strerror or e}") from None
     except BaseException:
         if created and not any(out.iterdir()):
             out.rmdir()  # leave no empty directory behind; an older export stays whole

@@ -230,6 +230,8 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
         )
     cfg = resolve_run(cfg, n_dev, simulated, vocab)
     is_main = jax.process_index() == 0
+    if is_main and cfg.checkpoint.dir:  # before the run directory, and any compiling
+        resume_lib.check_writable(Path(cfg.checkpoint.dir))
     run_dir = metrics_lib.prepare_run_dir(cfg, is_main, resume=resume is not None)
     ckpt_dir = resume_lib.checkpoint_dir(cfg, run_dir)
     if resume is None and is_main:  # a fresh run never inherits checkpoints it did not write

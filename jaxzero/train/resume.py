@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -98,6 +99,20 @@ def finished(run: Path, steps: int) -> int | None:
     except (OSError, ValueError):
         return None
     return steps if isinstance(summary, dict) and summary.get("steps") == steps else None
+
+
+def check_writable(directory: Path) -> None:
+    """Creates ``directory`` and proves a file can be written there, or says why not in
+    one line (ConfigError), before a run spends anything on compiling and training."""
+    probe = directory / f".write-test-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write checkpoints to {str(directory)!r}: "
+                          f"{e.strerror or e}; set checkpoint.dir to a writable directory"
+                          ) from None
 
 
 def set_aside(directory: Path) -> Path | None:
