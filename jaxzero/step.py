@@ -225,9 +225,10 @@ def gradient_step(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, b
     metrics = {}
     if weighted:  # sums over every device and micro-batch, over the global weight
         tokens = jax.lax.psum(weight, cfg.batch_axes)
-        grads = jax.tree.map(lambda g: g / tokens, grads)
-        loss = jax.lax.psum(total, cfg.batch_axes) / tokens
-        aux = jax.tree.map(lambda a: jax.lax.psum(a, cfg.batch_axes) / tokens, aux)
+        per = _nonzero(tokens)  # a batch with nothing to learn from: zero, not NaN
+        grads = jax.tree.map(lambda g: g / per, grads)
+        loss = jax.lax.psum(total, cfg.batch_axes) / per
+        aux = jax.tree.map(lambda a: jax.lax.psum(a, cfg.batch_axes) / per, aux)
         metrics["tokens"] = tokens
     else:
         loss = jax.lax.pmean(total, cfg.batch_axes)
@@ -316,4 +317,8 @@ def eval_loss(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch
     total, weight, _ = loss_lib.unpack(_loss(cfg, loss_fn, view, batch, None))
     if weight is None:
         return jax.lax.pmean(total, cfg.batch_axes)
-    return jax.lax.psum(total, cfg.batch_axes) / jax.lax.psum(weight, cfg.batch_axes)
+    return jax.lax.psum(total, cfg.batch_axes) / _nonzero(jax.lax.psum(weight, cfg.batch_axes))
+
+
+def _nonzero(weight: jax.Array) -> jax.Array:
+    return jnp.where(weight == 0, jnp.ones_like(weight), weight)

@@ -139,3 +139,13 @@ def test_a_loss_of_another_form_is_refused_naming_the_forms(bad, match):
     with pytest.raises(TypeError, match=match) as e:
         engine.step(state, {"x": np.ones((2, 1), np.float32)})
     assert "jaxzero.Weighted(total, weight)" in str(e.value)
+
+
+def test_a_batch_with_nothing_to_learn_from_is_zero_not_nan():
+    data = uneven_batches(1)[0]
+    data["loss_mask"][:] = 0  # every token a prompt
+    engine = jaxzero.Engine(masked_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=1)
+    state, metrics = engine.step(engine.init(PARAMS), data)
+    assert float(metrics["loss"]) == 0.0 and float(metrics["tokens"]) == 0.0
+    assert float(metrics["grad_norm"]) == 0.0
+    assert rel_diff(engine.gather_params(state), PARAMS) == 0.0
