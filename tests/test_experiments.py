@@ -33,14 +33,14 @@ def test_bench_step_plain_model_prints_every_contestant(tmp_path):
 @pytest.mark.slow
 def test_bench_step_llama_model_prints_every_contestant(tmp_path):
     path = tmp_path / "bench.csv"
-    out = _run("bench_step.py", "--model", "llama", "--stages", "0", "3", "--steps", "1",
+    out = _run("bench_step.py", "--model", "llama", "--stages", "3", "--steps", "1",
                "--devices", "2", "--layers", "1", "--d-model", "32", "--heads", "2",
                "--kv-heads", "1", "--seq-len", "16", "--vocab", "64", "--batch", "4",
                "--csv", str(path))
     assert "plain jit" in out and "shard_map + pmean" in out and "targets:" not in out
     assert "2 heads, 1 kv, intermediate 96" in out  # GQA, SwiGLU of about 8/3 x d_model
     rows = list(csv.DictReader(path.open()))
-    assert [(r["model"], r["stage"]) for r in rows] == [("llama", "0"), ("llama", "3")]
+    assert [(r["model"], r["stage"]) for r in rows] == [("llama", "3")]  # one stage: CI time
     assert all(float(r[k]) > 0 for r in rows
                for k in ("jaxzero_ms", "jit_no_donate_ms", "shard_map_ms", "gspmd_ms"))
 
