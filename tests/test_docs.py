@@ -154,3 +154,20 @@ def test_docs_pages_code_runs(page, monkeypatch, capsys):
         exec(compile(block, f"docs/{page}", "exec"), namespace)
     out = capsys.readouterr().out
     assert "(16, 1)" in out and "loss " in out
+
+
+def test_readme_library_example_runs_as_written_on_one_cpu_device():
+    """Pasted into a fresh Python on a CPU-only machine (one device, nothing simulated), the
+    example runs and prints the losses README shows."""
+    import os
+    import subprocess
+
+    section = _section("The library in")
+    example = _blocks(section, "python")[0]
+    printed = _blocks(section, "")[0]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _losses(proc.stdout) == _losses(printed)
