@@ -208,3 +208,28 @@ def test_a_long_text_file_is_one_document_read_in_pieces(tokenizer_dir, tmp_path
     np.testing.assert_array_equal(store.tokens[: len(whole) + 1], whole + [tok.eos_id])
     np.testing.assert_array_equal(np.load(store.path / "lengths.npy"),
                                   [len(whole) + 1, len(tok.encode("the end\n")) + 1])
+
+
+def test_chat_templates_render_as_transformers_renders_them(tokenizer_dir, tmp_path):
+    """Sandboxed, with eos_token and raise_exception, trim_blocks and lstrip_blocks on."""
+    import shutil
+
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, tok_dir)
+    template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}"
+                "{% endif %}\n{% for m in messages %}\n  {{ m['content'] }}{{ eos_token }}\n"
+                "{% endfor %}")
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "chat_template": template}))
+    tok = Tokenizer.load(tok_dir)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "red"}]
+    store = store_lib.build(write_jsonl(tmp_path / "c.jsonl", [{"messages": chat}]), tok,
+                            progress=False)
+    # trim_blocks ate the newlines after the tags; the indent before {{ stays
+    want = tok.encode("  hi<|endoftext|>\n") + tok.encode("red") + [tok.eos_id]
+    np.testing.assert_array_equal(store.tokens, want)
+    system = [{"role": "system", "content": "x"}] + chat
+    write_jsonl(tmp_path / "s.jsonl", [{"messages": system}])
+    with pytest.raises(store_lib.StoreError, match="s.jsonl:1: the chat template failed "
+                       r"\(no system\)"):
+        store_lib.build(tmp_path / "s.jsonl", tok, progress=False)

@@ -96,11 +96,19 @@ def _render_chat(tok: Tokenizer, messages: Any, where: str) -> Document:
                          "an assistant turn (the completion)")
     try:
         import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise StoreError("chat templates need jinja2 (pip install jinja2)") from None
-    template = jinja2.Environment().from_string(tok.chat_template)
+
+    def raise_exception(message: str) -> None:  # what templates call to refuse a chat
+        raise jinja2.TemplateError(message)
+
+    # as transformers renders them: sandboxed, trim_blocks and lstrip_blocks on
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     try:
-        prompt = template.render(messages=messages[:-1], add_generation_prompt=True)
+        prompt = env.from_string(tok.chat_template).render(
+            messages=messages[:-1], add_generation_prompt=True, eos_token=tok.eos_token,
+            bos_token=tok.bos_token, raise_exception=raise_exception)
     except jinja2.TemplateError as e:
         raise StoreError(f"{where}: the chat template failed ({e})") from None
     return Document(prompt, messages[-1]["content"])

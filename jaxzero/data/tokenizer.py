@@ -45,8 +45,10 @@ class Tokenizer:
       ([2, 3], 0, 4)
     """
 
-    def __init__(self, raw: Any, eos: str | None = None, source: str = "", chat_template=None):
+    def __init__(self, raw: Any, eos: str | None = None, source: str = "", chat_template=None,
+                 bos: str | None = None):
         self.raw, self.source, self.chat_template = raw, source, chat_template
+        self.bos_token = bos or ""  # what a chat template may print
         vocab = raw.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values(), default=-1) + 1
         names = [eos] if eos else [s for s in EOS_SPELLINGS if s in vocab]
@@ -54,7 +56,7 @@ class Tokenizer:
             raise TokenizerError(f"tokenizer {source or '(in memory)'} has no end-of-text token "
                                  f"({eos or ' / '.join(EOS_SPELLINGS)}): packed documents need "
                                  "one; name it as eos_token in tokenizer_config.json")
-        self.eos_id = vocab[names[0]]
+        self.eos_id, self.eos_token = vocab[names[0]], names[0]
         self.fingerprint = hashlib.sha256(raw.to_str().encode()).hexdigest()[:16]
 
     @classmethod
@@ -79,7 +81,10 @@ class Tokenizer:
             eos_id = _json(file.parent / "config.json").get("eos_token_id")
             eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
             eos = raw.id_to_token(eos_id) if isinstance(eos_id, int) else None
-        return cls(raw, eos, str(file), config.get("chat_template"))
+        bos = config.get("bos_token")
+        bos = bos.get("content") if isinstance(bos, dict) else bos
+        return cls(raw, eos, str(file), config.get("chat_template"),
+                   bos if isinstance(bos, str) else None)
 
     def encode(self, text: str) -> list[int]:
         return self.raw.encode(text, add_special_tokens=False).ids
