@@ -66,7 +66,7 @@ def one_device(model, tx, data):
     return np.array(losses), nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-@pytest.mark.parametrize("stage,per_layer", [(1, False), (2, True), (3, True)])
+@pytest.mark.parametrize("stage,per_layer", [(0, False), (1, False), (2, True), (3, True)])
 def test_nnx_model_trains_like_one_device(stage, per_layer):
     tx = optax.adamw(3e-3)
     data = batches()
