@@ -117,14 +117,15 @@ def _render_chat(tok: Tokenizer, messages: Any, where: str) -> Document:
 def documents(path: Path, tok: Tokenizer) -> Iterator[tuple[Document, int]]:
     """``(document, bytes read so far)`` of one source file, streamed."""
     if not _is_jsonl(path):  # one document, streamed in pieces that end at a newline
-        done, piece = 0, []
+        done, piece, size = 0, [], 0
         with open(path, "rb") as f:
             for line in f:
                 piece.append(line)
                 done += len(line)
-                if sum(map(len, piece)) >= PIECE:
+                size += len(line)
+                if size >= PIECE:
                     yield Document("", b"".join(piece).decode(errors="replace"), False), done
-                    piece = []
+                    piece, size = [], 0
         yield Document("", b"".join(piece).decode(errors="replace")), done
         return
     done = 0

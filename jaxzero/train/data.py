@@ -263,8 +263,9 @@ def _tokenized_corpus(cfg: DataConfig, vocab_size: int | None) -> Corpus:
     if vocab_size is not None and tok.vocab_size > vocab_size:
         raise DataError(f"the tokenizer's vocabulary ({tok.vocab_size}) is larger than "
                         f"model.vocab_size={vocab_size}: its ids would index past the embedding")
-    ends = np.cumsum(np.load(store.path / "lengths.npy"))
-    docs = np.stack([ends - np.load(store.path / "lengths.npy"), ends], axis=1)
+    lengths = np.load(store.path / "lengths.npy")
+    ends = np.cumsum(lengths)
+    docs = np.stack([ends - lengths, ends], axis=1)
     if len(docs) < 2:
         raise DataError(f"{cfg.path} holds one document: a validation split needs two")
     n_val = min(len(docs) - 1, max(1, round(len(docs) * cfg.val_fraction)))
