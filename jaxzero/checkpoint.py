@@ -28,14 +28,13 @@ save: open managers finish it as the interpreter begins to exit (:func:`_finish_
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401 - its exit hook first: see _finish_saves
-import contextlib
 import functools
-import gc
 import json
 import logging
+import os
+import re
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,18 @@ FIELDS = ("step", "params", "master", "opt_state")
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt, or of another model."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save failed (disk full, permission lost, directory deleted); ``latest`` is the
+    newest complete checkpoint, untouched by the failure (None if there is none)."""
+
+    def __init__(self, step: int, path: Path, cause: str, latest: int | None):
+        self.step, self.path, self.cause, self.latest = step, path, cause, latest
+        where = (f"the latest complete checkpoint is step {latest} ({path.parent / str(latest)})"
+                 if latest is not None else "no earlier checkpoint is complete")
+        super().__init__(f"checkpoint step {step} could not be written to {path}: {cause}; "
+                         f"{where}")
 
 
 # managers with a save that may be in flight, held so that one dropped right after
@@ -84,47 +95,58 @@ if hasattr(threading, "_register_atexit"):
     threading._register_atexit(_finish_saves)
 
 
-@contextlib.contextmanager
-def _quiet_echoes(window: float = 0.3, limit: float = 3.0):
-    """Drop the echoes of a failed orbax read, once the caller has its one-line error.
+class _Echoes(logging.Filter):
+    """Keeps orbax's echoes of a failure jaxzero already reports off the console.
 
-    orbax reads the leaves concurrently on a private event loop and closes it as soon
-    as one read fails; the reads still in flight finish moments later on tensorstore's
-    threads and report to the closed loop, which prints "Event loop is closed" and
-    "Future exception was never retrieved" tracebacks. They carry nothing the raised
-    CheckpointError does not, so around a read that fails this waits until none has
-    come for ``window`` s (at most ``limit`` s) and drops exactly those two; anything
-    else passes through, and a read that succeeds costs nothing.
+    orbax reads and writes leaves concurrently on a private event loop and closes it
+    as soon as one operation fails; the operations still in flight finish moments
+    later on tensorstore's threads and report to the closed loop ("Event loop is
+    closed", "Task/Future exception was never retrieved"). A save that fails in the
+    background is also logged, with its traceback, by each of orbax's threads before
+    the next ``wait``/``save`` raises it, which :class:`CheckpointManager` turns into
+    one :class:`CheckpointWriteError`. Installed once, when the first manager opens;
+    every other message passes through.
     """
-    last = [time.monotonic()]
-    previous = sys.unraisablehook
 
-    def hook(u):
-        if isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value):
-            last[0] = time.monotonic()
-        else:
-            previous(u)
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio":
+            return "exception was never retrieved" not in record.getMessage()  # Task, Future
+        # orbax's own report of a save in flight failing: the next wait() raises it
+        return not (_SAVING and record.levelno >= logging.ERROR
+                    and "orbax" in record.pathname)
 
-    def unretrieved(record: logging.LogRecord) -> bool:
-        if record.getMessage().startswith("Future exception was never retrieved"):
-            last[0] = time.monotonic()
-            return False
-        return True
+    @classmethod
+    def install(cls) -> None:
+        if getattr(sys.unraisablehook, "_jaxzero", False):
+            return
+        previous = sys.unraisablehook
 
-    log = logging.getLogger("asyncio")
-    sys.unraisablehook = hook
-    log.addFilter(unretrieved)
-    try:
-        yield
-    except BaseException:
-        start = last[0] = time.monotonic()
-        while time.monotonic() - last[0] < window and time.monotonic() - start < limit:
-            gc.collect()  # an unretrieved future reports when it is collected
-            time.sleep(0.05)
-        raise
-    finally:
-        sys.unraisablehook = previous
-        log.removeFilter(unretrieved)
+        def hook(u):
+            if not (isinstance(u.exc_value, RuntimeError)
+                    and "Event loop is closed" in str(u.exc_value)):
+                previous(u)
+
+        hook._jaxzero = True  # type: ignore[attr-defined]
+        sys.unraisablehook = hook
+        echoes = cls()
+        for name in ("asyncio", "absl"):
+            logging.getLogger(name).addFilter(echoes)
+
+
+def write_cause(error: BaseException) -> str:
+    """The operating system's reason behind a failed write ("No space left on device"),
+    found in the exception chain or in tensorstore's ``[os_error_code='28']``; else
+    the error's first line."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return os.strerror(seen.errno) + (f": {seen.filename!r}" if seen.filename else "")
+        code = re.search(r"os_error_code='?(\d+)", str(seen))
+        if code:
+            return os.strerror(int(code.group(1)))
+        seen = seen.__cause__ or seen.__context__
+    first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first}"
 
 
 def leaf_names(state: TrainState) -> dict[str, Any]:
@@ -314,11 +336,13 @@ class CheckpointManager:
         )
         self._options = options
         self._manager = None
+        self._in_flight: int | None = None  # the step of the save not yet known complete
         if self.directory.is_dir():
             self._open()
 
     def _open(self):
         if self._manager is None:
+            _Echoes.install()
             self.directory.mkdir(parents=True, exist_ok=True)
             self._manager = self._ocp.CheckpointManager(
                 self.directory, options=self._options, item_names=("state", "meta", "extra"))
@@ -344,22 +368,50 @@ class CheckpointManager:
             meta=ocp.args.JsonSave(meta),
             extra=ocp.args.JsonSave(extra or {}),
         )
-        self._open().save(meta["step"], args=args, force=force)
-        _SAVING.add(self)
+        self._finish()  # the previous save's failure is reported as that step's
+        _SAVING.add(self)  # from here orbax's error logs are this save's (see _Echoes)
+        try:
+            self._open().save(meta["step"], args=args, force=force)
+        except Exception as e:  # noqa: BLE001 - creating its directory failed
+            _SAVING.discard(self)
+            raise self._write_failed(meta["step"], e) from None
+        self._in_flight = meta["step"]
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is complete on disk."""
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-        _SAVING.discard(self)
+        """Block until the save in flight (if any) is complete on disk.
+
+        Raises:
+          CheckpointWriteError: it could not be written (disk full, permission
+            lost, directory deleted); the error names the latest complete checkpoint.
+        """
+        self._finish()
 
     def close(self) -> None:
         """Finish the save in flight and release orbax's threads (also a context exit)."""
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
-            self._manager = None
-        _SAVING.discard(self)
+        try:
+            self._finish()
+        finally:
+            if self._manager is not None:
+                self._manager.close()
+                self._manager = None
+
+    def _finish(self) -> None:
+        step, self._in_flight = self._in_flight, None
+        try:
+            if self._manager is not None and step is not None:
+                self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+            raise self._write_failed(step, e) from None
+        finally:
+            _SAVING.discard(self)  # after the wait: orbax logs the failure during it
+
+    def _write_failed(self, step: int, error: BaseException) -> CheckpointWriteError:
+        try:
+            steps = [s for s in self.all_steps() if s != step]
+        except Exception:  # noqa: BLE001 - the directory itself may be gone
+            steps = []
+        return CheckpointWriteError(step, self.directory / str(step), write_cause(error),
+                                    steps[-1] if steps else None)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -451,11 +503,10 @@ class CheckpointManager:
                                                       dtype=d, strict=False)
                               for n, (s, d, sh) in want.items()})
         try:
-            with _quiet_echoes():
-                out = self._manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(item, restore_args=restore_args,
-                                                 partial_restore=True),
-                    extra=ocp.args.JsonRestore()))
+            out = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item, restore_args=restore_args,
+                                             partial_restore=True),
+                extra=ocp.args.JsonRestore()))
         except Exception as e:  # orbax/tensorstore raise many types for damaged files
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
             raise CheckpointError(

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxzero import distributed
-from jaxzero.checkpoint import CheckpointError, CheckpointManager
+from jaxzero.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError
 from jaxzero.cli import ArgError
 from jaxzero.train import config as config_lib
 from jaxzero.train import data as data_lib
@@ -255,30 +255,54 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
     writer = metrics_lib.MetricsWriter(run_dir if is_main else None, cfg.logging.tensorboard)
     progress = metrics_lib.Progress(cfg.train.steps, cfg.logging.progress, is_main)
     try:
-        if is_main:
-            (run_dir / RESOLVED_CONFIG).write_text(config_lib.dump_yaml(cfg))
-            writer.text("config", config_lib.dump_yaml(cfg))
-        if pretrained is not None:
-            from jaxzero import hf
+        try:
+            if is_main:
+                (run_dir / RESOLVED_CONFIG).write_text(config_lib.dump_yaml(cfg))
+                writer.text("config", config_lib.dump_yaml(cfg))
+            if pretrained is not None:
+                from jaxzero import hf
 
-            state = hf.load(finetune.source(cfg), engine)  # each device reads its slices
-        elif resume is None:
-            state = engine.init_from(model.init, jax.random.key(cfg.train.seed))
-        per_run = None if job.multi else simulated  # multi-process: the mesh line says it
-        progress.print(metrics_lib.banner(cfg, corpus, engine.num_params, per_run, run_dir)
-                       + "\n  mesh   " + _mesh_line(job, mesh))
-        if resume is not None:
-            progress.print(f"  resume from {ckpt.directory / str(int(state.step))} (step "
-                           f"{int(state.step)})" + "".join(f"\n  changed {c}" for c in resume))
-        summary = _loop(cfg, engine, state, model, corpus, schedule, writer, progress, watch,
-                        ckpt, extra.get("loader"), run_dir)
-        if is_main:
-            metrics_lib.write_json(run_dir / metrics_lib.SUMMARY_FILE, summary)
-        return summary
-    finally:
-        progress.close()
-        writer.close()
-        ckpt.close()
+                state = hf.load(finetune.source(cfg), engine)  # each device reads its slices
+            elif resume is None:
+                state = engine.init_from(model.init, jax.random.key(cfg.train.seed))
+            per_run = None if job.multi else simulated  # multi-process: the mesh line says it
+            progress.print(metrics_lib.banner(cfg, corpus, engine.num_params, per_run, run_dir)
+                           + "\n  mesh   " + _mesh_line(job, mesh))
+            if resume is not None:
+                progress.print(f"  resume from {ckpt.directory / str(int(state.step))} (step "
+                               f"{int(state.step)})" + "".join(f"\n  changed {c}" for c in resume))
+            summary = _loop(cfg, engine, state, model, corpus, schedule, writer, progress, watch,
+                            ckpt, extra.get("loader"), run_dir)
+            if is_main:
+                metrics_lib.write_json(run_dir / metrics_lib.SUMMARY_FILE, summary)
+            return summary
+        finally:
+            _close(progress, writer, ckpt)
+    except CheckpointWriteError as e:
+        raise resume_lib.WriteFailed(str(e), e.latest is not None, run_dir) from None
+    except OSError as e:  # metrics, TensorBoard, the summary: the disk is full or gone
+        raise resume_lib.WriteFailed(f"cannot write {e.filename!r}: {e.strerror or e}"
+                                     if e.filename else f"a write failed: {e.strerror or e}",
+                                     _has_checkpoint(ckpt), run_dir) from None
+
+
+def _close(*things: Any) -> None:
+    """Closes each; a failure to close is raised only when nothing else is (else it
+    would hide the error that stopped the run, of which it is an echo)."""
+    failing = sys.exc_info()[1] is not None
+    for thing in things:
+        try:
+            thing.close()
+        except (OSError, CheckpointError):
+            if not failing:
+                raise
+
+
+def _has_checkpoint(ckpt: CheckpointManager) -> bool:
+    try:
+        return ckpt.latest_step() is not None
+    except Exception:  # noqa: BLE001 - the directory may be gone with the disk
+        return False
 
 
 def _mesh_line(job: Any, mesh: Any) -> str:
@@ -443,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         return _leave(f"jaxzero train: error: {e}", 2)
     except resume_lib.Stopped as e:
         return _leave(f"jaxzero train: {e}", 128 + e.signum)
+    except resume_lib.WriteFailed as e:
+        return _leave(f"jaxzero train: error: {e}", 1)
     except SystemExit as e:  # --help
         return int(e.code or 0)
     except Diverged as e:

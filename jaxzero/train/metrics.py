@@ -10,13 +10,14 @@ and the peak it divides by, because an MFU without both is not a number.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -48,9 +49,15 @@ CPU_FLOPS_PER_CORE = 32 * 2.5e9
 class MetricsWriter:
     """Appends one JSON record per logged step to ``metrics.jsonl`` and mirrors it to TensorBoard.
 
+    Both files are written in the caller's thread and flushed with every record, so a
+    run killed with SIGKILL keeps every step it logged in both, and a write that fails
+    (a full disk) raises ``OSError`` naming the file here, not in a background thread.
+    (tensorboardX's ``SummaryWriter`` queues events for a thread that flushes every
+    two minutes: the last ~40 steps of a killed run were lost.)
+
     Args:
       run_dir: the run directory, or None to write nothing (processes other than 0).
-      tensorboard: also write tensorboardX event files into ``run_dir``.
+      tensorboard: also write a TensorBoard event file into ``run_dir``.
     """
 
     def __init__(self, run_dir: Path | None, tensorboard: bool = True):
@@ -58,35 +65,67 @@ class MetricsWriter:
         self._tb = None
         if run_dir is None:
             return
-        self._file = open(run_dir / METRICS_FILE, "a")
+        self._path = run_dir / METRICS_FILE
+        self._file = open(self._path, "a")
         if tensorboard:
-            from tensorboardX import SummaryWriter
+            from tensorboardX.event_file_writer import EventsWriter
 
-            self._tb = SummaryWriter(logdir=str(run_dir))
+            self._tb_path = run_dir / "events.out.tfevents.*"  # the name EventsWriter gives
+            with _naming(self._tb_path):
+                self._tb = EventsWriter(str(run_dir / "events"))
 
     def text(self, tag: str, text: str) -> None:
         """A text blob in TensorBoard (the resolved config, the final sample)."""
         if self._tb is not None:
-            self._tb.add_text(tag, f"```\n{text}\n```")
+            from tensorboardX.summary import text as summary
+
+            self._event(summary(tag, f"```\n{text}\n```"), 0)
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Writes ``record`` (which has an int ``step``); non-finite floats become null."""
         if self._file is None:
             return
         clean = {k: _jsonable(v) for k, v in record.items()}
-        self._file.write(json.dumps(clean) + "\n")
-        self._file.flush()
+        with _naming(self._path):
+            self._file.write(json.dumps(clean) + "\n")
+            self._file.flush()
         if self._tb is not None:
+            from tensorboardX.summary import scalar
+
             for key, value in clean.items():
                 if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, global_step=int(record["step"]))
+                    self._event(scalar(key, value), int(record["step"]), flush=False)
+            self._flush()
+
+    def _event(self, summary: Any, step: int, flush: bool = True) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+
+        with _naming(self._tb_path):
+            self._tb.write_event(Event(summary=summary, step=step, wall_time=time.time()))
+        if flush:
+            self._flush()
+
+    def _flush(self) -> None:
+        with _naming(self._tb_path):
+            self._tb.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-        self._file = self._tb = None
+        file, tb, self._file, self._tb = self._file, self._tb, None, None
+        try:
+            if file is not None:
+                file.close()
+        finally:
+            if tb is not None:
+                tb.close()
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Re-raises an OSError of a write (which names no file: a full disk) naming ``path``."""
+    try:
+        yield
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def _jsonable(value: Any) -> Any:

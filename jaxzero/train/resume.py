@@ -153,6 +153,16 @@ class Stopped(Exception):
             f"Resume with: jaxzero train --resume {run_dir}")
 
 
+class WriteFailed(Exception):
+    """Training stopped because it could not write (disk full, permission lost, its
+    directory deleted); says what to do, and how to resume when a checkpoint is left."""
+
+    def __init__(self, what: str, resumable: bool, run_dir: Path):
+        then = (f"once fixed, resume with: jaxzero train --resume {run_dir}" if resumable
+                else "once fixed, start the run again")
+        super().__init__(f"{what}; {then}")
+
+
 class StopSignals:
     """Turns SIGTERM and SIGINT into a request the loop honours between steps.
 
