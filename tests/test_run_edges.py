@@ -1,10 +1,15 @@
 """A run keeps what it trained and uses no one else's weights: a final checkpoint by
 default, a message per save, a finished run left alone on --resume, a schedule that keeps
-its horizon when extended, and checkpoints of an earlier run under the same name set aside."""
+its horizon when extended, checkpoints of an earlier run under the same name set aside, and
+an interrupt during start-up that stops at once and keeps nothing."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +127,33 @@ def test_a_run_name_stays_inside_the_root(tmp_path, capsys, name):
     assert _train(tmp_path / "root", name, "--steps", "1") == 2
     assert "a run name is one directory name inside logging.root" in capsys.readouterr().err
     assert not (tmp_path / "escaped").exists()
+
+
+@pytest.mark.parametrize("reused", [False, True])
+def test_ctrl_c_during_start_up_stops_at_once_and_keeps_nothing(tmp_path, reused):
+    """The signal lands while the first step compiles: no step, no checkpoint, no run
+    directory (and an earlier run's checkpoints set aside go back where they were)."""
+    run = tmp_path / "runs" / "early"
+    if reused:
+        (run / "checkpoints" / "4").mkdir(parents=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxzero.cli", "train", "--config", TINY, "--name", "early",
+         "--devices", "2", "--set", f"logging.root={tmp_path / 'runs'}",
+         "--set", "logging.overwrite=true", "--set", "data.max_bytes=60000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for line in proc.stdout:
+        if line.startswith("  mesh "):  # the banner's last line: the first step compiles next
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert time.monotonic() - sent < 1.0
+    assert "interrupted by SIGINT during start-up; stopped at once" in err
+    assert "step" not in out and "checkpoint" not in out
+    if reused:
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
+        assert (run / "checkpoints" / "4").is_dir()
+    else:
+        assert not run.exists()

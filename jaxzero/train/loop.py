@@ -18,8 +18,10 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +182,10 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
           init_timeout: float | None = None) -> dict[str, Any]:
     """Runs the whole training job described by ``cfg`` and returns its summary.
 
+    SIGINT/SIGTERM before the first step is done abort at once and undo what the run
+    created (its new run directory, checkpoints it set aside); later they stop it
+    between steps with a checkpoint (:class:`~jaxzero.train.resume.StopSignals`).
+
     Args:
       cfg: the validated config.
       started: ``time.perf_counter()`` when the command started, so the reported
@@ -188,6 +194,25 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
         checkpoint; the list names the config changes (said at start-up).
       init_timeout: seconds a multi-process run waits for all processes to connect.
     """
+    undo: list[Callable[[], Any]] = []  # what start-up created, in order
+
+    def abort(signum: int) -> None:
+        for step in reversed(undo):
+            try:
+                step()
+            except OSError:
+                pass
+        print(f"jaxzero train: interrupted by {signal.Signals(signum).name} during start-up; "
+              "stopped at once" + (", nothing kept" if undo else ""), file=sys.stderr,
+              flush=True)
+
+    with resume_lib.StopSignals(abort) as stop:
+        return _train(cfg, started, resume, init_timeout, stop, undo)
+
+
+def _train(cfg: Config, started: float | None, resume: list[str] | None,
+           init_timeout: float | None, stop: resume_lib.StopSignals,
+           undo: list[Callable[[], Any]]) -> dict[str, Any]:
     watch = metrics_lib.Stopwatch(started)
     if resume is not None:
         run = Path(cfg.logging.root) / str(cfg.logging.name)
@@ -232,12 +257,17 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
     is_main = jax.process_index() == 0
     if is_main and cfg.checkpoint.dir:  # before the run directory, and any compiling
         resume_lib.check_writable(Path(cfg.checkpoint.dir))
+    fresh = is_main and resume is None
+    before = resume_lib.entries(Path(cfg.logging.root) / str(cfg.logging.name))
     run_dir = metrics_lib.prepare_run_dir(cfg, is_main, resume=resume is not None)
+    if fresh:
+        undo.append(lambda: resume_lib.remove_new(run_dir, before))
     ckpt_dir = resume_lib.checkpoint_dir(cfg, run_dir)
     if resume is None and is_main:  # a fresh run never inherits checkpoints it did not write
         if cfg.checkpoint.dir is None:
             aside = resume_lib.set_aside(ckpt_dir)
             if aside is not None:
+                undo.append(lambda: aside.rename(ckpt_dir))
                 print(f"jaxzero train: {ckpt_dir} held another run's checkpoints (an aborted "
                       f"or overwritten run); moved them to {aside}")
         elif ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
@@ -272,7 +302,7 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
                 progress.print(f"  resume from {ckpt.directory / str(int(state.step))} (step "
                                f"{int(state.step)})" + "".join(f"\n  changed {c}" for c in resume))
             summary = _loop(cfg, engine, state, model, corpus, schedule, writer, progress, watch,
-                            ckpt, extra.get("loader"), run_dir)
+                            ckpt, extra.get("loader"), run_dir, stop)
             if is_main:
                 metrics_lib.write_json(run_dir / metrics_lib.SUMMARY_FILE, summary)
             return summary
@@ -314,7 +344,8 @@ def _mesh_line(job: Any, mesh: Any) -> str:
 
 
 def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress, watch,
-          ckpt: CheckpointManager, position: dict | None, run_dir) -> dict:
+          ckpt: CheckpointManager, position: dict | None, run_dir,
+          stop: resume_lib.StopSignals) -> dict:
     import jax
 
     b, seq, steps, lg = cfg.train.batch_size, cfg.model.seq_len, cfg.train.steps, cfg.logging
@@ -339,9 +370,8 @@ def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress,
         for x in data_lib.eval_batches(corpus.val, seq, b, lg.eval_batches, rows,
                                        corpus.val_mask, corpus.eos, corpus.val_docs)
     ]
-    with resume_lib.StopSignals() as stop:
-        state, loss, val_loss = _steps(cfg, engine, state, loader, val, schedule, writer,
-                                       progress, watch, first, save, stop, ckpt, run_dir)
+    state, loss, val_loss = _steps(cfg, engine, state, loader, val, schedule, writer,
+                                   progress, watch, first, save, stop, ckpt, run_dir)
     every = cfg.checkpoint.every
     if (every and steps % every) or (not every and cfg.checkpoint.final):
         save(state)  # the end (a multiple of every was saved in the loop)
@@ -381,6 +411,7 @@ def _steps(cfg: Config, engine, state, loader, val, schedule, writer, progress, 
         state, out = engine.step(state, engine.shard_batch(next(loader)))
         loss, grad_norm = float(out["loss"]), float(out["grad_norm"])
         seconds = time.perf_counter() - t0
+        stop.training()  # a signal from now on saves, then stops
         try:
             check_finite(step, loss, grad_norm)
         except Diverged:

@@ -5,8 +5,10 @@
 * ``--resume RUN_DIR`` (or ``--resume --name NAME``) continues a run from its latest
   complete checkpoint with the run's saved config. Parallel layout and precision
   may change (said at start-up); the model may not.
-* SIGTERM / SIGINT: the current step finishes, a checkpoint is written, the command
-  says where and how to resume, and exits with 128 + the signal number.
+* SIGTERM / SIGINT before the first step is done abort at once (within a second, even
+  while compiling) and leave no run directory behind; later, the current step
+  finishes, a checkpoint is written, the command says where and how to resume, and
+  exits with 128 + the signal number.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
+import socket
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +131,25 @@ def set_aside(directory: Path) -> Path | None:
     return aside
 
 
+def entries(directory: Path) -> set[str] | None:
+    """The names in ``directory``, or None when it does not exist (see :func:`remove_new`)."""
+    return set(os.listdir(directory)) if directory.is_dir() else None
+
+
+def remove_new(directory: Path, before: set[str] | None) -> None:
+    """Undoes a start-up that was interrupted: removes ``directory`` if it is new
+    (``before`` is None), else only the entries it did not hold before."""
+    if before is None:
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    for name in set(os.listdir(directory)) - before:
+        path = directory / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def drop_records_after(metrics_file: Path, step: int) -> int:
     """Remove records of steps after ``step`` (logged before a crash, trained again now)."""
     if not metrics_file.is_file():
@@ -164,30 +189,75 @@ class WriteFailed(Exception):
 
 
 class StopSignals:
-    """Turns SIGTERM and SIGINT into a request the loop honours between steps.
+    """SIGTERM and SIGINT: before training starts they abort at once; after, they stop
+    the run between steps.
 
-    A second signal of the same kind while the checkpoint is written is ignored
-    for SIGTERM (schedulers resend it) and aborts for SIGINT (a user insisting).
+    **Before** :meth:`training` (called once the first step is done) a signal ends the
+    command within a second, even in the middle of compiling: Python runs signal
+    handlers only between bytecodes, so a compile of minutes would hold the signal
+    until it returned, then train a step and save it. A watcher thread, woken through
+    ``signal.set_wakeup_fd`` (compilation releases the GIL), calls ``abort(signum)``,
+    which removes what the run created, and leaves with ``os._exit(128 + signum)``.
+
+    **After**, the current step finishes and the loop saves and stops. A second signal
+    of the same kind while the checkpoint is written is ignored for SIGTERM
+    (schedulers resend it) and aborts for SIGINT (a user insisting).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, abort: Callable[[int], None] | None = None):
         self.signum: int | None = None
         self._old: dict[int, Any] = {}
+        self._abort = abort
+        self._starting = abort is not None
+        self._lock = threading.Lock()
+        self._wakeup: tuple[socket.socket, socket.socket, int] | None = None
 
     def _handle(self, signum, frame):
+        if self._starting:  # the watcher aborts
+            self.signum = signum
+            return
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
 
     def __enter__(self) -> StopSignals:
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signals reach the main thread only: the caller handles them
+        self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        if self._abort is not None:
+            read, write = socket.socketpair()
+            write.setblocking(False)
+            previous = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+            self._wakeup = (read, write, previous)
+            threading.Thread(target=self._watch, args=(read,), daemon=True,
+                             name="jaxzero-start-up-signals").start()
         return self
 
+    def _watch(self, read: socket.socket) -> None:
+        while data := read.recv(64):  # one byte per signal; b"" once closed
+            for signum in data:
+                if signum in self.SIGNALS:
+                    with self._lock:
+                        if self._starting:
+                            try:
+                                self._abort(signum)
+                            finally:
+                                os._exit(128 + signum)
+
+    def training(self) -> None:
+        """The first step is done: from now on a signal stops the run between steps."""
+        with self._lock:
+            self._starting = False
+
     def __exit__(self, *exc) -> None:
+        self.training()
         for s, old in self._old.items():
             signal.signal(s, old)
+        if self._wakeup is not None:
+            read, write, previous = self._wakeup
+            signal.set_wakeup_fd(previous)
+            read.shutdown(socket.SHUT_RDWR)  # ends the watcher
+            read.close()
+            write.close()
