@@ -17,6 +17,7 @@ Peers that die later are caught by JAX's heartbeats (``heartbeat_timeout``).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import socket
@@ -24,9 +25,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from jaxzero.job import EXIT_SETUP, VARIABLES, DistributedError, Job, resolve
+from jaxzero.job import EXIT_SETUP, LAUNCH_EVENTS, VARIABLES, DistributedError, Job, resolve
 
 __all__ = [
     "VARIABLES", "DistributedError", "Job", "describe_mesh", "describe_processes", "initialize",
@@ -108,7 +110,8 @@ def initialize(host: str | None = None, port: int | None = None, rank: int | Non
                world_size: int | None = None, local_rank: int | None = None,
                local_world_size: int | None = None, *, simulate_devices: int | None = None,
                init_timeout: float | None = None, heartbeat_timeout: int | None = None,
-               local_device_ids: Sequence[int] | None = None, verbose: bool = True) -> Job:
+               local_device_ids: Sequence[int] | None = None, verbose: bool = True,
+               preemption_service: bool = False) -> Job:
     """Joins the job (``jax.distributed.initialize``) if there is one; call before using JAX.
 
     Args:
@@ -121,6 +124,11 @@ def initialize(host: str | None = None, port: int | None = None, rank: int | Non
       local_device_ids: accelerator ids this process drives (default: ``[local_rank]``
         when several processes share a node, else all).
       verbose: print one line per process and a summary on rank 0 (stderr).
+      preemption_service: keep JAX's preemption service, whose notifier takes SIGTERM
+        for a preemption notice that a script must poll for
+        (``multihost_utils.reached_preemption_sync_point``). Off by default, so that
+        SIGTERM (from ``jaxzero launch`` stopping a failed job, or a scheduler) ends
+        a script as it ends any program; ``jaxzero train`` handles SIGTERM itself.
 
     Returns:
       The :class:`Job`. A single process with nothing set is left alone (mode "single");
@@ -148,6 +156,7 @@ def initialize(host: str | None = None, port: int | None = None, rank: int | Non
     if job.simulate_devices and not accelerator:
         mesh_lib.simulate_devices(job.simulate_devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across
+    jax.config.update("jax_enable_preemption_service", preemption_service)
     ids = job.local_device_ids
     if ids is None and accelerator and job.local_world_size > 1:
         ids = (job.local_rank,)  # torchrun's layout: one accelerator per process
@@ -182,6 +191,7 @@ def initialize(host: str | None = None, port: int | None = None, rank: int | Non
                                      world_size=jax.process_count())
     previous = sys.excepthook  # an uncaught exception leaves the job at once (see leave)
     sys.excepthook = lambda kind, value, tb: (previous(kind, value, tb), leave(1, value))
+    atexit.register(_program_ended)  # after JAX's exit hook, so it runs before it
     if job.mode == "explicit" and job.world_size != job.settings["world_size"].value:
         raise DistributedError(f"{job.settings['world_size']} but the coordinator at "
                                f"{job.coordinator} runs a job of {job.world_size} processes: "
@@ -245,6 +255,28 @@ def leave(status: int, error: BaseException | None = None) -> None:
           file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(status)
+
+
+def _program_ended() -> None:
+    """Tells ``jaxzero launch`` that this rank's program ended, as the interpreter exits.
+
+    JAX's own exit hook then holds the process in a shutdown barrier until every
+    process reaches it, so the launcher would otherwise learn nothing until the
+    others end too (a minute later, or never if they wait for this one in a
+    collective). Runs before that hook (atexit runs hooks in reverse order of
+    registration, and JAX registers its hook when it is imported); does nothing
+    after an explicit :func:`shutdown`, outside ``jaxzero launch``, or if the file
+    cannot be written.
+    """
+    import jax
+
+    folder = os.environ.get(LAUNCH_EVENTS)
+    if not folder or _JOB is None or not jax.distributed.is_initialized():
+        return
+    try:
+        (Path(folder) / f"ended-{_JOB.rank}").write_text(f"{time.time()}\n")
+    except OSError:
+        pass
 
 
 def _current_job() -> Job:

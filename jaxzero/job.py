@@ -45,6 +45,11 @@ TORCHRUN_MARKER = "TORCHELASTIC_RUN_ID"
 TORCHRUN_PORT_OFFSET = 1
 
 
+# Set by ``jaxzero launch`` for its processes: the folder where one says its program ended
+# (see jaxzero.distributed._program_ended and launch.Group.ended_early).
+LAUNCH_EVENTS = "JAXZERO_LAUNCH_EVENTS"
+
+
 class DistributedError(RuntimeError):
     """The job cannot be set up; the message is one line naming the variables at fault."""
 

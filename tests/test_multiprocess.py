@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -261,3 +262,56 @@ def test_a_store_holding_master_port_does_not_stop_a_torchrun_job():
     for p, (_, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err[-3000:]
     assert f"127.0.0.1:{port + 1}" in results[0][1] or "MASTER_PORT+1" in results[0][1]
+
+
+_EARLY = """import os, sys, time
+import jaxzero.distributed
+job = jaxzero.distributed.initialize()
+if job.rank == 1:
+    print("leaving", flush=True)
+    if os.environ["HOW"] == "raise":
+        raise RuntimeError("boom")
+    sys.exit(int(os.environ["HOW"]))
+time.sleep(float(os.environ["SURVIVOR_SECONDS"]))
+print("done", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["0", "3", "raise"])
+def test_launch_notices_a_rank_whose_program_ends_first(how):
+    """A rank ending its program is said within a second (JAX holds its process until
+    every process ends); one that fails stops the others at once: JAX's preemption
+    notifier no longer swallows the launcher's SIGTERM."""
+    survivor = "60" if how == "raise" else "3"
+    proc = _launch("--nproc-per-node", "2", "--simulate-devices", "1", "--", sys.executable,
+                   "-c", _EARLY, env=_env(HOW=how, SURVIVOR_SECONDS=survivor))
+    seen: dict[str, float] = {}
+    lines = []
+
+    def watch(stream):
+        for line in stream:
+            lines.append(line)
+            for key in ("[rank 1] leaving", "ended its program", "stopping the other",
+                        "[rank 0] done"):
+                if key in line:
+                    seen.setdefault(key, time.monotonic())
+
+    readers = [threading.Thread(target=watch, args=(s,)) for s in (proc.stdout, proc.stderr)]
+    for t in readers:
+        t.start()
+    proc.wait(timeout=120)
+    for t in readers:
+        t.join()
+    text = "".join(lines)
+    left = seen["[rank 1] leaving"]
+    if how == "raise":
+        assert proc.returncode == 1 and seen["stopping the other"] - left < 2, text
+        assert "[rank 0] done" not in seen and "rank 0 (pid" in text
+        assert time.monotonic() - left < 15  # SIGTERM ended the survivor: no SIGKILL wait
+        return
+    assert seen["ended its program"] - left < 2, text
+    assert seen["ended its program"] < seen["[rank 0] done"]
+    assert proc.returncode == (0 if how == "0" else 1), text
+    if how == "3":
+        assert "failed: rank 1 exited with code 3" in text

@@ -10,7 +10,14 @@ port both as ``JAXZERO_*`` and as torchrun's variables (``MASTER_ADDR``, ``RANK`
 torch-minded scripts both find them. Every line a process prints is prefixed
 with its rank. When one process exits non-zero the launcher stops the others
 (SIGTERM, then SIGKILL after a grace period) and exits 1 naming the rank; a
-signal to the launcher is forwarded to every process. Each process runs in its
+signal to the launcher is forwarded to every process.
+
+A rank whose program ends while others run on is said within a second, whatever
+its status: JAX holds its process in a shutdown barrier until every process
+reaches it (so its exit status is known only then), and the job waits for the
+others, as under torchrun. If they need it in a collective they stall: stop the
+job with Ctrl-C. (The process says so through ``jaxzero.distributed``'s exit hook,
+so this needs ``jaxzero.distributed.initialize()``.) Each process runs in its
 own process group, which is killed as a whole, and dies with the launcher
 (``PR_SET_PDEATHSIG``) even if the launcher is killed with SIGKILL.
 """
@@ -25,16 +32,20 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
 from jaxzero.cli import ArgError, Parser
+from jaxzero.job import LAUNCH_EVENTS
 
 GRACE_SECONDS = 10.0  # SIGTERM -> SIGKILL
 POLL_SECONDS = 0.1
+ENDED_SECONDS = 1.0  # a rank's program ended this long ago and others run on: say so
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
@@ -204,8 +215,11 @@ class Group:
         self.plan, self.procs, self.pumps = plan, [], []
         self._lock = threading.Lock()
         self.started = time.monotonic()
+        self.events = Path(tempfile.mkdtemp(prefix="jaxzero-launch-"))  # see ended_early
+        self._said: set[int] = set()
         for local in range(plan.nproc):
             env = child_env(plan, local, port, restart, os.environ)
+            env[LAUNCH_EVENTS] = str(self.events)
             proc = subprocess.Popen(
                 [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *command], env=env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -248,6 +262,29 @@ class Group:
     def running(self) -> bool:
         return any(p.poll() is None for p in self.procs)
 
+    def ended_early(self) -> list[tuple[int, int]]:
+        """(local rank, others still running) of each rank whose program ended at least
+        ``ENDED_SECONDS`` ago while others of this node run on, once per rank.
+
+        A process writes ``ended-RANK`` into ``self.events`` as its interpreter exits
+        (``jaxzero.distributed``); ranks that end together are not reported.
+        """
+        ended = {}
+        for path in self.events.glob("ended-*"):
+            try:
+                ended[int(path.name.split("-", 1)[1]) - self.plan.rank(0)] = path.stat().st_mtime
+            except (ValueError, OSError):
+                continue
+        found = []
+        for local, when in sorted(ended.items()):
+            if local in self._said or not 0 <= local < len(self.procs):
+                continue
+            others = sum(p.poll() is None and i not in ended for i, p in enumerate(self.procs))
+            if others and self.procs[local].poll() is None and time.time() - when >= ENDED_SECONDS:
+                self._said.add(local)
+                found.append((local, others))
+        return found
+
     def send(self, sig: int) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -268,6 +305,7 @@ class Group:
             p.wait()
         for t in self.pumps:
             t.join(timeout=2.0)
+        shutil.rmtree(self.events, ignore_errors=True)
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -339,6 +377,12 @@ def _watch(group: Group, received: list[int]) -> tuple[int, int] | None:
                 if i != local:
                     say(f"rank {group.plan.rank(i)} (pid {p.pid}) {describe_exit(p.returncode)}")
             return failure
+        for local, others in group.ended_early():
+            say(f"rank {group.plan.rank(local)} (pid {group.procs[local].pid}) ended its program "
+                f"after {time.monotonic() - group.started:.1f} s while {others} other "
+                "process(es) run on; JAX holds it until every process ends (its exit status "
+                "is known then). If the others wait for it in a collective they stall: stop "
+                "the job with Ctrl-C")
         time.sleep(POLL_SECONDS)
     group.close()
     failure = group.failed()
