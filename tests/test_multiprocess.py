@@ -315,3 +315,35 @@ def test_launch_notices_a_rank_whose_program_ends_first(how):
     assert proc.returncode == (0 if how == "0" else 1), text
     if how == "3":
         assert "failed: rank 1 exited with code 3" in text
+
+
+def _torchrun() -> str | None:
+    """torchrun on PATH, or the one JAXZERO_TORCHRUN names (torch need not be in this venv:
+    torchrun only starts the processes)."""
+    import shutil
+
+    return os.environ.get("JAXZERO_TORCHRUN") or shutil.which("torchrun")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_torchrun() is None, reason="torchrun not found (install torch, or set "
+                    "JAXZERO_TORCHRUN to a torchrun executable)")
+def test_under_the_real_torchrun_train_matches_one_process(tmp_path, capsys):
+    """torchrun's store holds MASTER_PORT: the coordinator moves to MASTER_PORT+1."""
+    from jaxzero.train import loop as train
+    from jaxzero.train import metrics
+
+    args = _train_args(tmp_path, "torchrun", "--stage", "3", "--steps", "3")
+    done = subprocess.run(
+        [_torchrun(), "--nproc_per_node=2", f"--master_port={free_port()}", "--no-python",
+         sys.executable, "-m", "jaxzero.cli", "train", *args],
+        env=_env(JAXZERO_SIMULATE_DEVICES="2"), capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "MASTER_PORT+1" in done.stderr
+    assert train.main(_train_args(tmp_path, "single", "--stage", "3", "--steps", "3",
+                                  "--devices", "4")) == 0
+    capsys.readouterr()
+    torchrun, single = (np.array([r["loss"] for r in metrics.read_jsonl(
+        tmp_path / name / metrics.METRICS_FILE)]) for name in ("torchrun", "single"))
+    assert len(torchrun) == 3
+    np.testing.assert_allclose(torchrun, single, rtol=1e-5, atol=0)
