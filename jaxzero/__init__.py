@@ -8,7 +8,7 @@
 """
 
 from jaxzero import hf, nnx
-from jaxzero.checkpoint import CheckpointError, CheckpointManager
+from jaxzero.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError
 from jaxzero.engine import Engine
 from jaxzero.hooks import use_params
 from jaxzero.loss import Weighted
@@ -20,6 +20,7 @@ from jaxzero.state import TrainState
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
+    "CheckpointWriteError",
     "Engine",
     "LeafLayout",
     "NNXEngine",

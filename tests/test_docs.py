@@ -143,8 +143,9 @@ def test_models_page_speed_table_quotes_the_benchmark_results():
     assert table in (ROOT / "docs" / "models.md").read_text(), table
 
 
-@pytest.mark.parametrize("page", ["models.md"])
-def test_docs_pages_code_runs(page, monkeypatch, capsys):
+@pytest.mark.parametrize("page, printed", [("models.md", ["(16, 1)", "loss "]),
+                                           ("runs.md", ["restored step 0 first"])])
+def test_docs_pages_code_runs(page, printed, monkeypatch, capsys):
     """Every python block of a docs/ page, in order in one namespace, from the repo root."""
     monkeypatch.chdir(ROOT)
     blocks = _blocks((ROOT / "docs" / page).read_text(), "python")
@@ -153,7 +154,7 @@ def test_docs_pages_code_runs(page, monkeypatch, capsys):
     for block in blocks:
         exec(compile(block, f"docs/{page}", "exec"), namespace)
     out = capsys.readouterr().out
-    assert "(16, 1)" in out and "loss " in out
+    assert all(p in out for p in printed), out
 
 
 def test_readme_library_example_runs_as_written_on_one_cpu_device():
