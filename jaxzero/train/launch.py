@@ -10,16 +10,16 @@ port both as ``JAXZERO_*`` and as torchrun's variables (``MASTER_ADDR``, ``RANK`
 torch-minded scripts both find them. Every line a process prints is prefixed
 with its rank. When one process exits non-zero the launcher stops the others
 (SIGTERM, then SIGKILL after a grace period) and exits 1 naming the rank; a
-signal to the launcher is forwarded to every process.
+signal to the launcher is forwarded to every process. Each process runs in its
+own process group, which is killed as a whole, and dies with the launcher
+(``PR_SET_PDEATHSIG``) even if the launcher is killed with SIGKILL.
 
 A rank whose program ends while others run on is said within a second, whatever
 its status: JAX holds its process in a shutdown barrier until every process
 reaches it (so its exit status is known only then), and the job waits for the
 others, as under torchrun. If they need it in a collective they stall: stop the
 job with Ctrl-C. (The process says so through ``jaxzero.distributed``'s exit hook,
-so this needs ``jaxzero.distributed.initialize()``.) Each process runs in its
-own process group, which is killed as a whole, and dies with the launcher
-(``PR_SET_PDEATHSIG``) even if the launcher is killed with SIGKILL.
+so this needs ``jaxzero.distributed.initialize()``.)
 """
 
 from __future__ import annotations
