@@ -236,15 +236,16 @@ class StopSignals:
         return self
 
     def _watch(self, read: socket.socket) -> None:
-        while data := read.recv(64):  # one byte per signal; b"" once closed
-            for signum in data:
-                if signum in self.SIGNALS:
-                    with self._lock:
-                        if self._starting:
-                            try:
-                                self._abort(signum)
-                            finally:
-                                os._exit(128 + signum)
+        with read:  # closed here, once __exit__ shut it down: never under a blocked recv
+            while data := read.recv(64):  # one byte per signal; b"" once shut down
+                for signum in data:
+                    if signum in self.SIGNALS:
+                        with self._lock:
+                            if self._starting:
+                                try:
+                                    self._abort(signum)
+                                finally:
+                                    os._exit(128 + signum)
 
     def training(self) -> None:
         """The first step is done: from now on a signal stops the run between steps."""
@@ -258,6 +259,5 @@ class StopSignals:
         if self._wakeup is not None:
             read, write, previous = self._wakeup
             signal.set_wakeup_fd(previous)
-            read.shutdown(socket.SHUT_RDWR)  # ends the watcher
-            read.close()
+            read.shutdown(socket.SHUT_RDWR)  # ends the watcher, which closes it
             write.close()
