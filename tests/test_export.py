@@ -329,3 +329,33 @@ def test_a_damaged_checkpoint_stops_export_and_sample(saved, tmp_path, capsys):
             assert rc == 2 and err.count("\n") == 1, (argv, err)
             assert "is damaged" in err or "could not be read" in err
             assert "Older checkpoints: [0]" in err
+
+
+def test_export_records_the_tokens_training_read(tmp_path):
+    """One rule (data.data_kind) for how training reads the data and what export and sample
+    record: a directory of text files with format=uint16 once trained on bytes while its
+    exports said uint16; now training refuses it in one line."""
+    from jaxzero.train import data as data_lib
+
+    text_dir, token_dir = tmp_path / "text", tmp_path / "tokens"
+    text_dir.mkdir()
+    (text_dir / "a.py").write_text("print('hello')\n" * 200)
+    token_dir.mkdir()
+    np.arange(4000, dtype=np.uint16).tofile(token_dir / "train.bin")
+    (token_dir / "notes.txt").write_text("how the tokens were made\n" * 200)
+    np.arange(4000, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    cases = [({}, "bytes"), ({"path": str(text_dir)}, "bytes"),
+             ({"path": str(token_dir)}, "uint16"), ({"path": str(tmp_path / "t.bin")}, "uint16"),
+             ({"path": str(tmp_path / "t.bin"), "format": "bytes"}, "bytes"),
+             ({"path": str(token_dir), "format": "bytes"}, "bytes"),
+             ({"path": str(text_dir), "format": "uint16"}, "uint16")]
+    for data, kind in cases:
+        assert ex.token_kind({"data": data}) == kind, data
+        cfg = C.DataConfig(**data)
+        assert data_lib.data_kind(cfg) == kind, data
+        if data.get("path") == str(text_dir) and kind == "uint16":
+            with pytest.raises(data_lib.DataError, match="has none: drop data.format"):
+                data_lib.load_corpus(cfg)
+        elif data:
+            assert data_lib.load_corpus(cfg).kind == kind, data
+    assert ex.token_kind({"data": {"tokenizer": "gpt2", "path": str(text_dir)}}) == "tokenizer"

@@ -183,15 +183,19 @@ def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarr
 def data_kind(cfg: DataConfig) -> Kind:
     """Whether ``cfg`` names byte text or uint16 tokens, judged from the path alone.
 
-    :func:`load_corpus` branches on it, and ``--print-config`` uses it to state the
-    vocab size of byte data without reading any.
+    The one rule: :func:`load_corpus` branches on it, ``--print-config`` uses it to
+    state the vocab size of byte data without reading any, and export and sample
+    record it (``jaxzero.train.export.token_kind``). An explicit ``format`` wins;
+    ``auto`` means tokens for a ``.bin`` file or a directory holding ``train.bin``.
     """
     if cfg.path is None or cfg.format == "bytes":
         return "bytes"
+    if cfg.format == "uint16":
+        return "uint16"
     path = Path(cfg.path).expanduser()
     if path.is_dir():
         return "uint16" if (path / "train.bin").is_file() else "bytes"
-    return "uint16" if cfg.format == "uint16" or path.suffix == TOKEN_SUFFIX else "bytes"
+    return "uint16" if path.suffix == TOKEN_SUFFIX else "bytes"
 
 
 def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
@@ -223,6 +227,10 @@ def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
     kind = data_kind(cfg)
     if path.is_dir():
         if kind == "uint16":
+            if not (path / "train.bin").is_file():
+                raise DataError(f"data.format=uint16 reads a directory's train.bin (and "
+                                f"val.bin), and {str(path)!r} has none: drop data.format to "
+                                "train on its text files as bytes")
             train = read_tokens(path / "train.bin")
             val_path = path / "val.bin"
             if val_path.is_file():

@@ -17,6 +17,7 @@ once, as ``astype`` does. ``jaxzero sample`` (:mod:`jaxzero.train.sample`) reads
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -31,6 +32,8 @@ from jaxzero.checkpoint import CheckpointError, host_fingerprint, older_steps
 from jaxzero.cli import ArgError, Parser
 from jaxzero.hf import safetensors
 from jaxzero.hf.config import HFError
+from jaxzero.train.config import DataConfig
+from jaxzero.train.data import data_kind
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -127,17 +130,13 @@ def run_config(step_dir: Path) -> dict[str, Any]:
 
 
 def token_kind(config: dict[str, Any]) -> str:
-    """``bytes``, ``uint16`` or ``tokenizer``, by the rule
-    ``jaxzero.train.data.load_corpus`` read the data with."""
+    """``bytes``, ``uint16`` or ``tokenizer``: how the run read its data
+    (:func:`jaxzero.train.data.data_kind`, the one rule, on the run's data section)."""
     data = config.get("data") or {}
     if data.get("tokenizer"):
         return "tokenizer"
-    if data.get("format") in ("bytes", "uint16"):
-        return data["format"]
-    if data.get("path") is None:
-        return "bytes"
-    path = Path(data["path"]).expanduser()
-    return "uint16" if path.suffix == ".bin" or (path / "train.bin").is_file() else "bytes"
+    known = {f.name for f in dataclasses.fields(DataConfig)}
+    return data_kind(DataConfig(**{k: v for k, v in data.items() if k in known}))
 
 
 def model_fields(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
