@@ -3,7 +3,7 @@
 The reference GPT's step is compiled (not run) on 8 simulated CPU devices for
 stages 0-3, in fp32 and bf16, with 1 and 4 micro-batches. Every collective in the
 HLO is counted with its loop trip count and the ring formulas; the result is
-shown in units of Ψ·b·(N−1)/N against the design doc's 2 / 2 / 2 / 3 (and, with k
+shown in units of Ψ·b·(N−1)/N against docs/zero.md's 2 / 2 / 2 / 3 (and, with k
 micro-batches, 2 / 2 / k+1 / 3k: stages 2-3 reduce-scatter, and stage 3 gathers,
 once per micro-batch).
 

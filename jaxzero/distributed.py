@@ -115,9 +115,12 @@ def initialize(host: str | None = None, port: int | None = None, rank: int | Non
     """Joins the job (``jax.distributed.initialize``) if there is one; call before using JAX.
 
     Args:
-      host, port: the coordinator (rank 0's address; ``host`` may be ``"addr:port"``).
-      rank, world_size: this process's id and the number of processes.
-      local_rank, local_world_size: the same within this node.
+      host: the coordinator: rank 0's address (it may be ``"addr:port"``).
+      port: the coordinator's port.
+      rank: this process's id, 0 to ``world_size - 1``.
+      world_size: the number of processes.
+      local_rank: this process's index within its node.
+      local_world_size: the number of processes on this node.
       simulate_devices: CPU only: devices each process simulates.
       init_timeout: seconds to wait for every process to connect (CPU default 60).
       heartbeat_timeout: seconds after which a silent peer counts as dead (default 30).

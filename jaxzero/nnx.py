@@ -90,7 +90,8 @@ class NNXEngine(Engine):
         :meth:`init_from` never allocates the whole model.
       loss_fn: ``loss_fn(model, batch) -> scalar``, the mean loss of a batch (or any
         form of :mod:`jaxzero.loss`, ``rng`` as a third parameter included).
-      optimizer, **kwargs: as for :class:`jaxzero.Engine` (``stage``, ``per_layer``,
+      optimizer: as for :class:`jaxzero.Engine`.
+      **kwargs: as for :class:`jaxzero.Engine` (``stage``, ``per_layer``,
         ``stacked``, ...). Param paths (for ``rules`` and ``stacked``) are the
         module's attribute names joined by ``/``, e.g. ``blocks/0/linear/kernel``.
     """

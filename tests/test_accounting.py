@@ -358,7 +358,7 @@ def _mlp_report(stage: int, **engine_kwargs):
 
 
 def _check_against_theory(r: acc.Report) -> None:
-    # the design doc's formulas, within the tolerances
+    # docs/zero.md's formulas, within the tolerances
     assert 0.98 <= r.persistent_ratio <= 1.02, r.table()
     assert 0.98 <= r.comm_ratio <= 1.05, r.table()
     # leaf by leaf (padding, replicated small leaves) the persistent bytes are exact

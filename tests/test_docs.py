@@ -1,8 +1,10 @@
-"""The runnable examples in the public docstrings and in README.md stay true."""
+"""The runnable examples in the public docstrings, README.md and docs/ stay true; the docs
+site builds without a warning."""
 
 import doctest
 import importlib
 import math
+import os
 import re
 import sys
 import tomllib
@@ -13,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
+PAGES = {p.name: p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
 MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh",
            "jaxzero.collectives", "jaxzero.models.gpt", "jaxzero.job", "jaxzero.checkpoint",
            "jaxzero.train.data", "jaxzero.accounting.estimate", "jaxzero.nnx",
@@ -85,7 +88,8 @@ def test_readme_install_extras_exist_and_tensorboard_is_one():
 
 def test_readme_plot_commands_write_under_runs():
     """runs/ is ignored by git; a plot written in the repository root would not be."""
-    commands = re.findall(r"^\s*jaxzero plot [^\n#]*", README, re.M)
+    commands = re.findall(r"^\s*jaxzero plot [^\n#]*", "\n".join([README, *PAGES.values()]),
+                          re.M)
     assert commands
     for command in commands:
         assert re.search(r"-o runs/\S+\.png", command), command
@@ -102,8 +106,9 @@ def _md_rows(text: str) -> list[list[str]]:
     return [r for r in rows if not set(r[0]) <= {"-", " "}][1:]
 
 
-def test_readme_accounting_table_quotes_the_experiment_results():
-    """README's stage table is copied from what experiments/zero_*.py wrote, not typed."""
+def test_accounting_tables_quote_the_experiment_results():
+    """README's and the accounting page's stage tables are copied from what
+    experiments/zero_*.py wrote, not typed."""
     results = ROOT / "experiments" / "results"
     comm = {
         (int(r[0]), r[1], int(r[2])): r[3]
@@ -113,9 +118,13 @@ def test_readme_accounting_table_quotes_the_experiment_results():
     for r in _md_rows((results / "zero_memory.md").read_text()):
         if len(r) == 7 and r[0].isdigit() and r[1] == "8":
             memory[int(r[0])] = r
-    table = re.search(r"^\| stage \| persistent MB.*?\n\n", README, re.S | re.M)
-    assert table, "README lost its measured-vs-theory table"
-    rows = _md_rows(table.group(0))
+    for where, text in (("README.md", README), ("docs/accounting.md", PAGES["accounting.md"])):
+        table = re.search(r"^\| stage \| persistent MB.*?\n\n", text, re.S | re.M)
+        assert table, f"{where} lost its measured-vs-theory table"
+        _check_stage_table(_md_rows(table.group(0)), memory, comm)
+
+
+def _check_stage_table(rows, memory, comm):
     assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
     for stage, persistent, comm1, comm4, peak in rows:
         s = int(stage)
@@ -126,13 +135,13 @@ def test_readme_accounting_table_quotes_the_experiment_results():
 
 
 @pytest.mark.parametrize("model", ["plain", "gpt"])
-def test_readme_speed_tables_quote_the_benchmark_results(model):
-    """README's speed tables are what experiments/bench_step.py --csv wrote, not typed."""
+def test_performance_page_speed_tables_quote_the_benchmark_results(model):
+    """The speed tables are what experiments/bench_step.py --csv wrote, not typed."""
     sys.path.insert(0, str(ROOT / "experiments"))
     from bench_step import readme_table
 
     table = readme_table(ROOT / "experiments" / "results" / f"bench_step_{model}.csv")
-    assert table in README, f"README's {model} speed table differs from the CSV:\n{table}"
+    assert table in PAGES["performance.md"], f"{model}: table differs from the CSV:\n{table}"
 
 
 def test_models_page_speed_table_quotes_the_benchmark_results():
@@ -160,7 +169,6 @@ def test_docs_pages_code_runs(page, printed, monkeypatch, capsys):
 def test_readme_library_example_runs_as_written_on_one_cpu_device():
     """Pasted into a fresh Python on a CPU-only machine (one device, nothing simulated), the
     example runs and prints the losses README shows."""
-    import os
     import subprocess
 
     section = _section("The library in")
@@ -172,3 +180,28 @@ def test_readme_library_example_runs_as_written_on_one_cpu_device():
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _losses(proc.stdout) == _losses(printed)
+
+
+def test_docs_links_point_at_pages_that_exist():
+    """README's links into docs/, and the pages' links to each other."""
+    for name, text in [("README.md", README), *PAGES.items()]:
+        base = ROOT if name == "README.md" else ROOT / "docs"
+        for target in re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", text):
+            if "://" not in target:
+                assert (base / target).is_file(), f"{name} links to {target}"
+
+
+def test_the_docs_site_builds_strictly(tmp_path):
+    """mkdocs (the docs extra) builds every page and the API reference without a warning:
+    a broken link or a docstring mkdocstrings cannot read fails here."""
+    import shutil
+    import subprocess
+
+    mkdocs = shutil.which("mkdocs") or str(Path(sys.executable).parent / "mkdocs")
+    if not Path(mkdocs).exists():
+        pytest.skip("mkdocs not installed: pip install -e '.[docs]'")
+    done = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "site" / "api" / "index.html").is_file()

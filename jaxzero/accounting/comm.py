@@ -2,7 +2,7 @@
 
 A collective inside a ``while`` body (scanned layers, micro-batches) is weighted by
 the number of times its computation runs (:func:`jaxzero.accounting.hlo.multiplicities`).
-Bytes on the wire use the ring formulas of the design doc
+Bytes on the wire use the ring formulas of docs/zero.md
 (:func:`jaxzero.accounting.estimate.ring_bytes`). Only the text is needed:
 :func:`collectives_from_hlo` works on any SPMD program.
 """

@@ -1,7 +1,7 @@
 """ZeRO memory and communication estimator: the paper's formulas, no devices needed.
 
 ``jaxzero estimate`` answers "does this model fit, and at which stage?" before
-anyone rents a cluster. It applies the design doc's per-device formulas
+anyone rents a cluster. It applies the per-device formulas of docs/zero.md
 (``shared/design/zero.md``): model states (params, gradients, optimizer state),
 activations (Korthikanti et al. 2022) and ring communication per step. The same
 functions give :mod:`jaxzero.accounting.measure` its theoretical side, so measured and
@@ -130,7 +130,7 @@ class ModelStates:
 def model_state_bytes(
     psi: float, n: int, stage: int, prec: Precision | None = None
 ) -> ModelStates:
-    """Per-device model-state bytes: the design doc's table.
+    """Per-device model-state bytes: docs/zero.md's memory table.
 
     Stage 1 shards the optimizer state (and master), stage 2 also the gradients,
     stage 3 also the working parameters; everything sharded is divided by ``n``.
@@ -213,7 +213,7 @@ def comm_bytes(
     micro_batches: int = 1,
     param_gathers: int = 2,
 ) -> Communication:
-    """Per-device bytes on the wire per optimizer step (design doc's communication table).
+    """Per-device bytes on the wire per optimizer step (docs/zero.md's communication table).
 
     Stage 0 all-reduces the gradients once (2Ψb); stages 1 and 2 reduce-scatter the
     gradients and all-gather the updated params (Ψb each, 2Ψb together); stage 3

@@ -12,7 +12,7 @@ trusting the code that asked for it:
   but runs ``known_trip_count`` times, so the HLO's computations are parsed into a
   call graph and each collective is weighted by the number of times its
   computation runs, summed over every path from ENTRY;
-* bytes on the wire per device with the ring formulas of the design doc;
+* bytes on the wire per device with the ring formulas of docs/zero.md;
 
 and puts the formulas of :mod:`jaxzero.accounting.estimate` next to them.
 
@@ -95,7 +95,7 @@ def device0_bytes(tree: Any, device: Any = None) -> int:
 
 @dataclass
 class Theory:
-    """The design doc's figures for this engine's Ψ, N, dtypes and stage (bytes/device)."""
+    """docs/zero.md's figures for this engine's Ψ, N, dtypes and stage (bytes/device)."""
 
     params: float
     master: float
