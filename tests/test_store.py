@@ -5,6 +5,8 @@ and one-line errors for bad data."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -87,10 +89,18 @@ def test_store_tokenizes_documents_once_with_prompt_masks(tokenizer_dir, tmp_pat
     assert again.path == store.path
     assert (store.path / "tokens.bin").stat().st_mtime_ns == \
         (again.path / "tokens.bin").stat().st_mtime_ns
+    host, root = socket.gethostname(), store.path.parent
+    killed = root / f".{store.path.name}.partial-{host}-{2**22 + 12345}"  # no such pid
+    alive = root / f".{store.path.name}.partial-{host}-{os.getppid()}"  # a build under way
+    elsewhere = root / f".{store.path.name}.partial-otherhost-{2**22 + 12345}"
+    for d in (killed, alive, elsewhere):
+        d.mkdir()
     write_jsonl(data, rows + [{"text": "a new line"}])  # the data changed: a new store
     changed = store_lib.build(data, tok, progress=False)
     assert changed.path != store.path and not store.path.exists()
     assert changed.meta["documents"] == 4
+    # a build killed mid-way on this host is cleared; live or other hosts' builds are not
+    assert not killed.exists() and alive.exists() and elsewhere.exists()
 
 
 def test_packed_windows_carry_segments_and_the_loss_mask():

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,7 +176,7 @@ def build(path: str | Path, tok: Tokenizer, progress: bool = True) -> TokenStore
     out = root / store_key(files, tok)
     if (out / "meta.json").is_file():
         return TokenStore.open(out)
-    tmp = root / f".{out.name}.partial-{os.getpid()}"
+    tmp = root / f".{out.name}.partial-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -191,7 +192,24 @@ def build(path: str | Path, tok: Tokenizer, progress: bool = True) -> TokenStore
     for stale in root.iterdir():  # older stores of other sources or tokenizers
         if stale.is_dir() and stale.name != out.name and not stale.name.startswith("."):
             shutil.rmtree(stale, ignore_errors=True)
+        elif _abandoned(stale.name):
+            shutil.rmtree(stale, ignore_errors=True)
     return TokenStore.open(out)
+
+
+def _abandoned(name: str) -> bool:
+    """A partial store of a build on this host whose process is gone (killed mid-build):
+    builds on other hosts sharing the file system are never touched."""
+    host, _, pid = name.rpartition(".partial-")[2].rpartition("-")
+    if ".partial-" not in name or host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
 
 
 def _write(files: list[Path], tok: Tokenizer, out: Path, progress: bool) -> None:
