@@ -93,11 +93,12 @@ def test_a_write_that_fails_names_its_file(tmp_path):
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full")
     writer = metrics.MetricsWriter(tmp_path, tensorboard=False)
-    writer._file = open("/dev/full", "a")  # noqa: SIM115 - closed by writer.close
+    writer._file.close()
+    writer._file = open("/dev/full", "ab", buffering=0)  # noqa: SIM115 - closed below
     with pytest.raises(OSError, match="No space left on device") as e:
         writer.write({"step": 1, "loss": 1.0})
     assert e.value.filename == str(tmp_path / metrics.METRICS_FILE)
-    writer._file = None
+    writer.close()  # nothing was left buffered to fail again
 
 
 def test_metrics_and_tensorboard_keep_every_step_when_killed(tmp_path):
@@ -111,11 +112,14 @@ def test_metrics_and_tensorboard_keep_every_step_when_killed(tmp_path):
     assert done.returncode == -signal.SIGKILL, done.stderr
     assert len(metrics.read_jsonl(tmp_path / metrics.METRICS_FILE)) == 50
     from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.record_writer import masked_crc32c
 
     (events,) = tmp_path.glob("events.out.tfevents.*")
     data, steps = events.read_bytes(), []
-    while data:  # TFRecord: length (8), its crc (4), the Event, its crc (4)
+    while data:  # TFRecord: length (8), its crc (4), the Event, its crc (4), as TensorBoard reads
         n = int.from_bytes(data[:8], "little")
+        assert int.from_bytes(data[8:12], "little") == masked_crc32c(data[:8])
+        assert int.from_bytes(data[12 + n:16 + n], "little") == masked_crc32c(data[12:12 + n])
         event = Event.FromString(data[12:12 + n])
         data = data[16 + n:]
         steps += [event.step for v in event.summary.value if v.tag == "loss"]

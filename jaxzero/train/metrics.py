@@ -15,11 +15,13 @@ import json
 import math
 import os
 import shutil
+import socket
+import struct
 import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 from jaxzero.cli import os_reason
 from jaxzero.train.config import Config, ConfigError
@@ -49,11 +51,11 @@ CPU_FLOPS_PER_CORE = 32 * 2.5e9
 class MetricsWriter:
     """Appends one JSON record per logged step to ``metrics.jsonl`` and mirrors it to TensorBoard.
 
-    Both files are written in the caller's thread and flushed with every record, so a
+    Both files are written unbuffered in the caller's thread, record by record, so a
     run killed with SIGKILL keeps every step it logged in both, and a write that fails
     (a full disk) raises ``OSError`` naming the file here, not in a background thread.
     (tensorboardX's ``SummaryWriter`` queues events for a thread that flushes every
-    two minutes: the last ~40 steps of a killed run were lost.)
+    two minutes: the last ~40 steps of a killed run were lost.) See :class:`EventFile`.
 
     Args:
       run_dir: the run directory, or None to write nothing (processes other than 0).
@@ -61,53 +63,34 @@ class MetricsWriter:
     """
 
     def __init__(self, run_dir: Path | None, tensorboard: bool = True):
-        self._file: TextIO | None = None
-        self._tb = None
+        self._file: BinaryIO | None = None
+        self._tb: EventFile | None = None
         if run_dir is None:
             return
         self._path = run_dir / METRICS_FILE
-        self._file = open(self._path, "a")
+        self._file = open(self._path, "ab", buffering=0)
         if tensorboard:
-            from tensorboardX.event_file_writer import EventsWriter
-
-            self._tb_path = run_dir / "events.out.tfevents.*"  # the name EventsWriter gives
-            with _naming(self._tb_path):
-                self._tb = EventsWriter(str(run_dir / "events"))
+            self._tb = EventFile(run_dir)
 
     def text(self, tag: str, text: str) -> None:
         """A text blob in TensorBoard (the resolved config, the final sample)."""
         if self._tb is not None:
             from tensorboardX.summary import text as summary
 
-            self._event(summary(tag, f"```\n{text}\n```"), 0)
+            self._tb.write(summary(tag, f"```\n{text}\n```"), 0)
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Writes ``record`` (which has an int ``step``); non-finite floats become null."""
         if self._file is None:
             return
         clean = {k: _jsonable(v) for k, v in record.items()}
-        with _naming(self._path):
-            self._file.write(json.dumps(clean) + "\n")
-            self._file.flush()
+        _write_all(self._file, self._path, (json.dumps(clean) + "\n").encode())
         if self._tb is not None:
             from tensorboardX.summary import scalar
 
             for key, value in clean.items():
                 if key != "step" and isinstance(value, (int, float)):
-                    self._event(scalar(key, value), int(record["step"]), flush=False)
-            self._flush()
-
-    def _event(self, summary: Any, step: int, flush: bool = True) -> None:
-        from tensorboardX.proto.event_pb2 import Event
-
-        with _naming(self._tb_path):
-            self._tb.write_event(Event(summary=summary, step=step, wall_time=time.time()))
-        if flush:
-            self._flush()
-
-    def _flush(self) -> None:
-        with _naming(self._tb_path):
-            self._tb.flush()
+                    self._tb.write(scalar(key, value), int(record["step"]))
 
     def close(self) -> None:
         file, tb, self._file, self._tb = self._file, self._tb, None, None
@@ -117,6 +100,48 @@ class MetricsWriter:
         finally:
             if tb is not None:
                 tb.close()
+
+
+class EventFile:
+    """A TensorBoard event file (a TFRecord of ``Event`` protos), written unbuffered.
+
+    Each record is on disk when :meth:`write` returns, and a write that fails raises
+    there with the file's name, leaving nothing buffered to fail again when the
+    file is collected. The protos and checksum are tensorboardX's.
+    """
+
+    def __init__(self, run_dir: Path):
+        from tensorboardX.proto.event_pb2 import Event
+
+        self.path = run_dir / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
+        with _naming(self.path):
+            self._file = open(self.path, "ab", buffering=0)
+        self._record(Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def write(self, summary: Any, step: int) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+
+        self._record(Event(summary=summary, step=step, wall_time=time.time()))
+
+    def _record(self, event: Any) -> None:
+        from tensorboardX.record_writer import masked_crc32c
+
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        _write_all(self._file, self.path, header + struct.pack("<I", masked_crc32c(header))
+                   + data + struct.pack("<I", masked_crc32c(data)))
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _write_all(file: BinaryIO, path: Path, data: bytes) -> None:
+    """All of ``data`` to an unbuffered ``file``: on disk when this returns, and nothing
+    left in a buffer to fail again at close when a write fails (a full disk)."""
+    view = memoryview(data)
+    with _naming(path):
+        while view:
+            view = view[file.write(view):]
 
 
 @contextlib.contextmanager
