@@ -54,7 +54,7 @@ class CheckpointError(ValueError):
 
 
 class CheckpointWriteError(CheckpointError):
-    """A save failed (disk full, permission lost, directory deleted); ``latest`` is the
+    """A save failed (disk full, permission lost); ``latest`` is the
     newest complete checkpoint, untouched by the failure (None if there is none)."""
 
     def __init__(self, step: int, path: Path, cause: str, latest: int | None):
@@ -382,7 +382,7 @@ class CheckpointManager:
 
         Raises:
           CheckpointWriteError: it could not be written (disk full, permission
-            lost, directory deleted); the error names the latest complete checkpoint.
+            lost); the error names the latest complete checkpoint.
         """
         self._finish()
 

@@ -257,13 +257,13 @@ def _train(cfg: Config, started: float | None, resume: list[str] | None,
     is_main = jax.process_index() == 0
     if is_main and cfg.checkpoint.dir:  # before the run directory, and any compiling
         resume_lib.check_writable(Path(cfg.checkpoint.dir))
-    fresh = is_main and resume is None
-    before = resume_lib.entries(Path(cfg.logging.root) / str(cfg.logging.name))
+    fresh = is_main and resume is None  # this process creates the run's directory
+    before = resume_lib.entries(Path(cfg.logging.root) / str(cfg.logging.name)) if fresh else None
     run_dir = metrics_lib.prepare_run_dir(cfg, is_main, resume=resume is not None)
     if fresh:
         undo.append(lambda: resume_lib.remove_new(run_dir, before))
     ckpt_dir = resume_lib.checkpoint_dir(cfg, run_dir)
-    if resume is None and is_main:  # a fresh run never inherits checkpoints it did not write
+    if fresh:  # a fresh run never inherits checkpoints it did not write
         if cfg.checkpoint.dir is None:
             aside = resume_lib.set_aside(ckpt_dir)
             if aside is not None:

@@ -179,8 +179,8 @@ class Stopped(Exception):
 
 
 class WriteFailed(Exception):
-    """Training stopped because it could not write (disk full, permission lost, its
-    directory deleted); says what to do, and how to resume when a checkpoint is left."""
+    """Training stopped because it could not write (disk full, permission lost); says
+    what to do, and how to resume when a checkpoint is left."""
 
     def __init__(self, what: str, resumable: bool, run_dir: Path):
         then = (f"once fixed, resume with: jaxzero train --resume {run_dir}" if resumable
