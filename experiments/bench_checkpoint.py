@@ -41,12 +41,20 @@ MODELS = {  # name: (GPTConfig kwargs, global batch); the reference is `jaxzero 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--devices", type=int, default=8,
-                   help="simulated CPU devices (fewer for a case this host cannot hold)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=8,
+        help="simulated CPU devices (fewer for a case this host cannot hold)",
+    )
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--stages", type=int, nargs="+", default=[0, 3])
-    p.add_argument("--rounds", type=int, default=None,
-                   help="save/no-save rounds of the slowdown test (default 6; 2 for 100M)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="save/no-save rounds of the slowdown test (default 6; 2 for 100M)",
+    )
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: tmp)")
     p.add_argument("--out", default=str(RESULTS), help="CSV path")
     return p.parse_args(argv)
@@ -93,10 +101,13 @@ def bench(name: str, stage: int, args: argparse.Namespace, root: pathlib.Path) -
     n_params = model.num_params(jax.eval_shape(model.init, jax.random.key(0)))
     n = pick_devices(n_params, stage, args.devices, batch_size)
     if n != args.devices:
-        print(f"# {name} stage {stage}: {args.devices} devices would need "
-              f"~{footprint(n_params, stage, args.devices) / 2**30:.1f} GiB of this shared "
-              f"host ({mem_available() / 2**30:.1f} GiB available): "
-              + (f"measured on {n}" if n else "skipped"), flush=True)
+        print(
+            f"# {name} stage {stage}: {args.devices} devices would need "
+            f"~{footprint(n_params, stage, args.devices) / 2**30:.1f} GiB of this shared "
+            f"host ({mem_available() / 2**30:.1f} GiB available): "
+            + (f"measured on {n}" if n else "skipped"),
+            flush=True,
+        )
         if n is None:
             return None
     mesh = jaxzero.make_mesh(n)
@@ -160,13 +171,22 @@ def bench(name: str, stage: int, args: argparse.Namespace, root: pathlib.Path) -
     t_normal = statistics.median(normal)
     t_during = statistics.median(during) if during else float("nan")
     return {
-        "model": name, "params_m": round(n_params / 1e6, 2), "stage": stage, "devices": n,
-        "save_first_s": round(saves[0][1], 3), "save_blocking_s": round(saves[1][0], 3),
-        "save_total_s": round(saves[1][1], 3), "disk_mb": round(on_disk / 1e6, 2),
-        "restore_cold_s": round(restores[0], 3), "restore_s": round(restores[1], 3),
-        "export_s": round(export_s, 3), "export_mb": round(info["bytes"] / 1e6, 2),
-        "step_s": round(t_normal, 4), "step_during_save_s": round(t_during, 4),
-        "slowdown": round(t_during / t_normal, 3), "steps_during_save": len(during),
+        "model": name,
+        "params_m": round(n_params / 1e6, 2),
+        "stage": stage,
+        "devices": n,
+        "save_first_s": round(saves[0][1], 3),
+        "save_blocking_s": round(saves[1][0], 3),
+        "save_total_s": round(saves[1][1], 3),
+        "disk_mb": round(on_disk / 1e6, 2),
+        "restore_cold_s": round(restores[0], 3),
+        "restore_s": round(restores[1], 3),
+        "export_s": round(export_s, 3),
+        "export_mb": round(info["bytes"] / 1e6, 2),
+        "step_s": round(t_normal, 4),
+        "step_during_save_s": round(t_during, 4),
+        "slowdown": round(t_during / t_normal, 3),
+        "steps_during_save": len(during),
     }
 
 
@@ -179,10 +199,23 @@ def main(argv=None) -> int:
     simulate_devices(args.devices)
     root = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint-"))
     root.mkdir(parents=True, exist_ok=True)
-    cols = ["model", "params_m", "stage", "devices", "save_first_s", "save_blocking_s",
-            "save_total_s", "disk_mb",
-            "restore_cold_s", "restore_s", "export_s", "step_s", "step_during_save_s",
-            "slowdown", "steps_during_save"]
+    cols = [
+        "model",
+        "params_m",
+        "stage",
+        "devices",
+        "save_first_s",
+        "save_blocking_s",
+        "save_total_s",
+        "disk_mb",
+        "restore_cold_s",
+        "restore_s",
+        "export_s",
+        "step_s",
+        "step_during_save_s",
+        "slowdown",
+        "steps_during_save",
+    ]
     print(" ".join(f"{c:>{max(len(c), 9)}}" for c in cols), flush=True)
     rows = []
     try:

@@ -41,13 +41,25 @@ import time
 
 HERE = pathlib.Path(__file__).parent
 DEFAULTS = {  # devices, d_model, layers, heads, seq_len, vocab, batch, steps
-    "gpt": dict(devices=8, d_model=128, layers=4, heads=4, seq_len=64, vocab=256, batch=16,
-                steps=20),
-    "plain": dict(devices=2, d_model=256, layers=4, heads=4, seq_len=128, vocab=256, batch=16,
-                  steps=22),
+    "gpt": dict(
+        devices=8, d_model=128, layers=4, heads=4, seq_len=64, vocab=256, batch=16, steps=20
+    ),
+    "plain": dict(
+        devices=2, d_model=256, layers=4, heads=4, seq_len=128, vocab=256, batch=16, steps=22
+    ),
     # and kv_heads (grouped-query attention); intermediate: None is about 8/3 x d_model
-    "llama": dict(devices=8, d_model=128, layers=4, heads=4, kv_heads=2, intermediate=None,
-                  seq_len=64, vocab=256, batch=16, steps=20),
+    "llama": dict(
+        devices=8,
+        d_model=128,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        intermediate=None,
+        seq_len=64,
+        vocab=256,
+        batch=16,
+        steps=20,
+    ),
 }
 TARGETS = {"plain": {"jit": {0: 1.10, 1: 1.10, 2: 1.10, 3: 1.25}}, "gpt": {"gspmd": {1: 1.10}}}
 
@@ -58,19 +70,23 @@ def readme_table(path: pathlib.Path) -> str:
     from results_io import read_csv
 
     rows = read_csv(path)
-    out = ["| stage | jaxzero ms | plain jit ms (donating / not) | GSPMD ms | shard_map pmean ms "
-           "| vs plain jit | vs GSPMD | vs shard_map pmean |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = [
+        "| stage | jaxzero ms | plain jit ms (donating / not) | GSPMD ms | shard_map pmean ms "
+        "| vs plain jit | vs GSPMD | vs shard_map pmean |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for stage in sorted({int(r["stage"]) for r in rows}):
         rs = [r for r in rows if int(r["stage"]) == stage]
         med = lambda k, rs=rs: f"{statistics.median(float(r[k]) for r in rs):.1f}"
         ratio = lambda base, rs=rs: [float(r["jaxzero_ms"]) / base(r) for r in rs]
         span = lambda v: f"{statistics.median(v):.2f} ({min(v):.2f}–{max(v):.2f})"
         jit = ratio(lambda r: min(float(r["jit_donate_ms"]), float(r["jit_no_donate_ms"])))
-        out.append(f"| {stage} | {med('jaxzero_ms')} | {med('jit_donate_ms')} / "
-                   f"{med('jit_no_donate_ms')} | {med('gspmd_ms')} | {med('shard_map_ms')} | "
-                   f"{span(jit)} | {span(ratio(lambda r: float(r['gspmd_ms'])))} | "
-                   f"{span(ratio(lambda r: float(r['shard_map_ms'])))} |")
+        out.append(
+            f"| {stage} | {med('jaxzero_ms')} | {med('jit_donate_ms')} / "
+            f"{med('jit_no_donate_ms')} | {med('gspmd_ms')} | {med('shard_map_ms')} | "
+            f"{span(jit)} | {span(ratio(lambda r: float(r['gspmd_ms'])))} | "
+            f"{span(ratio(lambda r: float(r['shard_map_ms'])))} |"
+        )
     return "\n".join(out)
 
 
@@ -78,24 +94,38 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=sorted(DEFAULTS), default="gpt")
     p.add_argument("--devices", type=int)
-    p.add_argument("--simulate", type=int, default=None,
-                   help="simulated CPU devices (default: --devices when no accelerator)")
+    p.add_argument(
+        "--simulate",
+        type=int,
+        default=None,
+        help="simulated CPU devices (default: --devices when no accelerator)",
+    )
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     for name in ("d-model", "layers", "heads", "seq-len", "vocab", "batch"):
         p.add_argument(f"--{name}", type=int)
     p.add_argument("--kv-heads", type=int, help="llama: key/value heads (GQA)")
-    p.add_argument("--intermediate", type=int,
-                   help="llama: SwiGLU width (default: 8/3 x d_model, a multiple of 32)")
+    p.add_argument(
+        "--intermediate",
+        type=int,
+        help="llama: SwiGLU width (default: 8/3 x d_model, a multiple of 32)",
+    )
     p.add_argument("--steps", type=int, help="timed steps per run (after 2 warm-up)")
     p.add_argument("--runs", type=int, default=1, help="timing passes (compiled once)")
     p.add_argument("--remat", default="none")
-    p.add_argument("--peak-tflops", type=float, default=989.0,
-                   help="dense bf16 peak of one device, for MFU (H100/H200: 989)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0,
+        help="dense bf16 peak of one device, for MFU (H100/H200: 989)",
+    )
     p.add_argument("--csv", type=pathlib.Path, help="write per-run medians here")
     p.add_argument("--table", type=pathlib.Path, help="print README's table of a --csv file")
-    p.add_argument("--both-donations", action="store_true",
-                   help="also time jaxzero with the other donation setting")
+    p.add_argument(
+        "--both-donations",
+        action="store_true",
+        help="also time jaxzero with the other donation setting",
+    )
     args = p.parse_args(argv)
     for k, v in DEFAULTS[args.model].items():
         if getattr(args, k) is None:
@@ -135,40 +165,61 @@ def main(argv=None) -> int:
     if args.model == "gpt":
         from jaxzero.models.gpt import GPT, GPTConfig
 
-        model = GPT(GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
-                              n_layers=args.layers, n_heads=args.heads, remat=args.remat))
+        model = GPT(
+            GPTConfig(
+                vocab_size=args.vocab,
+                seq_len=args.seq_len,
+                d_model=args.d_model,
+                n_layers=args.layers,
+                n_heads=args.heads,
+                remat=args.remat,
+            )
+        )
         loss_fn, init_fn = model.loss_fn, model.init
         new_engine = lambda stage, donate=None: model.engine(
-            tx, mesh=mesh, stage=stage, precision=args.precision, donate=donate)
+            tx, mesh=mesh, stage=stage, precision=args.precision, donate=donate
+        )
     elif args.model == "llama":
         from jaxzero.models.llama import Llama, LlamaConfig
 
-        model = Llama(LlamaConfig(
-            vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.intermediate,
-            num_hidden_layers=args.layers, num_attention_heads=args.heads,
-            num_key_value_heads=args.kv_heads, seq_len=args.seq_len,
-            max_position_embeddings=max(2048, args.seq_len), tie_word_embeddings=False,
-            remat=args.remat))
+        model = Llama(
+            LlamaConfig(
+                vocab_size=args.vocab,
+                hidden_size=args.d_model,
+                intermediate_size=args.intermediate,
+                num_hidden_layers=args.layers,
+                num_attention_heads=args.heads,
+                num_key_value_heads=args.kv_heads,
+                seq_len=args.seq_len,
+                max_position_embeddings=max(2048, args.seq_len),
+                tie_word_embeddings=False,
+                remat=args.remat,
+            )
+        )
         loss_fn, init_fn = model.loss_fn, model.init
         new_engine = lambda stage, donate=None: model.engine(
-            tx, mesh=mesh, stage=stage, precision=args.precision, donate=donate)
+            tx, mesh=mesh, stage=stage, precision=args.precision, donate=donate
+        )
     else:
         sys.path.insert(0, str(HERE))
         import plain_gpt
 
         loss_fn = lambda p, b: plain_gpt.loss_fn(p, b, n_heads=args.heads)
-        init_fn = lambda key: plain_gpt.init(key, args.vocab, args.seq_len, args.d_model,
-                                             args.layers)
+        init_fn = lambda key: plain_gpt.init(
+            key, args.vocab, args.seq_len, args.d_model, args.layers
+        )
         new_engine = lambda stage, donate=None: jaxzero.Engine(
-            loss_fn, tx, mesh=mesh, stage=stage, precision=args.precision, donate=donate)
+            loss_fn, tx, mesh=mesh, stage=stage, precision=args.precision, donate=donate
+        )
     key = jax.random.key(0)
     n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(init_fn, key)))
     tokens_per_step = args.batch * args.seq_len
     if args.model == "llama":  # GQA-aware, the untied input embedding left out (a lookup)
         flops_per_step = model.flops_per_token(n_params) * tokens_per_step
     else:
-        flops_per_step = (6.0 * n_params + 12.0 * args.layers * args.d_model * args.seq_len) \
-            * tokens_per_step
+        flops_per_step = (
+            6.0 * n_params + 12.0 * args.layers * args.d_model * args.seq_len
+        ) * tokens_per_step
     tokens = np.random.default_rng(0).integers(0, args.vocab, (args.batch, args.seq_len + 1))
     batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
 
@@ -184,8 +235,9 @@ def main(argv=None) -> int:
             if not explicit:
                 return jax.value_and_grad(loss_fn)(params, b)
             local = lambda p, b: jax.lax.pmean(jax.value_and_grad(loss_fn)(p, b), mesh.axis_names)
-            return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(mesh.axis_names)),
-                                 out_specs=P(), check_vma=False)(params, b)
+            return jax.shard_map(
+                local, mesh=mesh, in_specs=(P(), P(mesh.axis_names)), out_specs=P(), check_vma=False
+            )(params, b)
 
         def step(state, b):  # state: (params, fp32 master params or None, optimizer state)
             params, master, opt = state
@@ -199,8 +251,11 @@ def main(argv=None) -> int:
             return (jax.tree.map(lambda x: x.astype(cdt), master), master, opt), {"loss": loss}
 
         master = jax.jit(init_fn, out_shardings=rep)(key)
-        state = (master, None, tx.init(master)) if cdt == jnp.float32 else (
-            jax.tree.map(lambda x: x.astype(cdt), master), master, tx.init(master))
+        state = (
+            (master, None, tx.init(master))
+            if cdt == jnp.float32
+            else (jax.tree.map(lambda x: x.astype(cdt), master), master, tx.init(master))
+        )
         return jax.jit(step, donate_argnums=0 if donate else ()), state
 
     def gspmd_step_for(engine):
@@ -215,20 +270,31 @@ def main(argv=None) -> int:
             if stage >= 1:
                 grads = jax.tree.map(lambda g, lay: pad(g, lay), grads, lays)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-            master = state.master if engine.mixed else (
-                jax.tree.map(lambda x, lay: pad(x, lay), state.params, lays)
-                if stage in (1, 2) else state.params)
+            master = (
+                state.master
+                if engine.mixed
+                else (
+                    jax.tree.map(lambda x, lay: pad(x, lay), state.params, lays)
+                    if stage in (1, 2)
+                    else state.params
+                )
+            )
             updates, opt = tx.update(grads, state.opt_state, master)
             master = optax.apply_updates(master, updates)
             new_params = jax.tree.map(lambda m: m.astype(cdt), master)
             if stage in (1, 2):
                 new_params = jax.tree.map(lambda x, lay: unpad(x, lay), new_params, lays)
-            return jaxzero.TrainState(state.step + 1, new_params,
-                                      master if engine.mixed else None, opt), {"loss": loss}
+            return jaxzero.TrainState(
+                state.step + 1, new_params, master if engine.mixed else None, opt
+            ), {"loss": loss}
 
         sh = engine.state_shardings
-        return jax.jit(step, in_shardings=(sh, engine.batch_sharding), out_shardings=(sh, None),
-                       donate_argnums=0)
+        return jax.jit(
+            step,
+            in_shardings=(sh, engine.batch_sharding),
+            out_shardings=(sh, None),
+            donate_argnums=0,
+        )
 
     # (name, step, state, batch)
     dp_batch = jax.device_put(batch, NamedSharding(mesh, P(mesh.axis_names)))
@@ -240,8 +306,14 @@ def main(argv=None) -> int:
         runs.append((f"jaxzero {stage}", engine.step, engine.init_from(init_fn, key), b))
         if args.both_donations:  # the other setting too, to compare
             other = new_engine(stage, donate=not engine.donate)
-            runs.append((f"jaxzero {stage} donate={other.donate}", other.step,
-                         other.init_from(init_fn, key), b))
+            runs.append(
+                (
+                    f"jaxzero {stage} donate={other.donate}",
+                    other.step,
+                    other.init_from(init_fn, key),
+                    b,
+                )
+            )
         runs.append((f"GSPMD {stage}", gspmd_step_for(engine), engine.init_from(init_fn, key), b))
     donates = engine.donate
 
@@ -271,23 +343,33 @@ def main(argv=None) -> int:
             states[i], m = step(states[i], b)
             jax.block_until_ready(m)
 
-    shape = (f" ({args.heads} heads, {args.kv_heads} kv, intermediate {args.intermediate})"
-             if args.model == "llama" else "")
-    print(f"{args.model}: {n_params / 1e6:.1f}M params{shape}, {args.devices} "
-          f"{jax.default_backend()} device(s), {args.precision}, "
-          f"global batch {args.batch} x {args.seq_len} tokens, "
-          f"median of {args.steps} steps, jaxzero donate={donates}")
+    shape = (
+        f" ({args.heads} heads, {args.kv_heads} kv, intermediate {args.intermediate})"
+        if args.model == "llama"
+        else ""
+    )
+    print(
+        f"{args.model}: {n_params / 1e6:.1f}M params{shape}, {args.devices} "
+        f"{jax.default_backend()} device(s), {args.precision}, "
+        f"global batch {args.batch} x {args.seq_len} tokens, "
+        f"median of {args.steps} steps, jaxzero donate={donates}"
+    )
     fastest_jit = lambda m: min(m["plain jit, donate=True"], m["plain jit, donate=False"])
     per_run = []
     for r in range(args.runs):
         med = dict(zip([name for name, *_ in runs], timed(), strict=True))
         per_run.append(med)
         jit = fastest_jit(med)
-        print(f"run {r + 1}: plain jit {med['plain jit, donate=True'] * 1e3:.1f} ms donating, "
-              f"{med['plain jit, donate=False'] * 1e3:.1f} ms not; shard_map pmean "
-              f"{med['shard_map pmean'] / jit:.3f}x jit; " + ", ".join(
-                  f"stage {s} {med[f'jaxzero {s}'] / jit:.3f}x jit "
-                  f"{med[f'jaxzero {s}'] / med[f'GSPMD {s}']:.3f}x GSPMD" for s in args.stages))
+        print(
+            f"run {r + 1}: plain jit {med['plain jit, donate=True'] * 1e3:.1f} ms donating, "
+            f"{med['plain jit, donate=False'] * 1e3:.1f} ms not; shard_map pmean "
+            f"{med['shard_map pmean'] / jit:.3f}x jit; "
+            + ", ".join(
+                f"stage {s} {med[f'jaxzero {s}'] / jit:.3f}x jit "
+                f"{med[f'jaxzero {s}'] / med[f'GSPMD {s}']:.3f}x GSPMD"
+                for s in args.stages
+            )
+        )
 
     def spread(values: list[float]) -> str:
         mid = statistics.median(values)
@@ -295,8 +377,10 @@ def main(argv=None) -> int:
 
     by_hand = [m["shard_map pmean"] / fastest_jit(m) for m in per_run]
     print(f"\na hand-written shard_map + pmean step (no jaxzero): {spread(by_hand)}x plain jit")
-    print(f"\n{'stage':>5} {'jaxzero ms':>11} {'GSPMD ms':>9} {'vs jit':>19} {'vs GSPMD':>19} "
-          f"{'vs shard_map':>19} {'tokens/s':>9} {'MFU %':>6}")
+    print(
+        f"\n{'stage':>5} {'jaxzero ms':>11} {'GSPMD ms':>9} {'vs jit':>19} {'vs GSPMD':>19} "
+        f"{'vs shard_map':>19} {'tokens/s':>9} {'MFU %':>6}"
+    )
     rows, misses = [], []
     for s in args.stages:
         zero = [m[f"jaxzero {s}"] for m in per_run]
@@ -307,31 +391,47 @@ def main(argv=None) -> int:
         mfu = flops_per_step / t / (args.peak_tflops * 1e12 * args.devices) * 100
         mfu = f"{mfu:>6.2f}" if jax.default_backend() == "gpu" else f"{'n/a':>6}"
         base = statistics.median(m[f"GSPMD {s}"] for m in per_run)
-        print(f"{s:>5} {t * 1e3:>11.1f} {base * 1e3:>9.1f} {spread(vs_jit):>19} "
-              f"{spread(vs_gspmd):>19} {spread(vs_sm):>19} {tokens_per_step / t:>9.0f} {mfu}")
+        print(
+            f"{s:>5} {t * 1e3:>11.1f} {base * 1e3:>9.1f} {spread(vs_jit):>19} "
+            f"{spread(vs_gspmd):>19} {spread(vs_sm):>19} {tokens_per_step / t:>9.0f} {mfu}"
+        )
         for base, ratios in (("jit", vs_jit), ("gspmd", vs_gspmd)):
             bar = TARGETS.get(args.model, {}).get(base, {}).get(s)
             if bar is not None and statistics.median(ratios) > bar:
                 misses.append(f"stage {s} is {statistics.median(ratios):.3f}x {base} > {bar}")
         for r, m in enumerate(per_run):
-            rows.append({"model": args.model, "run": r + 1, "stage": s,
-                         "jaxzero_ms": m[f"jaxzero {s}"] * 1e3, "gspmd_ms": m[f"GSPMD {s}"] * 1e3,
-                         "jit_donate_ms": m["plain jit, donate=True"] * 1e3,
-                         "jit_no_donate_ms": m["plain jit, donate=False"] * 1e3,
-                         "shard_map_ms": m["shard_map pmean"] * 1e3})
+            rows.append(
+                {
+                    "model": args.model,
+                    "run": r + 1,
+                    "stage": s,
+                    "jaxzero_ms": m[f"jaxzero {s}"] * 1e3,
+                    "gspmd_ms": m[f"GSPMD {s}"] * 1e3,
+                    "jit_donate_ms": m["plain jit, donate=True"] * 1e3,
+                    "jit_no_donate_ms": m["plain jit, donate=False"] * 1e3,
+                    "shard_map_ms": m["shard_map pmean"] * 1e3,
+                }
+            )
     if args.both_donations:
         other = not donates
-        print(f"jaxzero donate={other} / donate={donates}, median (range) over runs: " + ", ".join(
-            f"stage {s} " + spread([m[f"jaxzero {s} donate={other}"] / m[f"jaxzero {s}"]
-                                    for m in per_run]) for s in args.stages))
+        print(
+            f"jaxzero donate={other} / donate={donates}, median (range) over runs: "
+            + ", ".join(
+                f"stage {s} "
+                + spread([m[f"jaxzero {s} donate={other}"] / m[f"jaxzero {s}"] for m in per_run])
+                for s in args.stages
+            )
+        )
     if args.model in TARGETS:
         print("targets: " + ("all met" if not misses else "MISSED: " + "; ".join(misses)))
     if args.csv:
         sys.path.insert(0, str(HERE))
         from results_io import write_csv
 
-        write_csv(args.csv, [{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}
-                             for r in rows])
+        write_csv(
+            args.csv,
+            [{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in rows],
+        )
     return 0
 
 

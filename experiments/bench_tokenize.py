@@ -20,12 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-WORDS = ("the of and to in a is that for it as was with be by on not he this are or his "
-         "from at which but have an they you were her she there been one all we their has "
-         "would when if so no will more can out up said what about into than them only "
-         "time could new some these two may first then do any like my now over such our "
-         "man me even most made after also did many before must through back years where "
-         "much your way well down should because each just those people how too little").split()
+WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his "
+    "from at which but have an they you were her she there been one all we their has "
+    "would when if so no will more can out up said what about into than them only "
+    "time could new some these two may first then do any like my now over such our "
+    "man me even most made after also did many before must through back years where "
+    "much your way well down should because each just those people how too little"
+).split()
 
 
 def corpus(path: Path, mb: float, seed: int = 0) -> int:
@@ -37,8 +39,11 @@ def corpus(path: Path, mb: float, seed: int = 0) -> int:
         while size < mb * 1e6:
             n = int(rng.integers(20, 2000))
             text = " ".join(words[rng.integers(0, len(words), n)])
-            row = ({"prompt": text[:200], "completion": text[200:]} if rng.random() < 0.2
-                   else {"text": text})
+            row = (
+                {"prompt": text[:200], "completion": text[200:]}
+                if rng.random() < 0.2
+                else {"text": text}
+            )
             line = json.dumps(row) + "\n"
             f.write(line)
             size += len(line)
@@ -68,9 +73,14 @@ def main() -> None:
             raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
             raw.decoder = decoders.ByteLevel()
             lines = (tmp / "corpus.jsonl").open().readlines()[:2000]
-            raw.train_from_iterator(lines, trainers.BpeTrainer(
-                vocab_size=8192, special_tokens=["<|endoftext|>"],
-                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+            raw.train_from_iterator(
+                lines,
+                trainers.BpeTrainer(
+                    vocab_size=8192,
+                    special_tokens=["<|endoftext|>"],
+                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                ),
+            )
             raw.save(str(tmp / "tokenizer.json"))
             tok = Tokenizer.load(tmp / "tokenizer.json")
         start = time.perf_counter()
@@ -80,19 +90,22 @@ def main() -> None:
         store_lib.build(tmp / "corpus.jsonl", tok, progress=False)
         cached = time.perf_counter() - start
         n = store.meta["tokens"]
-        print(f"corpus {size / 1e6:.1f} MB, {store.meta['documents']:,} documents -> "
-              f"{n:,} tokens ({tok.dtype.name}) in {took:.1f} s: {size / 1e6 / took:.1f} MB/s, "
-              f"{n / took / 1e6:.2f} M tokens/s; opening the cached store: {cached * 1e3:.2f} ms")
-        loader = data_lib.Loader(store.tokens, args.seq_len, 32, 0, mask=store.mask,
-                                 eos=tok.eos_id)
+        print(
+            f"corpus {size / 1e6:.1f} MB, {store.meta['documents']:,} documents -> "
+            f"{n:,} tokens ({tok.dtype.name}) in {took:.1f} s: {size / 1e6 / took:.1f} MB/s, "
+            f"{n / took / 1e6:.2f} M tokens/s; opening the cached store: {cached * 1e3:.2f} ms"
+        )
+        loader = data_lib.Loader(store.tokens, args.seq_len, 32, 0, mask=store.mask, eos=tok.eos_id)
         loader.batch(0)
         start = time.perf_counter()
         for step in range(20):
             loader.batch(step)
         per = (time.perf_counter() - start) / 20
-        print(f"loader: {per * 1e3:.1f} ms a batch of 32 x {args.seq_len} (packed: every token "
-              f"real; one padded row per document instead: "
-              f"{100 * store_lib.real_fraction(store, args.seq_len):.0f}% real)")
+        print(
+            f"loader: {per * 1e3:.1f} ms a batch of 32 x {args.seq_len} (packed: every token "
+            f"real; one padded row per document instead: "
+            f"{100 * store_lib.real_fraction(store, args.seq_len):.0f}% real)"
+        )
 
 
 if __name__ == "__main__":

@@ -33,9 +33,13 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch-per-device", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="compile and run both, alternating which goes first (the first "
-                         "compile of a process also pays CUDA's start-up)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="compile and run both, alternating which goes first (the first "
+        "compile of a process also pays CUDA's start-up)",
+    )
     args = ap.parse_args()
 
     import jax
@@ -49,16 +53,23 @@ def main() -> None:
 
     mesh = jaxzero.make_mesh(jax.device_count())
     plat = backend.platform(mesh)
-    print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, {jax.device_count()} x "
-          f"{jax.devices()[0].device_kind} ({plat})")
+    print(
+        f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, {jax.device_count()} x "
+        f"{jax.devices()[0].device_kind} ({plat})"
+    )
     if plat != "cpu":
         for name, value in backend.GPU_OPTIONS.items():
             found = backend.spelled(plat, name, value)
             said = "dropped: unknown to this XLA" if found is None else f"{found[0]}={found[1]}"
             print(f"  {name}: {said}")
 
-    cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model,
-                    n_layers=args.layers, n_heads=max(1, args.d_model // 64))
+    cfg = GPTConfig(
+        vocab_size=256,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=max(1, args.d_model // 64),
+    )
     model = GPT(cfg)
     rng = np.random.default_rng(0)
     b = args.batch_per_device * jax.device_count()
@@ -71,8 +82,7 @@ def main() -> None:
     for label, options in [order[(r + i) % 2] for r in range(args.rounds) for i in range(2)]:
         with warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
-            engine = model.engine(optax.adamw(1e-3), mesh=mesh, stage=3,
-                                  compiler_options=options)
+            engine = model.engine(optax.adamw(1e-3), mesh=mesh, stage=3, compiler_options=options)
         state = engine.init(params)
         t0 = time.perf_counter()
         hlo = engine.compile(state, batches[0]).as_text()
@@ -83,14 +93,18 @@ def main() -> None:
             state, metrics = engine.step(state, batch)
             losses.append(float(metrics["loss"]))  # waits for the step
             times.append(time.perf_counter() - t0)
-        starts = {op: len(re.findall(rf"\b{op}-start\(", hlo))
-                  for op in ("all-gather", "reduce-scatter", "all-reduce")}
+        starts = {
+            op: len(re.findall(rf"\b{op}-start\(", hlo))
+            for op in ("all-gather", "reduce-scatter", "all-reduce")
+        }
         results[label] = losses
         print(f"{label}: options {engine.compiler_options}")
         for w in warned:
             print(f"  warning: {w.message}")
-        print(f"  compile {compile_s:.1f} s, step {statistics.median(times[1:]) * 1e3:.1f} ms "
-              f"(median of {len(times) - 1}), async collective starts {starts}")
+        print(
+            f"  compile {compile_s:.1f} s, step {statistics.median(times[1:]) * 1e3:.1f} ms "
+            f"(median of {len(times) - 1}), async collective starts {starts}"
+        )
         print(f"  losses {' '.join(f'{x:.5f}' for x in losses)}")
     a, c = np.array(results["preset"]), np.array(results["XLA defaults"])
     print(f"largest loss difference, preset vs XLA defaults: {np.max(np.abs(a - c)):.2e}")

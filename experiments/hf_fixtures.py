@@ -54,36 +54,66 @@ TOKENS_SHAPE = (2, 24)
 WEIGHT_STD = 0.2  # ~1/sqrt(hidden): attention scores of order 1, so rope matters
 NORM_STD = 0.1  # norm gains 1 + N(0, NORM_STD^2)
 # vocab 64 (not 96), intermediate 48 (not 64) and no llama3_rope/sharded: under 400 KB in all
-SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-             num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def llama_gqa() -> PreTrainedModel:
-    config = LlamaConfig(**SIZES, num_key_value_heads=2, tie_word_embeddings=False,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config = LlamaConfig(
+        **SIZES,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     return LlamaForCausalLM(config)
 
 
 def qwen2_tied() -> PreTrainedModel:
-    config = Qwen2Config(**SIZES, num_key_value_heads=2, tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    config = Qwen2Config(
+        **SIZES,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
     return Qwen2ForCausalLM(config)
 
 
 def llama3_rope() -> PreTrainedModel:
-    config = LlamaConfig(**SIZES, head_dim=16, num_key_value_heads=1, attention_bias=True,
-                         mlp_bias=False, tie_word_embeddings=False,
-                         rope_parameters=dict(LLAMA3_ROPE))
+    config = LlamaConfig(
+        **SIZES,
+        head_dim=16,
+        num_key_value_heads=1,
+        attention_bias=True,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        rope_parameters=dict(LLAMA3_ROPE),
+    )
     return LlamaForCausalLM(config)
 
 
 def mistral() -> PreTrainedModel:
-    config = MistralConfig(**SIZES, num_key_value_heads=2, sliding_window=None,
-                           tie_word_embeddings=False,
-                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config = MistralConfig(
+        **SIZES,
+        num_key_value_heads=2,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     return MistralForCausalLM(config)
 
 
@@ -136,8 +166,11 @@ def add_stray_lm_head(directory: pathlib.Path, seed: int) -> torch.Tensor:
     """Ship an lm_head.weight (unlike embed_tokens) in the last shard of a tied checkpoint."""
     index_path = directory / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    embed = next(load_file(f)["model.embed_tokens.weight"] for f in shard_files(directory)
-                 if "model.embed_tokens.weight" in load_file(f))
+    embed = next(
+        load_file(f)["model.embed_tokens.weight"]
+        for f in shard_files(directory)
+        if "model.embed_tokens.weight" in load_file(f)
+    )
     gen = torch.Generator().manual_seed(seed)
     head = (WEIGHT_STD * torch.randn(embed.shape, generator=gen)).to(embed.dtype)
     last = shard_files(directory)[-1]
@@ -162,8 +195,9 @@ def save_tokenizer(directory: pathlib.Path) -> None:
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
     fast.save_pretrained(directory)
 
 
@@ -183,15 +217,19 @@ def write_npz(path: pathlib.Path, **arrays: np.ndarray) -> None:
         for key, value in arrays.items():
             buf = io.BytesIO()
             np.lib.format.write_array(buf, np.ascontiguousarray(value), allow_pickle=False)
-            zf.writestr(zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0)),
-                        buf.getvalue())
+            zf.writestr(
+                zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0)), buf.getvalue()
+            )
 
 
 def write_reference(directory: pathlib.Path, vocab: int) -> np.ndarray:
     tokens = reference_tokens(vocab)
     logits = logits_of(load(directory, attn_implementation="eager"), tokens)
-    write_npz(directory / "reference.npz", tokens=tokens.astype(np.int32),
-              logits=logits.astype(np.float32))
+    write_npz(
+        directory / "reference.npz",
+        tokens=tokens.astype(np.int32),
+        logits=logits.astype(np.float32),
+    )
     return logits
 
 
@@ -202,10 +240,17 @@ def describe_head(directory: pathlib.Path, shipped: torch.Tensor) -> str:
     shipped = shipped.float()
     files = {k: v for f in shard_files(directory) for k, v in load_file(f).items()}
     saved_embed = files["model.embed_tokens.weight"].float()
-    name = lambda w: ("shipped lm_head" if torch.equal(w, shipped) else
-                      "embed_tokens" if torch.equal(w, saved_embed) else "neither")
-    return (f"head = {name(head)}, input embedding = {name(embed)}, "
-            f"same tensor: {head.data_ptr() == embed.data_ptr()}")
+    name = lambda w: (
+        "shipped lm_head"
+        if torch.equal(w, shipped)
+        else "embed_tokens"
+        if torch.equal(w, saved_embed)
+        else "neither"
+    )
+    return (
+        f"head = {name(head)}, input embedding = {name(embed)}, "
+        f"same tensor: {head.data_ptr() == embed.data_ptr()}"
+    )
 
 
 def check_rope(model: PreTrainedModel) -> None:
@@ -215,9 +260,11 @@ def check_rope(model: PreTrainedModel) -> None:
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     default = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
     changed = int((~torch.isclose(inv, default)).sum())
-    print(f"  rope {cfg.rope_parameters['rope_type']}: {changed}/{len(inv)} inverse frequencies"
-          f" differ from default theta={theta:g}\n  inv_freq {inv.numpy().round(6).tolist()}"
-          f"\n  default  {default.numpy().round(6).tolist()}")
+    print(
+        f"  rope {cfg.rope_parameters['rope_type']}: {changed}/{len(inv)} inverse frequencies"
+        f" differ from default theta={theta:g}\n  inv_freq {inv.numpy().round(6).tolist()}"
+        f"\n  default  {default.numpy().round(6).tolist()}"
+    )
     if cfg.rope_parameters["rope_type"] == "llama3" and changed == 0:
         raise RuntimeError("llama3 scaling left the frequencies unchanged")
 
@@ -226,8 +273,10 @@ def generate_one(name: str, out: pathlib.Path) -> None:
     _, seed, dtype, layouts = MODELS[name]
     shutil.rmtree(out / name, ignore_errors=True)  # no stale shards or layouts
     model = build(name)
-    print(f"{name}: {type(model).__name__}, {sum(p.numel() for p in model.parameters())} "
-          f"params, saved as {dtype}")
+    print(
+        f"{name}: {type(model).__name__}, {sum(p.numel() for p in model.parameters())} "
+        f"params, saved as {dtype}"
+    )
     logits, stray = {}, None
     for layout in layouts:
         directory = out / name / layout

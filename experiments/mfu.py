@@ -35,14 +35,21 @@ CONFIGS = ["0,none,auto", "0,dots,auto", "3,none,auto", "3,dots,auto", "0,dots,x
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", nargs="+", default=CONFIGS,
-                   help="STAGE,REMAT,ATTENTION triples (remat: none|dots|full; attention: "
-                        "auto|xla|cudnn)")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=CONFIGS,
+        help="STAGE,REMAT,ATTENTION triples (remat: none|dots|full; attention: auto|xla|cudnn)",
+    )
     p.add_argument("--tiny", action="store_true", help="a tiny model on CPU (smoke run)")
     p.add_argument("--batch", type=int, help="fixed global batch (default: largest that fits)")
     p.add_argument("--max-batch", type=int, default=256)
-    p.add_argument("--headroom", type=float, default=0.95,
-                   help="use at most this fraction of the memory JAX may allocate")
+    p.add_argument(
+        "--headroom",
+        type=float,
+        default=0.95,
+        help="use at most this fraction of the memory JAX may allocate",
+    )
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 3 warm-up)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--csv", type=pathlib.Path, default=HERE / "results" / "mfu.csv")
@@ -69,8 +76,12 @@ def run_one(args, config: str) -> dict:
     shape = TINY if args.tiny else GPT_1B
     max_batch = min(args.max_batch, 4) if args.tiny else args.max_batch
     model = GPT(GPTConfig(**shape, remat=remat, attention=attention))
-    engine = model.engine(optax.adamw(1e-4, weight_decay=0.1), mesh=jaxzero.make_mesh(1),
-                          stage=stage, precision="bf16")
+    engine = model.engine(
+        optax.adamw(1e-4, weight_decay=0.1),
+        mesh=jaxzero.make_mesh(1),
+        stage=stage,
+        precision="bf16",
+    )
     key = jax.random.key(0)
     state_shapes = engine.abstract_state(jax.eval_shape(model.init, key))
     s = shape["seq_len"]
@@ -99,8 +110,9 @@ def run_one(args, config: str) -> dict:
 
     state = engine.init_from(model.init, key)
     tokens = np.random.default_rng(0).integers(0, shape["vocab_size"], (batch, s + 1))
-    data = engine.shard_batch({"inputs": tokens[:, :-1].astype(np.int32),
-                               "targets": tokens[:, 1:].astype(np.int32)})
+    data = engine.shard_batch(
+        {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+    )
     for _ in range(3):  # the sized executable itself: no fourth compile
         state, m = compiled(state, data)
     jax.block_until_ready(m)
@@ -113,15 +125,22 @@ def run_one(args, config: str) -> dict:
     tokens_per_s = batch * s / seconds
     flops_per_token = model.flops_per_token(n_params)
     return {
-        "stage": stage, "remat": remat, "attention": attention,
-        "fused_attention": fused_attention, "params_M": round(n_params / 1e6, 1),
-        "batch": batch, "seq_len": s, "step_ms": round(seconds * 1e3, 1),
-        "tokens_per_s": round(tokens_per_s), "mfu_pct": round(
-            tokens_per_s * flops_per_token / (args.peak_tflops * 1e12) * 100, 2),
+        "stage": stage,
+        "remat": remat,
+        "attention": attention,
+        "fused_attention": fused_attention,
+        "params_M": round(n_params / 1e6, 1),
+        "batch": batch,
+        "seq_len": s,
+        "step_ms": round(seconds * 1e3, 1),
+        "tokens_per_s": round(tokens_per_s),
+        "mfu_pct": round(tokens_per_s * flops_per_token / (args.peak_tflops * 1e12) * 100, 2),
         "compiled_peak_GiB": round(predicted / 2**30, 2),
-        "device_peak_GiB": round((device.memory_stats() or {}).get("peak_bytes_in_use", 0)
-                                 / 2**30, 2),
-        "loss": round(float(m["loss"]), 3), "backend": jax.default_backend(),
+        "device_peak_GiB": round(
+            (device.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 2
+        ),
+        "loss": round(float(m["loss"]), 3),
+        "backend": jax.default_backend(),
     }
 
 
@@ -131,26 +150,39 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(run_one(args, args.one)), flush=True)
         return 0
     rows = []
-    header = (f"{'stage':>5} {'remat':>5} {'attention':>9} {'batch':>5} {'step ms':>8} "
-              f"{'tokens/s':>9} {'MFU %':>6} {'peak GiB':>8}")
+    header = (
+        f"{'stage':>5} {'remat':>5} {'attention':>9} {'batch':>5} {'step ms':>8} "
+        f"{'tokens/s':>9} {'MFU %':>6} {'peak GiB':>8}"
+    )
     print(header)
     passthrough = list(sys.argv[1:] if argv is None else argv)
     for config in args.configs:
-        env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION":
-               os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")}
-        out = subprocess.run([sys.executable, __file__, *passthrough, "--one", config],
-                             capture_output=True, text=True, env=env)
+        env = {
+            **os.environ,
+            "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get(
+                "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"
+            ),
+        }
+        out = subprocess.run(
+            [sys.executable, __file__, *passthrough, "--one", config],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if out.returncode or line is None:
             print(f"{config}: failed (exit {out.returncode})\n{out.stderr[-3000:]}")
             continue
-        r = json.loads(line[len("RESULT "):])
+        r = json.loads(line[len("RESULT ") :])
         rows.append(r)
         attn = r["attention"] + ("*" if r["fused_attention"] else "")
         mfu = r["mfu_pct"] if r["backend"] == "gpu" else "n/a"
-        print(f"{r['stage']:>5} {r['remat']:>5} {attn:>9} {r['batch']:>5} {r['step_ms']:>8} "
-              f"{r['tokens_per_s']:>9} {mfu:>6} "
-              f"{r['device_peak_GiB'] or r['compiled_peak_GiB']:>8}", flush=True)
+        print(
+            f"{r['stage']:>5} {r['remat']:>5} {attn:>9} {r['batch']:>5} {r['step_ms']:>8} "
+            f"{r['tokens_per_s']:>9} {mfu:>6} "
+            f"{r['device_peak_GiB'] or r['compiled_peak_GiB']:>8}",
+            flush=True,
+        )
     if any(r["fused_attention"] for r in rows):
         print("* cuDNN fused attention found in the compiled step")
     if rows and args.csv:

@@ -13,23 +13,32 @@ import numpy as np
 import optax
 
 
-def init(key: jax.Array, vocab: int = 256, seq_len: int = 128, d_model: int = 256,
-         n_layers: int = 4) -> dict:
+def init(
+    key: jax.Array, vocab: int = 256, seq_len: int = 128, d_model: int = 256, n_layers: int = 4
+) -> dict:
     """Params: ``{"wte": VxD, "wpe": SxD, "layers": [ {...} x L ], "ln_f": {...}}``."""
     d, f = d_model, 4 * d_model
     keys = iter(jax.random.split(key, 2 + 4 * n_layers))
     normal = lambda shape, std=0.02: std * jax.random.normal(next(keys), shape)
-    layers = [{
-        "ln1": {"g": jnp.ones(d), "b": jnp.zeros(d)},
-        "w_qkv": normal((d, 3 * d)),                               # D x 3D
-        "w_o": normal((d, d), 0.02 / np.sqrt(2 * n_layers)),      # D x D
-        "ln2": {"g": jnp.ones(d), "b": jnp.zeros(d)},
-        "w_in": normal((d, f)), "b_in": jnp.zeros(f),              # D x F
-        "w_out": normal((f, d), 0.02 / np.sqrt(2 * n_layers)),    # F x D
-        "b_out": jnp.zeros(d),
-    } for _ in range(n_layers)]
-    return {"wte": normal((vocab, d)), "wpe": normal((seq_len, d), 0.01), "layers": layers,
-            "ln_f": {"g": jnp.ones(d), "b": jnp.zeros(d)}}
+    layers = [
+        {
+            "ln1": {"g": jnp.ones(d), "b": jnp.zeros(d)},
+            "w_qkv": normal((d, 3 * d)),  # D x 3D
+            "w_o": normal((d, d), 0.02 / np.sqrt(2 * n_layers)),  # D x D
+            "ln2": {"g": jnp.ones(d), "b": jnp.zeros(d)},
+            "w_in": normal((d, f)),
+            "b_in": jnp.zeros(f),  # D x F
+            "w_out": normal((f, d), 0.02 / np.sqrt(2 * n_layers)),  # F x D
+            "b_out": jnp.zeros(d),
+        }
+        for _ in range(n_layers)
+    ]
+    return {
+        "wte": normal((vocab, d)),
+        "wpe": normal((seq_len, d), 0.01),
+        "layers": layers,
+        "ln_f": {"g": jnp.ones(d), "b": jnp.zeros(d)},
+    }
 
 
 def layer_norm(x, p, eps=1e-5):

@@ -1,10 +1,10 @@
 """jaxzero: data parallelism and ZeRO stages 1–3 for JAX, with explicit collectives.
 
-    import jaxzero, optax
-    mesh = jaxzero.make_mesh(8)
-    engine = jaxzero.Engine(loss_fn, optax.adamw(1e-3), mesh=mesh, stage=3)
-    state = engine.init(params)
-    state, metrics = engine.step(state, batch)
+import jaxzero, optax
+mesh = jaxzero.make_mesh(8)
+engine = jaxzero.Engine(loss_fn, optax.adamw(1e-3), mesh=mesh, stage=3)
+state = engine.init(params)
+state, metrics = engine.step(state, batch)
 """
 
 from jaxzero import hf, nnx

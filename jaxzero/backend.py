@@ -75,8 +75,10 @@ GPU_OPTIONS: dict[str, Any] = {
 # booleans xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce} became the
 # modes xla_gpu_pipeline_*, whose DEFAULT follows the optimization level.
 OLDER_SPELLINGS: dict[str, tuple[str, dict[Any, Any]]] = {
-    f"xla_gpu_pipeline_{c}": (f"xla_gpu_enable_pipelined_{c}",
-                              {PIPELINE_ON: True, "COLLECTIVE_PIPELINING_MODE_OFF": False})
+    f"xla_gpu_pipeline_{c}": (
+        f"xla_gpu_enable_pipelined_{c}",
+        {PIPELINE_ON: True, "COLLECTIVE_PIPELINING_MODE_OFF": False},
+    )
     for c in ("all_gather", "reduce_scatter", "all_reduce")
 }
 
@@ -89,13 +91,15 @@ def platform(mesh: Mesh) -> str:
     return "gpu" if p in ("cuda", "rocm") else p
 
 
-def _switch(name: str, choice: bool | None, defaults: Mapping[str, bool], other: bool,
-            mesh: Mesh) -> bool:
+def _switch(
+    name: str, choice: bool | None, defaults: Mapping[str, bool], other: bool, mesh: Mesh
+) -> bool:
     if choice is None:
         return defaults.get(platform(mesh), other)
     if not isinstance(choice, bool):
-        raise TypeError(f"{name} must be True, False or None (the backend's default), "
-                        f"got {choice!r}")
+        raise TypeError(
+            f"{name} must be True, False or None (the backend's default), got {choice!r}"
+        )
     return choice
 
 
@@ -139,8 +143,9 @@ def _spellings(name: str, value: Any) -> list[tuple[str, Any]]:
 
 
 def _aliases(name: str) -> set[str]:
-    return next(({new, old} for new, (old, _) in OLDER_SPELLINGS.items() if name in (new, old)),
-                {name})
+    return next(
+        ({new, old} for new, (old, _) in OLDER_SPELLINGS.items() if name in (new, old)), {name}
+    )
 
 
 def spelled(plat: str, name: str, value: Any) -> tuple[str, Any] | None:
@@ -167,8 +172,10 @@ def compiler_options(mesh: Mesh, overrides: Mapping[str, Any] | None = None) -> 
         else:
             preset[found[0]] = found[1]
     if unknown:
-        warnings.warn(f"this XLA build does not know {', '.join(unknown)}; the step is "
-                      "compiled without them", stacklevel=3)
+        warnings.warn(
+            f"this XLA build does not know {', '.join(unknown)}; the step is compiled without them",
+            stacklevel=3,
+        )
     for k, v in (overrides or {}).items():
         for n in _aliases(k):
             preset.pop(n, None)
@@ -178,6 +185,7 @@ def compiler_options(mesh: Mesh, overrides: Mapping[str, Any] | None = None) -> 
         if found is None:
             raise ValueError(
                 f"compiler_options: {k!r} is not an option of this XLA build ({plat}); "
-                "see the XLA flags of your jaxlib version (XLA_FLAGS=--help)")
+                "see the XLA flags of your jaxlib version (XLA_FLAGS=--help)"
+            )
         preset[found[0]] = found[1]
     return preset

@@ -59,10 +59,12 @@ class CheckpointWriteError(CheckpointError):
 
     def __init__(self, step: int, path: Path, cause: str, latest: int | None):
         self.step, self.path, self.cause, self.latest = step, path, cause, latest
-        where = (f"the latest complete checkpoint is step {latest} ({path.parent / str(latest)})"
-                 if latest is not None else "no earlier checkpoint is complete")
-        super().__init__(f"checkpoint step {step} could not be written to {path}: {cause}; "
-                         f"{where}")
+        where = (
+            f"the latest complete checkpoint is step {latest} ({path.parent / str(latest)})"
+            if latest is not None
+            else "no earlier checkpoint is complete"
+        )
+        super().__init__(f"checkpoint step {step} could not be written to {path}: {cause}; {where}")
 
 
 # managers with a save that may be in flight, held so that one dropped right after
@@ -84,8 +86,11 @@ def _finish_saves() -> None:
         try:
             manager.close()
         except Exception as e:  # noqa: BLE001 - at exit: say it in one line, go on
-            print(f"jaxzero: the checkpoint save in flight in {manager.directory} did not "
-                  f"finish: {type(e).__name__}: {e}", file=sys.stderr)
+            print(
+                f"jaxzero: the checkpoint save in flight in {manager.directory} did not "
+                f"finish: {type(e).__name__}: {e}",
+                file=sys.stderr,
+            )
 
 
 # threading's exit hooks run in reverse order of registration, so ours runs before the
@@ -112,8 +117,7 @@ class _Echoes(logging.Filter):
         if record.name == "asyncio":
             return "exception was never retrieved" not in record.getMessage()  # Task, Future
         # orbax's own report of a save in flight failing: the next wait() raises it
-        return not (_SAVING and record.levelno >= logging.ERROR
-                    and "orbax" in record.pathname)
+        return not (_SAVING and record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
     @classmethod
     def install(cls) -> None:
@@ -122,8 +126,9 @@ class _Echoes(logging.Filter):
         previous = sys.unraisablehook
 
         def hook(u):
-            if not (isinstance(u.exc_value, RuntimeError)
-                    and "Event loop is closed" in str(u.exc_value)):
+            if not (
+                isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value)
+            ):
                 previous(u)
 
         hook._jaxzero = True  # type: ignore[attr-defined]
@@ -205,7 +210,7 @@ def host_fingerprint(x: np.ndarray, chunk: int = 1 << 18) -> int:
     total = np.uint32(0)
     with np.errstate(over="ignore"):
         for start in range(0, flat.size, chunk):
-            bits = flat[start:start + chunk].astype(np.uint32)
+            bits = flat[start : start + chunk].astype(np.uint32)
             idx = (np.arange(start, start + len(bits), dtype=np.uint64) % 2**32).astype(np.uint32)
             h = (bits + idx * np.uint32(0x9E3779B9)) * np.uint32(0x85EBCA6B)
             total = total + np.sum(h ^ (h >> np.uint32(15)), dtype=np.uint32)
@@ -214,8 +219,14 @@ def host_fingerprint(x: np.ndarray, chunk: int = 1 << 18) -> int:
 
 def older_steps(directory: Path, step: int) -> list[int] | str:
     """The other complete checkpoints beside ``step`` (for a damaged one's message)."""
-    return sorted(int(p.name) for p in directory.iterdir()
-                  if p.is_dir() and p.name.isdigit() and int(p.name) != step) or "none"
+    return (
+        sorted(
+            int(p.name)
+            for p in directory.iterdir()
+            if p.is_dir() and p.name.isdigit() and int(p.name) != step
+        )
+        or "none"
+    )
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -225,14 +236,18 @@ def _fingerprints(arrays: tuple, shapes: tuple) -> tuple:
 
 def fingerprints(leaves: dict[str, Any], shapes: dict[str, list[int]]) -> dict[str, int]:
     """:func:`_fingerprint` of every numeric leaf, by name (one compiled program)."""
-    names = [n for n, x in leaves.items() if x.dtype.itemsize in _UINT
-             and jnp.issubdtype(x.dtype, jnp.number)]
+    names = [
+        n
+        for n, x in leaves.items()
+        if x.dtype.itemsize in _UINT and jnp.issubdtype(x.dtype, jnp.number)
+    ]
     out = _fingerprints(tuple(leaves[n] for n in names), tuple(tuple(shapes[n]) for n in names))
     return {n: int(v) for n, v in zip(names, jax.device_get(out), strict=True)}
 
 
 def _param_paths(tree: Any) -> list[list[Any]]:
     """Each param's key path as JSON: ``[["k", "blocks"], ["i", 0], ...]``."""
+
     def key(k):
         if hasattr(k, "idx"):
             return ["i", int(k.idx)]
@@ -271,12 +286,18 @@ def metadata(engine: Any, state: TrainState) -> dict[str, Any]:
     for name, x in leaf_names(state).items():
         field, _, rest = name.partition("/")
         lay = lays.get(f"params/{rest}" if field == "master" else name)
-        leaves[name] = {"stored_shape": list(x.shape), "dtype": str(x.dtype),
-                        "shape": list(lay.shape) if lay is not None else list(x.shape)}
+        leaves[name] = {
+            "stored_shape": list(x.shape),
+            "dtype": str(x.dtype),
+            "shape": list(lay.shape) if lay is not None else list(x.shape),
+        }
     param_tree = [
         {"path": p, "shape": list(lay.shape), "dtype": "float32"}
-        for p, lay in zip(_param_paths(engine.layouts),
-                          jax.tree.leaves(engine.layouts, is_leaf=is_layout), strict=True)
+        for p, lay in zip(
+            _param_paths(engine.layouts),
+            jax.tree.leaves(engine.layouts, is_leaf=is_layout),
+            strict=True,
+        )
     ]
     sums = fingerprints(leaf_names(state), {n: v["shape"] for n, v in leaves.items()})
     for name, value in sums.items():
@@ -319,8 +340,9 @@ class CheckpointManager:
       'first'
     """
 
-    def __init__(self, directory: str | Path, keep_last: int | None = 3,
-                 keep_every: int | None = None):
+    def __init__(
+        self, directory: str | Path, keep_last: int | None = 3, keep_every: int | None = None
+    ):
         import orbax.checkpoint as ocp
 
         self.directory = Path(directory).absolute()
@@ -331,8 +353,11 @@ class CheckpointManager:
                 raise CheckpointError(f"{name} must be a positive integer or None, got {v!r}")
         self._ocp = ocp
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep_last, keep_period=keep_every, create=False,
-            cleanup_tmp_directories=True, enable_async_checkpointing=True,
+            max_to_keep=keep_last,
+            keep_period=keep_every,
+            create=False,
+            cleanup_tmp_directories=True,
+            enable_async_checkpointing=True,
         )
         self._options = options
         self._manager = None
@@ -345,7 +370,8 @@ class CheckpointManager:
             _Echoes.install()
             self.directory.mkdir(parents=True, exist_ok=True)
             self._manager = self._ocp.CheckpointManager(
-                self.directory, options=self._options, item_names=("state", "meta", "extra"))
+                self.directory, options=self._options, item_names=("state", "meta", "extra")
+            )
             # orbax removes interrupted saves in the background: let it finish first
             cleanup = getattr(self._manager, "_cleanup_tmp_directory_future", None)
             if cleanup is not None:
@@ -354,8 +380,13 @@ class CheckpointManager:
 
     # --- saving -------------------------------------------------------------------------
 
-    def save(self, engine: Any, state: TrainState, extra: dict[str, Any] | None = None,
-             force: bool = False) -> None:
+    def save(
+        self,
+        engine: Any,
+        state: TrainState,
+        extra: dict[str, Any] | None = None,
+        force: bool = False,
+    ) -> None:
         """Start writing ``state`` at its step; returns once the arrays are on the host.
 
         The state may be donated to the next ``engine.step`` right away. Waits
@@ -410,8 +441,9 @@ class CheckpointManager:
             steps = [s for s in self.all_steps() if s != step]
         except Exception:  # noqa: BLE001 - the directory itself may be gone
             steps = []
-        return CheckpointWriteError(step, self.directory / str(step), write_cause(error),
-                                    steps[-1] if steps else None)
+        return CheckpointWriteError(
+            step, self.directory / str(step), write_cause(error), steps[-1] if steps else None
+        )
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -441,19 +473,22 @@ class CheckpointManager:
         except (OSError, ValueError) as e:
             raise CheckpointError(
                 f"checkpoint {self.directory / str(step)} has no readable metadata ({e}); "
-                "it is not a jaxzero checkpoint or it is damaged") from None
+                "it is not a jaxzero checkpoint or it is damaged"
+            ) from None
 
     def _step(self, step: int | None) -> int:
         steps = self.all_steps()
         if not steps:
             raise CheckpointError(
                 f"no complete checkpoint in {self.directory}"
-                + ("" if self.directory.is_dir() else " (the directory does not exist)"))
+                + ("" if self.directory.is_dir() else " (the directory does not exist)")
+            )
         if step is None:
             return steps[-1]
         if step not in steps:
-            raise CheckpointError(f"no checkpoint of step {step} in {self.directory}; "
-                                  f"there are {steps}")
+            raise CheckpointError(
+                f"no checkpoint of step {step} in {self.directory}; there are {steps}"
+            )
         return step
 
     def restore(self, engine: Any, step: int | None = None) -> tuple[TrainState, dict]:
@@ -479,34 +514,51 @@ class CheckpointManager:
         # fp32 truth: the master when the run kept one, else the (fp32) params
         src = "master" if any(n.startswith("master/") for n in saved) else "params"
         sharded = master_sharded(engine.stage)
-        master_sh = jax.tree.map(lambda s: jax.sharding.NamedSharding(engine.mesh, s),
-                                 _master_specs(engine), is_leaf=_is_spec)
+        master_sh = jax.tree.map(
+            lambda s: jax.sharding.NamedSharding(engine.mesh, s),
+            _master_specs(engine),
+            is_leaf=_is_spec,
+        )
         want: dict[str, tuple[tuple[int, ...], Any, Any]] = {}
-        for name, lay, sh in zip(leaf_names(TrainState(None, engine.layouts, None, None)),
-                                 jax.tree.leaves(engine.layouts, is_leaf=is_layout),
-                                 jax.tree.leaves(master_sh), strict=True):
+        for name, lay, sh in zip(
+            leaf_names(TrainState(None, engine.layouts, None, None)),
+            jax.tree.leaves(engine.layouts, is_leaf=is_layout),
+            jax.tree.leaves(master_sh),
+            strict=True,
+        ):
             shape = lay.padded_shape if sharded else lay.shape
-            want[src + name[len("params"):]] = (shape, jnp.float32, sh)
+            want[src + name[len("params") :]] = (shape, jnp.float32, sh)
         for name, x in leaf_names(TrainState(target.step, None, None, target.opt_state)).items():
             want[name] = (x.shape, x.dtype, x.sharding)
         missing = [n for n in want if n not in saved]
         unknown = [n for n in saved if n.startswith("opt_state") and n not in want]
         if missing or unknown:
-            what = (f"does not hold {missing[:3]}" if missing
-                    else f"holds optimizer state {unknown[:3]} this optimizer does not have")
+            what = (
+                f"does not hold {missing[:3]}"
+                if missing
+                else f"holds optimizer state {unknown[:3]} this optimizer does not have"
+            )
             raise CheckpointError(
                 f"checkpoint {self.directory / str(step)} {what}: it was saved with a "
-                "different optimizer or model")
-        item = nest({n: jax.ShapeDtypeStruct(s, d, sharding=sh)
-                      for n, (s, d, sh) in want.items()})
-        restore_args = nest({n: ocp.ArrayRestoreArgs(sharding=sh, global_shape=tuple(s),
-                                                      dtype=d, strict=False)
-                              for n, (s, d, sh) in want.items()})
+                "different optimizer or model"
+            )
+        item = nest({n: jax.ShapeDtypeStruct(s, d, sharding=sh) for n, (s, d, sh) in want.items()})
+        restore_args = nest(
+            {
+                n: ocp.ArrayRestoreArgs(sharding=sh, global_shape=tuple(s), dtype=d, strict=False)
+                for n, (s, d, sh) in want.items()
+            }
+        )
         try:
-            out = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(item, restore_args=restore_args,
-                                             partial_restore=True),
-                extra=ocp.args.JsonRestore()))
+            out = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item, restore_args=restore_args, partial_restore=True
+                    ),
+                    extra=ocp.args.JsonRestore(),
+                ),
+            )
         except Exception as e:  # orbax/tensorstore raise many types for damaged files
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
             raise CheckpointError(
@@ -521,13 +573,16 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint {self.directory / str(step)} is damaged: {bad[:3]} no longer "
                 "match the fingerprints written when it was saved. Older checkpoints: "
-                f"{[s for s in self.all_steps() if s != step] or 'none'}")
+                f"{[s for s in self.all_steps() if s != step] or 'none'}"
+            )
         master = jax.tree.unflatten(
             jax.tree.structure(engine.layouts, is_leaf=is_layout),
-            [flat[src + n[len("params"):]]
-             for n in leaf_names(TrainState(None, engine.layouts, None, None))])
-        opt_leaves = [flat[n] for n in
-                      leaf_names(TrainState(None, None, None, target.opt_state))]
+            [
+                flat[src + n[len("params") :]]
+                for n in leaf_names(TrainState(None, engine.layouts, None, None))
+            ],
+        )
+        opt_leaves = [flat[n] for n in leaf_names(TrainState(None, None, None, target.opt_state))]
         opt_state = jax.tree.unflatten(jax.tree.structure(target.opt_state), opt_leaves)
         state = engine.state_from(master, opt_state, int(np.asarray(flat["step"])))
         return state, dict(out["extra"] or {})
@@ -545,13 +600,18 @@ def _master_specs(engine: Any) -> Any:
 
 def _check_same_params(engine: Any, meta: dict[str, Any]) -> None:
     """Refuse a checkpoint of another model, naming the first leaf that differs."""
-    mine = {"/".join(str(k) for _, k in p): lay.shape for p, lay in zip(
-        _param_paths(engine.layouts), jax.tree.leaves(engine.layouts, is_leaf=is_layout),
-        strict=True)}
-    theirs = {"/".join(str(k) for _, k in e["path"]): tuple(e["shape"])
-              for e in meta["param_tree"]}
+    mine = {
+        "/".join(str(k) for _, k in p): lay.shape
+        for p, lay in zip(
+            _param_paths(engine.layouts),
+            jax.tree.leaves(engine.layouts, is_leaf=is_layout),
+            strict=True,
+        )
+    }
+    theirs = {"/".join(str(k) for _, k in e["path"]): tuple(e["shape"]) for e in meta["param_tree"]}
     for name in sorted(set(mine) | set(theirs)):
         if mine.get(name) != theirs.get(name):
             raise CheckpointError(
                 f"the checkpoint is of a different model: param {name!r} is "
-                f"{theirs.get(name, 'absent')} there and {mine.get(name, 'absent')} here")
+                f"{theirs.get(name, 'absent')} there and {mine.get(name, 'absent')} here"
+            )

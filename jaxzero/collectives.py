@@ -99,26 +99,32 @@ def _local_dim(lay: LeafLayout, offset: int) -> int:
     return lay.dim - offset
 
 
-def gather_packed(values: Sequence[jax.Array], layouts: Sequence[LeafLayout],
-                  offsets: Sequence[int]) -> list[jax.Array]:
+def gather_packed(
+    values: Sequence[jax.Array], layouts: Sequence[LeafLayout], offsets: Sequence[int]
+) -> list[jax.Array]:
     """:func:`gather` of several sharded leaves with one all-gather."""
-    rows = [jnp.moveaxis(v, _local_dim(lay, o), 0).reshape(1, -1)
-            for v, lay, o in zip(values, layouts, offsets, strict=True)]
+    rows = [
+        jnp.moveaxis(v, _local_dim(lay, o), 0).reshape(1, -1)
+        for v, lay, o in zip(values, layouts, offsets, strict=True)
+    ]
     full = jax.lax.all_gather(jnp.concatenate(rows, axis=1), DATA, axis=0, tiled=True)
     out, start = [], 0
     for v, lay, o in zip(values, layouts, offsets, strict=True):
         d, width = _local_dim(lay, o), v.size
         moved = jnp.moveaxis(v, d, 0).shape
-        block = full[:, start:start + width].reshape(-1, *moved[1:])
+        block = full[:, start : start + width].reshape(-1, *moved[1:])
         block = jax.lax.slice_in_dim(block, 0, lay.shape[lay.dim], axis=0)
         out.append(jnp.moveaxis(block, 0, d))
         start += width
     return out
 
 
-def reduce_scatter_packed(grads: Sequence[jax.Array], layouts: Sequence[LeafLayout],
-                          offsets: Sequence[int], extra_axes: Sequence[str] = ()
-                          ) -> list[jax.Array]:
+def reduce_scatter_packed(
+    grads: Sequence[jax.Array],
+    layouts: Sequence[LeafLayout],
+    offsets: Sequence[int],
+    extra_axes: Sequence[str] = (),
+) -> list[jax.Array]:
     """:func:`reduce_scatter` of several full gradients with one reduce-scatter."""
     rows, shapes = [], []
     for g, lay, o in zip(grads, layouts, offsets, strict=True):
@@ -128,13 +134,14 @@ def reduce_scatter_packed(grads: Sequence[jax.Array], layouts: Sequence[LeafLayo
         moved = jnp.moveaxis(jnp.pad(g, widths) if widths[d][1] else g, d, 0)
         shapes.append((moved.shape[0] // lay.num_shards, *moved.shape[1:]))
         rows.append(moved.reshape(lay.num_shards, -1))
-    packed = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), DATA, scatter_dimension=0,
-                                  tiled=True)
+    packed = jax.lax.psum_scatter(
+        jnp.concatenate(rows, axis=1), DATA, scatter_dimension=0, tiled=True
+    )
     if extra_axes:
         packed = jax.lax.psum(packed, tuple(extra_axes))
     out, start = [], 0
     for r, shape, lay, o in zip(rows, shapes, layouts, offsets, strict=True):
-        piece = packed[0, start:start + r.shape[1]].reshape(shape)
+        piece = packed[0, start : start + r.shape[1]].reshape(shape)
         out.append(jnp.moveaxis(piece, 0, _local_dim(lay, o)))
         start += r.shape[1]
     return out
@@ -168,8 +175,14 @@ def buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     return out
 
 
-def _bucketed(packed, per_leaf, xs: Sequence[jax.Array], layouts: Sequence[LeafLayout],
-              offsets: Sequence[int] | None, bucket_bytes: int) -> list[jax.Array]:
+def _bucketed(
+    packed,
+    per_leaf,
+    xs: Sequence[jax.Array],
+    layouts: Sequence[LeafLayout],
+    offsets: Sequence[int] | None,
+    bucket_bytes: int,
+) -> list[jax.Array]:
     """``packed`` on buckets of same-dtype sharded leaves (sized by their whole padded
     bytes), ``per_leaf`` on the rest; both take ``(x(s), layout(s), offset(s))``."""
     offsets = [0] * len(xs) if offsets is None else offsets
@@ -179,33 +192,49 @@ def _bucketed(packed, per_leaf, xs: Sequence[jax.Array], layouts: Sequence[LeafL
         out[i] = per_leaf(xs[i], layouts[i], offsets[i])
     for dtype in dict.fromkeys(xs[i].dtype for i in idx):
         same = [i for i in idx if xs[i].dtype == dtype]
-        full = [math.prod(layouts[i].padded_shape[offsets[i]:]) * dtype.itemsize for i in same]
+        full = [math.prod(layouts[i].padded_shape[offsets[i] :]) * dtype.itemsize for i in same]
         for group in buckets(full, bucket_bytes):
             members = [same[j] for j in group]
             if len(members) == 1:
                 i = members[0]
                 out[i] = per_leaf(xs[i], layouts[i], offsets[i])
                 continue
-            results = packed([xs[i] for i in members], [layouts[i] for i in members],
-                             [offsets[i] for i in members])
+            results = packed(
+                [xs[i] for i in members],
+                [layouts[i] for i in members],
+                [offsets[i] for i in members],
+            )
             for i, x in zip(members, results, strict=True):
                 out[i] = x
     return out
 
 
-def gather_buckets(values: Sequence[jax.Array], layouts: Sequence[LeafLayout],
-                   bucket_bytes: int, offsets: Sequence[int] | None = None) -> list[jax.Array]:
+def gather_buckets(
+    values: Sequence[jax.Array],
+    layouts: Sequence[LeafLayout],
+    bucket_bytes: int,
+    offsets: Sequence[int] | None = None,
+) -> list[jax.Array]:
     """:func:`gather` of every leaf, one all-gather per bucket of slices."""
     return _bucketed(gather_packed, gather, values, layouts, offsets, bucket_bytes)
 
 
-def reduce_scatter_buckets(grads: Sequence[jax.Array], layouts: Sequence[LeafLayout],
-                           bucket_bytes: int, extra_axes: Sequence[str] = (),
-                           offsets: Sequence[int] | None = None) -> list[jax.Array]:
+def reduce_scatter_buckets(
+    grads: Sequence[jax.Array],
+    layouts: Sequence[LeafLayout],
+    bucket_bytes: int,
+    extra_axes: Sequence[str] = (),
+    offsets: Sequence[int] | None = None,
+) -> list[jax.Array]:
     """:func:`reduce_scatter` of every leaf, one reduce-scatter per bucket of gradients."""
-    return _bucketed(lambda g, lay, o: reduce_scatter_packed(g, lay, o, extra_axes),
-                     lambda g, lay, o: reduce_scatter(g, lay, extra_axes, o),
-                     grads, layouts, offsets, bucket_bytes)
+    return _bucketed(
+        lambda g, lay, o: reduce_scatter_packed(g, lay, o, extra_axes),
+        lambda g, lay, o: reduce_scatter(g, lay, extra_axes, o),
+        grads,
+        layouts,
+        offsets,
+        bucket_bytes,
+    )
 
 
 # --- references: lists of per-device numpy arrays in, lists out -----------------------

@@ -31,8 +31,16 @@ from typing import Any
 from jaxzero.job import EXIT_SETUP, LAUNCH_EVENTS, VARIABLES, DistributedError, Job, resolve
 
 __all__ = [
-    "VARIABLES", "DistributedError", "Job", "describe_mesh", "describe_processes", "initialize",
-    "leave", "lost_ranks", "resolve", "shutdown",
+    "VARIABLES",
+    "DistributedError",
+    "Job",
+    "describe_mesh",
+    "describe_processes",
+    "initialize",
+    "leave",
+    "lost_ranks",
+    "resolve",
+    "shutdown",
 ]
 
 
@@ -55,7 +63,8 @@ def probe(host: str, port: int, waited: float, what: str) -> None:
         if time.monotonic() >= deadline:
             raise DistributedError(
                 f"nobody listens at the coordinator {host}:{port} ({what}) after waiting "
-                f"{waited:g} s (init timeout): start rank 0 there, or fix the address and port")
+                f"{waited:g} s (init timeout): start rank 0 there, or fix the address and port"
+            )
         time.sleep(0.25)
 
 
@@ -84,12 +93,16 @@ class _Watchdog:
 def _timeout_message(job: Job, waited: float) -> str:
     where = job.coordinator or "the auto-detected coordinator"
     if job.mode == "explicit":
-        return (f"waited {waited:g} s (init timeout) for {job.settings['world_size']} processes "
-                f"to connect to the coordinator at {where} ({job.named('host', 'port')}); not "
-                f"all did. Start every rank 0..{job.world_size - 1} with the same world size, "
-                f"or fix {job.settings['world_size']}")
-    return (f"waited {waited:g} s (init timeout) for the {job.mode} job's processes to connect "
-            f"to {where}; not all did (check the number of tasks and the job's variables)")
+        return (
+            f"waited {waited:g} s (init timeout) for {job.settings['world_size']} processes "
+            f"to connect to the coordinator at {where} ({job.named('host', 'port')}); not "
+            f"all did. Start every rank 0..{job.world_size - 1} with the same world size, "
+            f"or fix {job.settings['world_size']}"
+        )
+    return (
+        f"waited {waited:g} s (init timeout) for the {job.mode} job's processes to connect "
+        f"to {where}; not all did (check the number of tasks and the job's variables)"
+    )
 
 
 def check_port_free(port: Any) -> None:
@@ -103,15 +116,25 @@ def check_port_free(port: Any) -> None:
             raise DistributedError(
                 f"the coordinator's port {port.value} ({port}) cannot be bound: "
                 f"{e.strerror or e}; another process (a launcher's store?) holds it. Set "
-                "JAXZERO_PORT to a free port") from None
+                "JAXZERO_PORT to a free port"
+            ) from None
 
 
-def initialize(host: str | None = None, port: int | None = None, rank: int | None = None,
-               world_size: int | None = None, local_rank: int | None = None,
-               local_world_size: int | None = None, *, simulate_devices: int | None = None,
-               init_timeout: float | None = None, heartbeat_timeout: int | None = None,
-               local_device_ids: Sequence[int] | None = None, verbose: bool = True,
-               preemption_service: bool = False) -> Job:
+def initialize(
+    host: str | None = None,
+    port: int | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    *,
+    simulate_devices: int | None = None,
+    init_timeout: float | None = None,
+    heartbeat_timeout: int | None = None,
+    local_device_ids: Sequence[int] | None = None,
+    verbose: bool = True,
+    preemption_service: bool = False,
+) -> Job:
     """Joins the job (``jax.distributed.initialize``) if there is one; call before using JAX.
 
     Args:
@@ -144,17 +167,28 @@ def initialize(host: str | None = None, port: int | None = None, rank: int | Non
 
     if jax.distributed.is_initialized():  # already joined (by us, or by a direct JAX call)
         return _JOB or _current_job()
-    job = resolve(accelerator=mesh_lib.accelerator_expected(), host=host, port=port, rank=rank,
-                  world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
-                  simulate_devices=simulate_devices, init_timeout=init_timeout,
-                  heartbeat_timeout=heartbeat_timeout, local_device_ids=local_device_ids)
+    job = resolve(
+        accelerator=mesh_lib.accelerator_expected(),
+        host=host,
+        port=port,
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        simulate_devices=simulate_devices,
+        init_timeout=init_timeout,
+        heartbeat_timeout=heartbeat_timeout,
+        local_device_ids=local_device_ids,
+    )
     if not job.multi:
         return job
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
-        raise DistributedError("JAX already started its backend: call "
-                               "jaxzero.distributed.initialize() before any JAX computation")
+        raise DistributedError(
+            "JAX already started its backend: call "
+            "jaxzero.distributed.initialize() before any JAX computation"
+        )
     accelerator = mesh_lib.accelerator_expected()
     if job.simulate_devices and not accelerator:
         mesh_lib.simulate_devices(job.simulate_devices)
@@ -169,16 +203,18 @@ def initialize(host: str | None = None, port: int | None = None, rank: int | Non
         probe(job.host.value, job.port.value, job.init_timeout, job.named("host", "port"))
     if job.mode == "explicit" and job.rank == 0:
         check_port_free(job.port)
-    dog = _Watchdog(max(deadline - time.monotonic(), 0.1),
-                    lambda: _timeout_message(job, job.init_timeout))
+    dog = _Watchdog(
+        max(deadline - time.monotonic(), 0.1), lambda: _timeout_message(job, job.init_timeout)
+    )
     kwargs: dict[str, Any] = dict(
         initialization_timeout=int(job.init_timeout) + 30,  # the watchdog speaks first
         heartbeat_timeout_seconds=job.heartbeat_timeout,
         local_device_ids=list(ids) if ids is not None else None,
     )
     if job.mode == "explicit":
-        kwargs.update(coordinator_address=job.coordinator, num_processes=job.world_size,
-                      process_id=job.rank)
+        kwargs.update(
+            coordinator_address=job.coordinator, num_processes=job.world_size, process_id=job.rank
+        )
     elif job.coordinator is not None:
         kwargs["coordinator_address"] = job.coordinator
     try:
@@ -186,19 +222,21 @@ def initialize(host: str | None = None, port: int | None = None, rank: int | Non
         devices = jax.devices()  # starts the backend: the topology exchange is covered too
     except (RuntimeError, ValueError) as e:  # JAX refused before connecting
         where = job.named("host", "port", "rank", "world_size") or job.mode
-        raise DistributedError(f"jax.distributed.initialize failed ({where}): "
-                               f"{str(e).strip().splitlines()[0]}") from e
+        raise DistributedError(
+            f"jax.distributed.initialize failed ({where}): {str(e).strip().splitlines()[0]}"
+        ) from e
     finally:
         dog.done()
-    _JOB = job = dataclasses.replace(job, rank=jax.process_index(),
-                                     world_size=jax.process_count())
+    _JOB = job = dataclasses.replace(job, rank=jax.process_index(), world_size=jax.process_count())
     previous = sys.excepthook  # an uncaught exception leaves the job at once (see leave)
     sys.excepthook = lambda kind, value, tb: (previous(kind, value, tb), leave(1, value))
     atexit.register(_program_ended)  # after JAX's exit hook, so it runs before it
     if job.mode == "explicit" and job.world_size != job.settings["world_size"].value:
-        raise DistributedError(f"{job.settings['world_size']} but the coordinator at "
-                               f"{job.coordinator} runs a job of {job.world_size} processes: "
-                               "every process must be given the same world size")
+        raise DistributedError(
+            f"{job.settings['world_size']} but the coordinator at "
+            f"{job.coordinator} runs a job of {job.world_size} processes: "
+            "every process must be given the same world size"
+        )
     if verbose:
         _announce(job, devices)
     return job
@@ -247,15 +285,26 @@ def leave(status: int, error: BaseException | None = None) -> None:
         return
     if error is not None and type(error).__name__ == "JaxRuntimeError":
         wait = _JOB.heartbeat_timeout + 5
-        print(f"jaxzero.distributed: rank {_JOB.rank}: a collective failed; asking the "
-              f"coordinator which process is gone (up to {wait} s)", file=sys.stderr, flush=True)
+        print(
+            f"jaxzero.distributed: rank {_JOB.rank}: a collective failed; asking the "
+            f"coordinator which process is gone (up to {wait} s)",
+            file=sys.stderr,
+            flush=True,
+        )
         lost = lost_ranks(wait)
         if lost:
-            print(f"jaxzero.distributed: rank {_JOB.rank}: lost rank(s) "
-                  f"{', '.join(map(str, lost))} of {_JOB.world_size} (killed, crashed or "
-                  "unreachable); leaving the job", file=sys.stderr, flush=True)
-    print(f"jaxzero.distributed: rank {_JOB.rank}: exiting with status {status}",
-          file=sys.stderr, flush=True)
+            print(
+                f"jaxzero.distributed: rank {_JOB.rank}: lost rank(s) "
+                f"{', '.join(map(str, lost))} of {_JOB.world_size} (killed, crashed or "
+                "unreachable); leaving the job",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(
+        f"jaxzero.distributed: rank {_JOB.rank}: exiting with status {status}",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.stdout.flush()
     os._exit(status)
 
@@ -285,8 +334,11 @@ def _program_ended() -> None:
 def _current_job() -> Job:
     import jax
 
-    return Job("explicit" if jax.process_count() > 1 else "single", jax.process_index(),
-               jax.process_count())
+    return Job(
+        "explicit" if jax.process_count() > 1 else "single",
+        jax.process_index(),
+        jax.process_count(),
+    )
 
 
 def _announce(job: Job, devices: list[Any]) -> None:
@@ -295,24 +347,30 @@ def _announce(job: Job, devices: list[Any]) -> None:
 
     local = jax.local_devices()
     ids = ",".join(str(d.id) for d in local)
-    print(f"jaxzero.distributed: rank {job.rank} of {job.world_size} | local rank "
-          f"{job.local_rank} of {job.local_world_size} | host {socket.gethostname()} "
-          f"(pid {os.getpid()}) | {len(local)} local {local[0].platform} device(s) [{ids}] | "
-          f"world size {job.world_size} processes, {len(devices)} devices",
-          file=sys.stderr, flush=True)
+    print(
+        f"jaxzero.distributed: rank {job.rank} of {job.world_size} | local rank "
+        f"{job.local_rank} of {job.local_world_size} | host {socket.gethostname()} "
+        f"(pid {os.getpid()}) | {len(local)} local {local[0].platform} device(s) [{ids}] | "
+        f"world size {job.world_size} processes, {len(devices)} devices",
+        file=sys.stderr,
+        flush=True,
+    )
     if job.rank == 0:
         coll = " (gloo collectives)" if local[0].platform == "cpu" else ""
         source = job.named("host", "port") if job.mode == "explicit" else f"from {job.mode}"
-        print(f"jaxzero.distributed: {describe_processes(job, len(local), len(devices))} | "
-              f"coordinator {job.coordinator or 'auto'} ({source}) | {local[0].platform}{coll} | "
-              f"heartbeat timeout {job.heartbeat_timeout} s", file=sys.stderr, flush=True)
+        print(
+            f"jaxzero.distributed: {describe_processes(job, len(local), len(devices))} | "
+            f"coordinator {job.coordinator or 'auto'} ({source}) | {local[0].platform}{coll} | "
+            f"heartbeat timeout {job.heartbeat_timeout} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def describe_processes(job: Job, local_devices: int, devices: int) -> str:
     """``"2 processes x 2 local devices = 4 devices"`` (or the total when they differ)."""
     if job.world_size * local_devices == devices:
-        return (f"{job.world_size} process(es) x {local_devices} local device(s) = "
-                f"{devices} devices")
+        return f"{job.world_size} process(es) x {local_devices} local device(s) = {devices} devices"
     return f"{job.world_size} processes, {devices} devices in all"
 
 

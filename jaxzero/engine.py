@@ -209,13 +209,17 @@ class Engine:
                 stacklevel=3,
             )
         self.layouts = layouts_for(
-            shapes, self.num_shards, rules=self.rules, stacked=self.stacked,
+            shapes,
+            self.num_shards,
+            rules=self.rules,
+            stacked=self.stacked,
             min_shard_size=self.min_shard_size,
         )
         self.opt_layouts = opt_layouts(self.tx, self.layouts, self.min_shard_size)
         self.specs = state_specs(self.stage, self.layouts, self.opt_layouts, self.mixed)
-        self.state_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs,
-                                            is_leaf=lambda x: isinstance(x, P))
+        self.state_shardings = jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), self.specs, is_leaf=lambda x: isinstance(x, P)
+        )
         self._build_jits()
 
     def _require_init(self) -> None:
@@ -224,8 +228,7 @@ class Engine:
 
     # --- state creation --------------------------------------------------------------
 
-    def _state_from_padded(self, master32: Any, opt_state: Any = None, step: Any = 0
-                           ) -> TrainState:
+    def _state_from_padded(self, master32: Any, opt_state: Any = None, step: Any = 0) -> TrainState:
         """The state from fp32 master params in their stored layout (traced).
 
         ``opt_state`` (stored layout) defaults to a fresh ``tx.init``.
@@ -238,8 +241,12 @@ class Engine:
         params = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
         if opt_state is None:
             logical = jax.tree.map(lambda m, lay: unpad(m, lay), master32, lays)
-            opt_state = jax.tree.map(lambda lay, x: self._master_layout(x, lay),
-                                     self.opt_layouts, self.tx.init(logical), is_leaf=is_layout)
+            opt_state = jax.tree.map(
+                lambda lay, x: self._master_layout(x, lay),
+                self.opt_layouts,
+                self.tx.init(logical),
+                is_leaf=is_layout,
+            )
         return TrainState(
             step=jnp.asarray(step, jnp.int32),
             params=params,
@@ -270,29 +277,35 @@ class Engine:
 
         def put(x, lay, sh):
             if isinstance(x, jax.Array):
-                return jax.jit(lambda a: self._master_layout(a.astype(jnp.float32), lay),
-                               out_shardings=sh)(x)
+                return jax.jit(
+                    lambda a: self._master_layout(a.astype(jnp.float32), lay), out_shardings=sh
+                )(x)
             return jax.device_put(self._master_layout(np.asarray(x, np.float32), lay), sh)
 
         return self._state_from_master(jax.tree.map(put, params, self.layouts, master_sh))
 
     def _master_shardings(self) -> Any:
-        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec),
-                            master_specs(self.stage, self.layouts),
-                            is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec),
+            master_specs(self.stage, self.layouts),
+            is_leaf=lambda x: isinstance(x, P),
+        )
 
     def _state_from_master(self, master32: Any) -> TrainState:
         """The state (fresh optimizer) from fp32 master params, stored and sharded."""
         # the fp32 copy becomes the master (or the stage-3 params) unless stages 1-2
         # keep none: then nothing in the state has its sharded shape to reuse it for
         temporary = not self.mixed and self.stage in (1, 2)
-        build = jax.jit(self._state_from_padded, out_shardings=self.state_shardings,
-                        donate_argnums=() if temporary else 0)
+        build = jax.jit(
+            self._state_from_padded,
+            out_shardings=self.state_shardings,
+            donate_argnums=() if temporary else 0,
+        )
         return build(master32)
 
-    def init_from_slices(self, shapes: Any,
-                         read: Callable[[LeafLayout, tuple[slice, ...]], np.ndarray]
-                         ) -> TrainState:
+    def init_from_slices(
+        self, shapes: Any, read: Callable[[LeafLayout, tuple[slice, ...]], np.ndarray]
+    ) -> TrainState:
         """A state whose params are read slice by slice, straight into their shardings.
 
         ``shapes`` is the params' ``ShapeDtypeStruct`` tree; ``read(layout, index)``
@@ -304,7 +317,8 @@ class Engine:
         if self.layouts is None:
             self._set_layouts(shapes)
         elif jax.tree.map(lambda s: tuple(s.shape), shapes) != jax.tree.map(
-                lambda lay: lay.shape, self.layouts, is_leaf=is_layout):
+            lambda lay: lay.shape, self.layouts, is_leaf=is_layout
+        ):
             raise ValueError("the engine was initialised with params of other shapes")
 
         def leaf(lay: LeafLayout, sh: NamedSharding) -> jax.Array:
@@ -316,8 +330,10 @@ class Engine:
             def callback(index: tuple[slice, ...]) -> np.ndarray:
                 span = tuple(s.indices(n)[:2] for s, n in zip(index, stored, strict=True))
                 if span not in cache:
-                    inside = tuple(slice(min(a, n), min(b, n))
-                                   for (a, b), n in zip(span, lay.shape, strict=True))
+                    inside = tuple(
+                        slice(min(a, n), min(b, n))
+                        for (a, b), n in zip(span, lay.shape, strict=True)
+                    )
                     out = np.zeros([b - a for a, b in span], np.float32)
                     out[tuple(slice(0, s.stop - s.start) for s in inside)] = read(lay, inside)
                     cache[span] = out
@@ -325,8 +341,9 @@ class Engine:
 
             return jax.make_array_from_callback(stored, sh, callback)
 
-        return self._state_from_master(jax.tree.map(leaf, self.layouts, self._master_shardings(),
-                                                    is_leaf=is_layout))
+        return self._state_from_master(
+            jax.tree.map(leaf, self.layouts, self._master_shardings(), is_leaf=is_layout)
+        )
 
     def init_from(self, init_fn: Callable[..., Any], *args: Any) -> TrainState:
         """Create params with ``init_fn(*args)`` directly in their sharded layout.
@@ -338,8 +355,9 @@ class Engine:
 
         def build(*a):
             p = init_fn(*a)
-            p = jax.tree.map(lambda x, lay: self._master_layout(x.astype(jnp.float32), lay),
-                             p, self.layouts)
+            p = jax.tree.map(
+                lambda x, lay: self._master_layout(x.astype(jnp.float32), lay), p, self.layouts
+            )
             return self._state_from_padded(p)
 
         return jax.jit(build, out_shardings=self.state_shardings)(*args)
@@ -359,24 +377,31 @@ class Engine:
         self._require_init()
         master = stored_shapes(self.layouts, master_sharded(self.stage), jnp.float32)
         shapes = jax.eval_shape(self._state_from_padded, master)
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes, self.state_shardings)
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            shapes,
+            self.state_shardings,
+        )
 
     # --- the step ----------------------------------------------------------------------
 
     def _build_jits(self) -> None:
         cfg, lays, mesh = self._config(), self.layouts, self.mesh
         bspec = P(batch_axes(mesh))
-        step = step_lib.make_train_step(cfg, mesh, lays, self.opt_layouts, self.specs,
-                                        self.loss_fn, self.tx)
-        self._step = jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
-                             out_shardings=(self.state_shardings,
-                                            NamedSharding(mesh, P())),
-                             donate_argnums=0 if self.donate else (),
-                             compiler_options=self.compiler_options or None)
+        step = step_lib.make_train_step(
+            cfg, mesh, lays, self.opt_layouts, self.specs, self.loss_fn, self.tx
+        )
+        self._step = jax.jit(
+            step,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, NamedSharding(mesh, P())),
+            donate_argnums=0 if self.donate else (),
+            compiler_options=self.compiler_options or None,
+        )
         ev = functools.partial(step_lib.eval_loss, cfg, lays, self.loss_fn)
-        ev_sharded = jax.shard_map(ev, mesh=mesh, in_specs=(self.specs.params, bspec),
-                                   out_specs=P(), check_vma=False)
+        ev_sharded = jax.shard_map(
+            ev, mesh=mesh, in_specs=(self.specs.params, bspec), out_specs=P(), check_vma=False
+        )
         self._eval = jax.jit(ev_sharded, compiler_options=self.compiler_options or None)
 
     def _check_batch(self, batch: Any) -> None:
@@ -388,12 +413,12 @@ class Engine:
                 f"batch structure changed: expected {self._batch_treedef}, got {treedef}. "
                 "Every step must receive the same pytree of arrays."
             )
-        sizes = {jax.tree_util.keystr(p): (np.shape(x)[0] if np.ndim(x) else None)
-                 for p, x in jax.tree_util.tree_leaves_with_path(batch)}
+        sizes = {
+            jax.tree_util.keystr(p): (np.shape(x)[0] if np.ndim(x) else None)
+            for p, x in jax.tree_util.tree_leaves_with_path(batch)
+        }
         if len(set(sizes.values())) != 1 or None in sizes.values():
-            raise ValueError(
-                f"every batch leaf needs the same leading (batch) dim, got {sizes}"
-            )
+            raise ValueError(f"every batch leaf needs the same leading (batch) dim, got {sizes}")
         b = next(iter(sizes.values()))
         need = self.batch_devices * self.micro_batches
         if b % need:
@@ -429,8 +454,9 @@ class Engine:
         leaves = jax.tree.leaves(batch)
         if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
             sh = self.batch_sharding
-            batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                                 batch)
+            batch = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), batch
+            )
         elif jax.process_count() == 1:  # check the global batch before placing it
             self._check_batch(batch)
             return self.shard_batch(batch)
@@ -476,8 +502,9 @@ class Engine:
         holds one param on the host, not the model. Every process must iterate."""
         self._require_init()
         src = state.master if self.mixed else state.params
-        for x, lay in zip(jax.tree.leaves(src), jax.tree.leaves(self.layouts, is_leaf=is_layout),
-                          strict=True):
+        for x, lay in zip(
+            jax.tree.leaves(src), jax.tree.leaves(self.layouts, is_leaf=is_layout), strict=True
+        ):
             yield lay, gather_leaf(x, lay)
 
     def report(self, state: TrainState, batch: Any):

@@ -38,8 +38,14 @@ from jaxzero.partition import LeafLayout
 _VIEWS = {prim.slice_p, prim.dynamic_slice_p, prim.squeeze_p, prim.reshape_p, prim.gather_p}
 _CASTS = {prim.convert_element_type_p, prim.copy_p, prim.device_put_p, prim.reduce_precision_p}
 # primitives whose one sub-program takes the equation's inputs and gives its outputs
-_CALLS = {prim.jit_p, prim.closed_call_p, prim.call_p, prim.remat_p, prim.custom_jvp_call_p,
-          prim.custom_vjp_call_p}
+_CALLS = {
+    prim.jit_p,
+    prim.closed_call_p,
+    prim.call_p,
+    prim.remat_p,
+    prim.custom_jvp_call_p,
+    prim.custom_vjp_call_p,
+}
 
 Taint = frozenset  # of param paths
 
@@ -60,8 +66,10 @@ class Misuse:
 def _view_ok(in_shape: Sequence[int], out_shape: Sequence[int], lay: LeafLayout) -> bool:
     """Whether a view changes only a stacked leading dim that is not the sharded one."""
     common = 0
-    while (common < min(len(in_shape), len(out_shape))
-           and in_shape[len(in_shape) - 1 - common] == out_shape[len(out_shape) - 1 - common]):
+    while (
+        common < min(len(in_shape), len(out_shape))
+        and in_shape[len(in_shape) - 1 - common] == out_shape[len(out_shape) - 1 - common]
+    ):
         common += 1
     if common == len(in_shape) and len(out_shape) == len(in_shape):
         return True  # same shape
@@ -108,8 +116,11 @@ class _Walk:
         subs = list(jaxprs_in_params(eqn.params))
         if p in _VIEWS or p in _CASTS:
             src, shape = eqn.invars[0], eqn.outvars[0].aval.shape
-            bad = {path for path in ins[0]
-                   if p in _VIEWS and not _view_ok(src.aval.shape, shape, self.lays[path])}
+            bad = {
+                path
+                for path in ins[0]
+                if p in _VIEWS and not _view_ok(src.aval.shape, shape, self.lays[path])
+            }
             bad |= {path for t in ins[1:] for path in t}  # a stored array used as an index
             if not bad:
                 return [ins[0]] * len(eqn.outvars)
@@ -138,11 +149,12 @@ class _Walk:
         ins = list(ins)
         while True:  # a carry may pick up taint from the previous iteration
             outs = self.jaxpr(body, ins, eqn)
-            carry = [a | b for a, b in zip(ins[start:start + n_carry], outs[:n_carry],
-                                           strict=True)]
-            if carry == ins[start:start + n_carry]:
+            carry = [
+                a | b for a, b in zip(ins[start : start + n_carry], outs[:n_carry], strict=True)
+            ]
+            if carry == ins[start : start + n_carry]:
                 return outs
-            ins[start:start + n_carry] = carry
+            ins[start : start + n_carry] = carry
 
     def while_(self, eqn, subs: list[Jaxpr], ins: list[Taint]) -> list[Taint]:
         """Inputs are the condition's consts, the body's consts, then the carries (the
@@ -154,10 +166,10 @@ class _Walk:
         if nc < 0 or nb < 0 or nc + nb + n != len(ins):
             self.flag(eqn, Taint().union(*ins), opaque=True)
             return [Taint()] * n
-        carry = list(ins[nc + nb:])
+        carry = list(ins[nc + nb :])
         while True:
             self.jaxpr(cond, ins[:nc] + carry, eqn)
-            outs = self.jaxpr(body, ins[nc:nc + nb] + carry, eqn)
+            outs = self.jaxpr(body, ins[nc : nc + nb] + carry, eqn)
             new = [a | b for a, b in zip(carry, outs, strict=True)]
             if new == carry:
                 return carry
@@ -179,8 +191,11 @@ def _prefix(outer: Sequence, inner: Sequence, same_rank: bool) -> int:
 
 
 def _is_predicate(sub: Jaxpr) -> bool:
-    return (len(sub.outvars) == 1 and sub.outvars[0].aval.shape == ()
-            and sub.outvars[0].aval.dtype == bool)
+    return (
+        len(sub.outvars) == 1
+        and sub.outvars[0].aval.shape == ()
+        and sub.outvars[0].aval.dtype == bool
+    )
 
 
 def misuses(fn: Callable, stored: Any, *args: Any) -> list[Misuse]:
@@ -189,8 +204,10 @@ def misuses(fn: Callable, stored: Any, *args: Any) -> list[Misuse]:
 
     is_stored = lambda x: isinstance(x, Stored)
     leaves, treedef = jax.tree.flatten(stored, is_leaf=is_stored)
-    probes = [Stored(x.value, x.slot, dataclasses.replace(x.op, probe=True)) if is_stored(x)
-              else x for x in leaves]
+    probes = [
+        Stored(x.value, x.slot, dataclasses.replace(x.op, probe=True)) if is_stored(x) else x
+        for x in leaves
+    ]
     lays = {x.op.layout.path: x.op.layout for x in leaves if is_stored(x)}
 
     def flat(leaves, *args):
@@ -212,9 +229,11 @@ def _sites(found: list[Misuse]) -> str:
     for m in found:
         sites.setdefault((m.primitive, m.where), []).append(m.path)
     lines = "\n".join(
-        f"  {name} at {where}: " + ", ".join(map(repr, paths[:6]))
+        f"  {name} at {where}: "
+        + ", ".join(map(repr, paths[:6]))
         + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
-        for (name, where), paths in list(sites.items())[:6])
+        for (name, where), paths in list(sites.items())[:6]
+    )
     more = f"\n  ... and {len(sites) - 6} more places" if len(sites) > 6 else ""
     return lines + more
 
@@ -229,7 +248,8 @@ def check_uses(fn: Callable, stored: Any, *args: Any) -> None:
             "loss reaches params only through jaxzero.use_params, but stored params enter a "
             f"primitive whose inside it cannot follow:\n{_sites(opaque)}\n"
             "Call use_params first and pass its result into that primitive, or build the "
-            "Engine with per_layer=False.")
+            "Engine with per_layer=False."
+        )
     if found:
         raise TypeError(
             "with per-layer gathering (per_layer=True, stages 2-3) the loss must reach params "
@@ -237,4 +257,5 @@ def check_uses(fn: Callable, stored: Any, *args: Any) -> None:
             f"(jax.tree utilities look inside them: the raw slice, not the param):\n"
             f"{_sites(found)}\n"
             "Call use_params first and compute with its result (an L2 penalty, a "
-            "reparametrisation), or build the Engine with per_layer=False.")
+            "reparametrisation), or build the Engine with per_layer=False."
+        )

@@ -86,8 +86,12 @@ def _forward(ops: tuple[UseOp, ...], values: tuple) -> tuple:
     out = list(values)
     idx = [i for i, op in enumerate(ops) if op.gather]
     if idx:
-        full = collectives.gather_buckets([values[i] for i in idx], [ops[i].layout for i in idx],
-                                          ops[0].bucket_bytes, [ops[i].offset for i in idx])
+        full = collectives.gather_buckets(
+            [values[i] for i in idx],
+            [ops[i].layout for i in idx],
+            ops[0].bucket_bytes,
+            [ops[i].offset for i in idx],
+        )
         for i, x in zip(idx, full, strict=True):
             out[i] = x
     return tuple(out)
@@ -111,8 +115,9 @@ def _use_bwd(ops, _, cotangents):
     if not op.reduce:  # stages 0-1: the step reduces after the backward pass
         return tuple(gs), tuple(None for _ in ops)
     gs = [g.astype(op.reduce_dtype) for g in gs]  # already each device's share
-    red = collectives.reduce_scatter_buckets(gs, [o.layout for o in ops], op.bucket_bytes,
-                                             op.extra_axes, [o.offset for o in ops])
+    red = collectives.reduce_scatter_buckets(
+        gs, [o.layout for o in ops], op.bucket_bytes, op.extra_axes, [o.offset for o in ops]
+    )
     return tuple(None for _ in ops), tuple(g.astype(jnp.float32) for g in red)
 
 
@@ -172,8 +177,18 @@ def use_params(tree: Any) -> Any:
 # The gather inlines into concatenate + all_gather + slices; views of it are cheap.
 # Not saving any of them leaves only the stored slice as the residual, so the backward
 # pass gathers again.
-_REGATHER = {"all_gather", "concatenate", "slice", "dynamic_slice", "reshape", "transpose",
-             "squeeze", "broadcast_in_dim", "convert_element_type", "expand_dims"}
+_REGATHER = {
+    "all_gather",
+    "concatenate",
+    "slice",
+    "dynamic_slice",
+    "reshape",
+    "transpose",
+    "squeeze",
+    "broadcast_in_dim",
+    "convert_element_type",
+    "expand_dims",
+}
 
 
 def regather_policy(base: Callable[..., bool] | None = None) -> Callable[..., bool]:

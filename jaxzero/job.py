@@ -179,14 +179,16 @@ def _order(setting: Setting) -> int:
 
 def detect_cluster(environ: Mapping[str, str]) -> str | None:
     """The launcher JAX would auto-detect, when it started more than one process."""
-    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
-             "SLURM_LOCALID")
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
     if all(v in environ for v in slurm) and _int_or(environ["SLURM_NTASKS"], 1) > 1:
         return "slurm"
     if "OMPI_MCA_orte_hnp_uri" in environ and _int_or(environ.get("OMPI_COMM_WORLD_SIZE"), 1) > 1:
         return "ompi"
-    if ("KUBERNETES_SERVICE_HOST" in environ and "JOB_COMPLETION_INDEX" in environ
-            and importlib.util.find_spec("kubernetes") is not None):
+    if (
+        "KUBERNETES_SERVICE_HOST" in environ
+        and "JOB_COMPLETION_INDEX" in environ
+        and importlib.util.find_spec("kubernetes") is not None
+    ):
         return "kubernetes"
     return None
 
@@ -205,8 +207,9 @@ _CLUSTER_LOCAL = {  # cluster -> (local rank variable, processes-per-node variab
 }
 
 
-def resolve(environ: Mapping[str, str] | None = None, *, accelerator: bool = False,
-            **arguments: Any) -> Job:
+def resolve(
+    environ: Mapping[str, str] | None = None, *, accelerator: bool = False, **arguments: Any
+) -> Job:
     """Decides the job from ``arguments`` (the fields of ``VARIABLES``) and ``environ``.
 
     Pure: reads nothing but its inputs, so every rule is testable without JAX.
@@ -230,48 +233,59 @@ def resolve(environ: Mapping[str, str] | None = None, *, accelerator: bool = Fal
         if "port" not in got or _order(got["host"]) < _order(got["port"]):
             port = _pick("port", embedded, {})
             got["port"] = dataclasses.replace(port, source=got["host"].source)
-    if ("port" in got and got["port"].source == "MASTER_PORT"
-            and TORCHRUN_MARKER in environ):  # torchrun's own store listens on MASTER_PORT
-        got["port"] = Setting(got["port"].value + TORCHRUN_PORT_OFFSET,
-                              f"MASTER_PORT+{TORCHRUN_PORT_OFFSET}", "port")
+    if (
+        "port" in got and got["port"].source == "MASTER_PORT" and TORCHRUN_MARKER in environ
+    ):  # torchrun's own store listens on MASTER_PORT
+        got["port"] = Setting(
+            got["port"].value + TORCHRUN_PORT_OFFSET, f"MASTER_PORT+{TORCHRUN_PORT_OFFSET}", "port"
+        )
     host, port = got.get("host"), got.get("port")
     common = dict(
         settings=got,
         simulate_devices=got["simulate_devices"].value if "simulate_devices" in got else None,
         local_device_ids=got["local_device_ids"].value if "local_device_ids" in got else None,
-        init_timeout=got["init_timeout"].value if "init_timeout" in got else (
-            DEFAULT_INIT_TIMEOUT_ACCELERATOR if accelerator else DEFAULT_INIT_TIMEOUT_CPU),
-        heartbeat_timeout=got["heartbeat_timeout"].value if "heartbeat_timeout" in got
+        init_timeout=got["init_timeout"].value
+        if "init_timeout" in got
+        else (DEFAULT_INIT_TIMEOUT_ACCELERATOR if accelerator else DEFAULT_INIT_TIMEOUT_CPU),
+        heartbeat_timeout=got["heartbeat_timeout"].value
+        if "heartbeat_timeout" in got
         else DEFAULT_HEARTBEAT_TIMEOUT,
     )
     rank, world = got.get("rank"), got.get("world_size")
     local_rank, local_world = got.get("local_rank"), got.get("local_world_size")
     if world is None and rank is not None:
-        raise DistributedError(f"{rank} is set but the world size is not: set "
-                               f"{_names('world_size', rank.source)}")
+        raise DistributedError(
+            f"{rank} is set but the world size is not: set {_names('world_size', rank.source)}"
+        )
     if world is not None:
         if rank is None:
             if world.value == 1:
                 return Job("single", **common)
-            raise DistributedError(f"{world} is set but the rank is not: set "
-                                   f"{_names('rank', world.source)} (0 to {world.value - 1})")
+            raise DistributedError(
+                f"{world} is set but the rank is not: set "
+                f"{_names('rank', world.source)} (0 to {world.value - 1})"
+            )
         if rank.value >= world.value:
-            raise DistributedError(f"{rank} must be below {world}: ranks run from 0 to "
-                                   f"{world.value - 1}")
+            raise DistributedError(
+                f"{rank} must be below {world}: ranks run from 0 to {world.value - 1}"
+            )
         if world.value == 1:
             return Job("single", **common)
         missing = [f for f in ("host", "port") if f not in got]
         if missing:
             raise DistributedError(
                 f"{rank}, {world} are set but the coordinator's "
-                + " and ".join(missing) + " are not: set "
+                + " and ".join(missing)
+                + " are not: set "
                 + " and ".join(_names(f, rank.source) for f in missing)
-                + " (rank 0's address and a free port)")
+                + " (rank 0's address and a free port)"
+            )
         lr = local_rank.value if local_rank else 0
         lw = local_world.value if local_world else lr + 1  # unknown: at least this many
         if lr >= lw:
             raise DistributedError(
-                f"{local_rank} must be below {local_world or 'a local world size of 1'}")
+                f"{local_rank} must be below {local_world or 'a local world size of 1'}"
+            )
         if lw > world.value:
             raise DistributedError(f"{local_world} cannot exceed {world}")
         return Job("explicit", rank.value, world.value, lr, lw, host, port, **common)

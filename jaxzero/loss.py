@@ -52,8 +52,10 @@ class Weighted:
     weight: jax.Array
 
 
-FORMS = ("a scalar mean, (scalar, aux), jaxzero.Weighted(total, weight) or "
-         "(jaxzero.Weighted(total, weight), aux)")
+FORMS = (
+    "a scalar mean, (scalar, aux), jaxzero.Weighted(total, weight) or "
+    "(jaxzero.Weighted(total, weight), aux)"
+)
 
 
 def _scalar(x: Any, what: str) -> jax.Array:
@@ -62,8 +64,10 @@ def _scalar(x: Any, what: str) -> jax.Array:
     except TypeError:
         shape = None
     if shape != () or isinstance(x, (bool, str)):
-        raise TypeError(f"loss_fn's {what} must be a scalar, got "
-                        f"{getattr(x, 'shape', type(x).__name__)}; return {FORMS}")
+        raise TypeError(
+            f"loss_fn's {what} must be a scalar, got "
+            f"{getattr(x, 'shape', type(x).__name__)}; return {FORMS}"
+        )
     return jnp.asarray(x, jnp.float32)
 
 

@@ -96,8 +96,13 @@ class NNXEngine(Engine):
         module's attribute names joined by ``/``, e.g. ``blocks/0/linear/kernel``.
     """
 
-    def __init__(self, model: nnx.Module, loss_fn: Callable[[nnx.Module, Any], jax.Array],
-                 optimizer: optax.GradientTransformation | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        model: nnx.Module,
+        loss_fn: Callable[[nnx.Module, Any], jax.Array],
+        optimizer: optax.GradientTransformation | None = None,
+        **kwargs: Any,
+    ):
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}")
         if not callable(loss_fn):
@@ -108,9 +113,11 @@ class NNXEngine(Engine):
 
         module = lambda params: bind(self.graphdef, self._template, params, self.rest)
         if takes_rng(loss_fn):  # pass the per-row keys through (jaxzero.loss)
+
             def params_loss(params: Any, batch: Any, rng: Any) -> Any:
                 return loss_fn(module(params), batch, rng)
         else:
+
             def params_loss(params: Any, batch: Any) -> Any:
                 return loss_fn(module(params), batch)
 
@@ -120,8 +127,10 @@ class NNXEngine(Engine):
         """The sharded state from the module's own params (or ``params``, a nested dict)."""
         params = self._params if params is None else params
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
-            raise ValueError("the module is abstract (nnx.eval_shape): create the state with "
-                             "engine.init_from(lambda: Model(...)) instead")
+            raise ValueError(
+                "the module is abstract (nnx.eval_shape): create the state with "
+                "engine.init_from(lambda: Model(...)) instead"
+            )
         return super().init(params)
 
     def init_from(self, create: Callable[..., nnx.Module], *args: Any) -> TrainState:

@@ -61,8 +61,9 @@ def master_sharded(stage: int) -> bool:
 
 def logical_shapes(layouts: Any, dtype: Any = jnp.float32) -> Any:
     """``ShapeDtypeStruct`` of every param at its logical (unpadded) shape."""
-    return jax.tree.map(lambda lay: jax.ShapeDtypeStruct(lay.shape, dtype), layouts,
-                        is_leaf=is_layout)
+    return jax.tree.map(
+        lambda lay: jax.ShapeDtypeStruct(lay.shape, dtype), layouts, is_leaf=is_layout
+    )
 
 
 def stored_shapes(layouts: Any, sharded: bool, dtype: Any) -> Any:
@@ -74,8 +75,7 @@ def stored_shapes(layouts: Any, sharded: bool, dtype: Any) -> Any:
     )
 
 
-def opt_layouts(tx: optax.GradientTransformation, layouts: Any, min_shard_size: int = 64
-                ) -> Any:
+def opt_layouts(tx: optax.GradientTransformation, layouts: Any, min_shard_size: int = 64) -> Any:
     """A layout for every optimizer-state leaf, decided by the leaf's own shape.
 
     The state is built from the logical params, so its leaves have the shapes the

@@ -85,8 +85,15 @@ def model_view(cfg: StepConfig, layouts: Any, params: Any, slots: Any = None) ->
         return params
 
     def wrap(lay: LeafLayout, value, slot=None):
-        op = UseOp(lay, cfg.stage == 3, jnp.dtype(cfg.reduce_dtype).name, cfg.extra_axes,
-                   bucket_bytes=cfg.bucket_bytes, dot_barrier=cfg.dot_barrier, reduce=reduce)
+        op = UseOp(
+            lay,
+            cfg.stage == 3,
+            jnp.dtype(cfg.reduce_dtype).name,
+            cfg.extra_axes,
+            bucket_bytes=cfg.bucket_bytes,
+            dot_barrier=cfg.dot_barrier,
+            reduce=reduce,
+        )
         return Stored(value, slot, op)
 
     stored = _map(wrap, layouts, params, slots) if reduce else _map(wrap, layouts, params)
@@ -109,12 +116,14 @@ def _first_row(cfg: StepConfig, rows: int) -> jax.Array:
 
 def _slots(layouts: Any, sharded: bool) -> Any:
     """Zero gradient slots shaped like this device's slice of each leaf."""
-    return _map(lambda lay: jnp.zeros(lay.shard_shape if sharded else lay.shape, jnp.float32),
-                layouts)
+    return _map(
+        lambda lay: jnp.zeros(lay.shard_shape if sharded else lay.shape, jnp.float32), layouts
+    )
 
 
-def local_gradients(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any,
-                    step: Any = 0):
+def local_gradients(
+    cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any, step: Any = 0
+):
     """This device's loss terms and gradients, summed over micro-batches.
 
     Returns ``(total, weight, aux, grads, weighted)``. Scalar-mean losses
@@ -191,8 +200,9 @@ def global_norm(cfg: StepConfig, layouts: Any, grads: Any) -> jax.Array:
     """The true L2 norm of the whole gradient, however it is sharded."""
     sharded = jnp.zeros((), jnp.float32)
     whole = jnp.zeros((), jnp.float32)
-    for lay, g in zip(jax.tree.leaves(layouts, is_leaf=is_layout), jax.tree.leaves(grads),
-                      strict=True):
+    for lay, g in zip(
+        jax.tree.leaves(layouts, is_leaf=is_layout), jax.tree.leaves(grads), strict=True
+    ):
         sq = jnp.sum(jnp.square(g.astype(jnp.float32)))
         if cfg.stage >= 1 and lay.sharded:
             sharded = sharded + sq
@@ -210,16 +220,18 @@ def clip(grads: Any, norm: jax.Array, max_norm: float | None) -> Any:
     return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, g * (max_norm / norm)), grads)
 
 
-def gradient_step(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any,
-                  step: Any = 0):
+def gradient_step(
+    cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any, step: Any = 0
+):
     """Per device: the global loss, reduced (and clipped) gradients, their global norm
     and the metrics of the loss's form (``tokens`` when weighted, ``aux``).
 
     The gradients come out as the master params are stored: whole in stage 0,
     this device's padded slice from stage 1.
     """
-    total, weight, aux, grads, weighted = local_gradients(cfg, layouts, loss_fn, params, batch,
-                                                          step)
+    total, weight, aux, grads, weighted = local_gradients(
+        cfg, layouts, loss_fn, params, batch, step
+    )
     if cfg.stage <= 1:
         grads = reduce_gradients(cfg, layouts, grads)
     metrics = {}
@@ -255,8 +267,15 @@ def _stored(layouts: Any, tree: Any, sharded: bool) -> Any:
     return _map(lambda lay, x: pad(x, lay) if sharded else x, layouts, tree)
 
 
-def optimizer_update(tx: optax.GradientTransformation, layouts: Any, opt_lays: Any,
-                     sharded: bool, grads: Any, opt_state: Any, master: Any):
+def optimizer_update(
+    tx: optax.GradientTransformation,
+    layouts: Any,
+    opt_lays: Any,
+    sharded: bool,
+    grads: Any,
+    opt_state: Any,
+    master: Any,
+):
     """``tx.update`` in the global view, on logical shapes; returns stored master and state.
 
     This runs outside ``shard_map`` on sharded global arrays, so XLA's partitioner
@@ -271,8 +290,15 @@ def optimizer_update(tx: optax.GradientTransformation, layouts: Any, opt_lays: A
     return _stored(layouts, m, sharded), _stored(opt_lays, s, sharded)
 
 
-def make_train_step(cfg: StepConfig, mesh: Mesh, layouts: Any, opt_lays: Any, specs: TrainState,
-                    loss_fn: LossFn, tx: optax.GradientTransformation) -> Callable:
+def make_train_step(
+    cfg: StepConfig,
+    mesh: Mesh,
+    layouts: Any,
+    opt_lays: Any,
+    specs: TrainState,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+) -> Callable:
     """The global train step: explicit collectives in ``shard_map``, the update around them.
 
     ``train_step(state, batch) -> (state, {"loss", "grad_norm"})``, to be jitted with
@@ -283,26 +309,42 @@ def make_train_step(cfg: StepConfig, mesh: Mesh, layouts: Any, opt_lays: Any, sp
     """
     sharded = master_sharded(cfg.stage)
     grad_specs = master_specs(cfg.stage, layouts)
-    grads_of = jax.shard_map(functools.partial(gradient_step, cfg, layouts, loss_fn), mesh=mesh,
-                             in_specs=(specs.params, P(cfg.batch_axes), P()),
-                             out_specs=(P(), grad_specs, P(), P()), check_vma=False)
-    gather = jax.shard_map(functools.partial(gather_params, cfg, layouts), mesh=mesh,
-                           in_specs=(grad_specs,), out_specs=specs.params, check_vma=False)
+    grads_of = jax.shard_map(
+        functools.partial(gradient_step, cfg, layouts, loss_fn),
+        mesh=mesh,
+        in_specs=(specs.params, P(cfg.batch_axes), P()),
+        out_specs=(P(), grad_specs, P(), P()),
+        check_vma=False,
+    )
+    gather = jax.shard_map(
+        functools.partial(gather_params, cfg, layouts),
+        mesh=mesh,
+        in_specs=(grad_specs,),
+        out_specs=specs.params,
+        check_vma=False,
+    )
     place = lambda tree: jax.tree.map(
         lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
-        tree, grad_specs)
+        tree,
+        grad_specs,
+    )
 
     def train_step(state: TrainState, batch: Any):
         loss, grads, norm, extra = grads_of(state.params, batch, state.step)
         master = state.master if cfg.mixed else state.params
-        master, opt_state = optimizer_update(tx, layouts, opt_lays, sharded, grads,
-                                             state.opt_state, master)
+        master, opt_state = optimizer_update(
+            tx, layouts, opt_lays, sharded, grads, state.opt_state, master
+        )
         master = place(master)
         params = jax.tree.map(lambda m: m.astype(cfg.compute_dtype), master)
         if cfg.stage in (1, 2):
             params = gather(params)
-        new = TrainState(step=state.step + 1, params=params,
-                         master=master if cfg.mixed else None, opt_state=opt_state)
+        new = TrainState(
+            step=state.step + 1,
+            params=params,
+            master=master if cfg.mixed else None,
+            opt_state=opt_state,
+        )
         return new, {"loss": loss, "grad_norm": norm, **extra}
 
     return train_step

@@ -43,8 +43,13 @@ def eigen_dots(hlo_text: str) -> int:
 
 def mlp_batches(n: int, batch: int = 16, seed: int = 1) -> list[dict]:
     rng = np.random.default_rng(seed)
-    return [{"x": rng.standard_normal((batch, 37)).astype(np.float32),
-             "y": rng.standard_normal((batch, 11)).astype(np.float32)} for _ in range(n)]
+    return [
+        {
+            "x": rng.standard_normal((batch, 37)).astype(np.float32),
+            "y": rng.standard_normal((batch, 11)).astype(np.float32),
+        }
+        for _ in range(n)
+    ]
 
 
 def gpt_batches(n: int, batch: int = 16, cfg: GPTConfig = TINY_GPT, seed: int = 1) -> list[dict]:
@@ -90,6 +95,11 @@ def train_engine(engine, params, batches):
 def rel_diff(a, b) -> float:
     """Largest per-leaf ||a - b|| / ||b|| over two pytrees (or arrays)."""
     diffs = jax.tree.map(
-        lambda x, y: float(np.linalg.norm(np.asarray(x, np.float64) - y)
-                           / max(np.linalg.norm(np.asarray(y, np.float64)), 1e-30)), a, b)
+        lambda x, y: float(
+            np.linalg.norm(np.asarray(x, np.float64) - y)
+            / max(np.linalg.norm(np.asarray(y, np.float64)), 1e-30)
+        ),
+        a,
+        b,
+    )
     return max(jax.tree.leaves(diffs))

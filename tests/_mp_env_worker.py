@@ -32,8 +32,7 @@ for name, mesh in [("stage3", jaxzero.make_mesh(4)), ("hybrid", jaxzero.make_mes
         losses.append(float(metrics["loss"]))
     out[name] = losses
     out[name + "_params"] = {k: v.tolist() for k, v in engine.gather_params(state).items()}
-    out[name + "_groups"] = [[d.process_index for d in row] for row in np.atleast_2d(
-        mesh.devices)]
+    out[name + "_groups"] = [[d.process_index for d in row] for row in np.atleast_2d(mesh.devices)]
 if job.rank == 0:
     print(json.dumps(out))
 jaxzero.distributed.shutdown()

@@ -9,8 +9,9 @@ import jax
 proc, port, src, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_num_cpu_devices", 2)
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                           process_id=proc)
+jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=proc
+)
 
 import math  # noqa: E402
 
@@ -37,12 +38,14 @@ rng = np.random.default_rng(3)
 losses = []
 for _ in range(3):
     t = rng.integers(0, model.config.vocab_size, (8, 13)).astype(np.int32)
-    local = {"inputs": t[4 * proc:4 * proc + 4, :-1], "targets": t[4 * proc:4 * proc + 4, 1:]}
+    local = {"inputs": t[4 * proc : 4 * proc + 4, :-1], "targets": t[4 * proc : 4 * proc + 4, 1:]}
     state, metrics = engine.step(state, engine.shard_batch(local))
     losses.append(float(metrics["loss"]))
 hf.save(out, engine, state, dtype="float32")
-sharded = {lay.path: lay.size for lay in jax.tree.leaves(engine.layouts,
-                                                          is_leaf=jaxzero.partition.is_layout)
-           if lay.sharded}
+sharded = {
+    lay.path: lay.size
+    for lay in jax.tree.leaves(engine.layouts, is_leaf=jaxzero.partition.is_layout)
+    if lay.sharded
+}
 print(json.dumps({"losses": losses, "read": elements, "sharded": sharded}))
 jax.distributed.shutdown()

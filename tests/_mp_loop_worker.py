@@ -16,7 +16,7 @@ engine = jaxzero.Engine(mlp_loss, optax.adamw(1e-3), mesh=jaxzero.make_mesh(4), 
 state = engine.init(mlp_params())
 batch = mlp_batches(1)[0]
 rows = len(batch["x"]) // jax.process_count()
-local = {k: v[job.rank * rows:(job.rank + 1) * rows] for k, v in batch.items()}
+local = {k: v[job.rank * rows : (job.rank + 1) * rows] for k, v in batch.items()}
 for step in itertools.count(1):
     state, metrics = engine.step(state, engine.shard_batch(local))
     print(f"step {step} loss {float(metrics['loss']):.4f}", flush=True)

@@ -8,8 +8,9 @@ import jax
 proc, port, stage, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_num_cpu_devices", 2)
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                           process_id=proc)
+jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=proc
+)
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -22,7 +23,7 @@ state = engine.init(mlp_params())
 losses = []
 for batch in mlp_batches(5):
     rows = len(batch["x"]) // 2  # this process's devices hold its half of the global batch
-    local = {k: v[proc * rows:(proc + 1) * rows] for k, v in batch.items()}
+    local = {k: v[proc * rows : (proc + 1) * rows] for k, v in batch.items()}
     state, metrics = engine.step(state, engine.shard_batch(local))
     losses.append(float(metrics["loss"]))
 final = engine.gather_params(state)

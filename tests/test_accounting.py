@@ -103,7 +103,10 @@ def test_parse_type_tuples_layouts_and_comments():
     t = hlo.parse_type("((f32[8,16]{1,0:T(8,128)}, bf16[]), /*index=2*/s32[3]{0}, token[])")
     bufs = hlo.flatten_type(t)
     assert [(b.dtype, b.shape) for b in bufs] == [
-        ("f32", (8, 16)), ("bf16", ()), ("s32", (3,)), ("token", ())
+        ("f32", (8, 16)),
+        ("bf16", ()),
+        ("s32", (3,)),
+        ("token", ()),
     ]
     assert [b.nbytes for b in bufs] == [512, 2, 12, 0]
     assert isinstance(t, tuple) and len(t) == 3 and isinstance(t[0], tuple)
@@ -124,8 +127,10 @@ MESH_FORMS = {
     "mesh['r'=2,'d'=4] {'d'}": ((0, 1, 2, 3), (4, 5, 6, 7)),
     "mesh['r'=2,'d'=4] {'r','d'}": (tuple(range(8)),),
     "mesh['a'=2,'b'=2,'c'=2] {'a','c'}": ((0, 1, 4, 5), (2, 3, 6, 7)),
-    "mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}":
-        ((0, 1, 2, 3), (4, 5, 6, 7)),
+    "mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}": (
+        (0, 1, 2, 3),
+        (4, 5, 6, 7),
+    ),
     "mesh['x'=2,'y'=2], device_ids=({{3,1},{2,0}}) {'y'}": ((3, 1), (2, 0)),
     "mesh['x'=8] {'x':(2)2}": ((0, 2), (1, 3), (4, 6), (5, 7)),
 }
@@ -443,8 +448,23 @@ def test_report_cli_json(capsys, tmp_path):
     from jaxzero.accounting import report
 
     hlo = tmp_path / "new" / "dir" / "step.txt"  # missing parents are created
-    argv = ["--stage", "2", "--layers", "2", "--d-model", "64", "--heads", "2",
-            "--seq-len", "16", "--devices", "4", "--json", "--dump-hlo", str(hlo)]
+    argv = [
+        "--stage",
+        "2",
+        "--layers",
+        "2",
+        "--d-model",
+        "64",
+        "--heads",
+        "2",
+        "--seq-len",
+        "16",
+        "--devices",
+        "4",
+        "--json",
+        "--dump-hlo",
+        str(hlo),
+    ]
     assert report.main(argv) == 0
     assert [p.name for p in hlo.parent.iterdir()] == ["step.stage2.txt"]  # stage before .txt
     assert "HloModule" in (hlo.parent / "step.stage2.txt").read_text()

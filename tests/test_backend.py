@@ -44,12 +44,16 @@ def test_renamed_pipelining_options_take_this_xlas_spelling(monkeypatch):
         assert (opts.get(new) == backend.PIPELINE_ON) != (opts.get(old) is True), opts
         assert backend._known("cpu", *next((k, v) for k, v in opts.items() if k in (new, old)))
     # either spelling overrides, or drops, the preset's option
-    for name, value in [("xla_gpu_enable_pipelined_all_gather", False),
-                        ("xla_gpu_pipeline_all_gather", "COLLECTIVE_PIPELINING_MODE_OFF")]:
+    for name, value in [
+        ("xla_gpu_enable_pipelined_all_gather", False),
+        ("xla_gpu_pipeline_all_gather", "COLLECTIVE_PIPELINING_MODE_OFF"),
+    ]:
         got = backend.compiler_options(mesh, {name: value})
         ag = {k: v for k, v in got.items() if "pipeline" in k and "all_gather" in k}
-        assert ag in ({"xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_OFF"},
-                      {"xla_gpu_enable_pipelined_all_gather": False})
+        assert ag in (
+            {"xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_OFF"},
+            {"xla_gpu_enable_pipelined_all_gather": False},
+        )
     for name in ("xla_gpu_enable_pipelined_reduce_scatter", "xla_gpu_pipeline_reduce_scatter"):
         got = backend.compiler_options(mesh, {name: None})
         assert not any("reduce_scatter" in k and "pipelin" in k for k in got)
@@ -60,23 +64,28 @@ def test_options_per_platform_and_overrides(monkeypatch):
     assert backend.platform(mesh) == "cpu"
     assert backend.compiler_options(mesh) == {}
     assert backend.compiler_options(mesh, {"xla_cpu_enable_fast_math": False}) == {
-        "xla_cpu_enable_fast_math": False}
+        "xla_cpu_enable_fast_math": False
+    }
 
     monkeypatch.setattr(backend, "platform", lambda m: "gpu")
     monkeypatch.setattr(backend, "_known", lambda plat, k, v: True)
     assert backend.compiler_options(mesh) == backend.GPU_OPTIONS
-    opts = backend.compiler_options(mesh, {
-        "xla_gpu_enable_while_loop_double_buffering": None,  # drop from the preset
-        "xla_gpu_all_gather_combine_threshold_bytes": 1 << 20,  # change
-    })
+    opts = backend.compiler_options(
+        mesh,
+        {
+            "xla_gpu_enable_while_loop_double_buffering": None,  # drop from the preset
+            "xla_gpu_all_gather_combine_threshold_bytes": 1 << 20,  # change
+        },
+    )
     assert "xla_gpu_enable_while_loop_double_buffering" not in opts
     assert opts["xla_gpu_all_gather_combine_threshold_bytes"] == 1 << 20
     assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True
 
 
 def test_preset_option_unknown_to_this_xla_is_dropped_with_a_warning(monkeypatch):
-    monkeypatch.setitem(backend.PRESETS, "cpu", {"xla_gpu_no_such_pass": True,
-                                                 "xla_cpu_enable_fast_math": False})
+    monkeypatch.setitem(
+        backend.PRESETS, "cpu", {"xla_gpu_no_such_pass": True, "xla_cpu_enable_fast_math": False}
+    )
     with pytest.warns(UserWarning, match="xla_gpu_no_such_pass"):
         opts = backend.compiler_options(jaxzero.make_mesh(1))
     assert opts == {"xla_cpu_enable_fast_math": False}
@@ -84,8 +93,9 @@ def test_preset_option_unknown_to_this_xla_is_dropped_with_a_warning(monkeypatch
 
 def test_bad_user_option_is_a_clear_error():
     with pytest.raises(ValueError, match="xla_no_such_option.*not an option"):
-        jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1),
-                       compiler_options={"xla_no_such_option": True})
+        jaxzero.Engine(
+            mlp_loss, mesh=jaxzero.make_mesh(1), compiler_options={"xla_no_such_option": True}
+        )
 
 
 def test_compiler_options_reach_the_compiled_step():
@@ -94,10 +104,10 @@ def test_compiler_options_reach_the_compiled_step():
     params, batch = mlp_params(), mlp_batches(1)[0]
     fusions = {}
     for opts in (None, {"xla_disable_hlo_passes": "fusion"}):
-        engine = jaxzero.Engine(mlp_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=1,
-                                compiler_options=opts)
-        fusions[bool(opts)] = engine.compile(engine.init(params), batch).as_text().count(
-            " fusion(")
+        engine = jaxzero.Engine(
+            mlp_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=1, compiler_options=opts
+        )
+        fusions[bool(opts)] = engine.compile(engine.init(params), batch).as_text().count(" fusion(")
     assert fusions[True] > 2 * fusions[False] > 0
 
 
@@ -106,8 +116,9 @@ def test_donation_switch():
     params, batches = mlp_params(), mlp_batches(3)
     finals = {}
     for donate in (True, False):
-        engine = jaxzero.Engine(mlp_loss, optax.adam(1e-2), mesh=jaxzero.make_mesh(2), stage=1,
-                                donate=donate)
+        engine = jaxzero.Engine(
+            mlp_loss, optax.adam(1e-2), mesh=jaxzero.make_mesh(2), stage=1, donate=donate
+        )
         assert engine.donate is donate
         state = engine.init(params)
         for b in batches:
@@ -131,11 +142,19 @@ def _token_mlp_loss(p, batch):
 
 def _token_mlp(d=16):
     rng = np.random.default_rng(0)
-    params = {"w0": rng.standard_normal((d, 2 * d)), "w1": rng.standard_normal((2 * d, 2 * d)),
-              "w2": rng.standard_normal((2 * d, 4))}
+    params = {
+        "w0": rng.standard_normal((d, 2 * d)),
+        "w1": rng.standard_normal((2 * d, 2 * d)),
+        "w2": rng.standard_normal((2 * d, 4)),
+    }
     params = jax.tree.map(lambda w: (0.3 * w).astype(np.float32), params)
-    batches = [{"x_BxSxD": rng.standard_normal((8, 8, d)).astype(np.float32),
-                "y": rng.standard_normal((8, 8, 4)).astype(np.float32)} for _ in range(3)]
+    batches = [
+        {
+            "x_BxSxD": rng.standard_normal((8, 8, d)).astype(np.float32),
+            "y": rng.standard_normal((8, 8, 4)).astype(np.float32),
+        }
+        for _ in range(3)
+    ]
     return params, batches
 
 
@@ -144,6 +163,7 @@ def _plain_jit_eigen_dots(params, batch, tx, mesh):
         p, opt = state
         u, opt = tx.update(jax.grad(_token_mlp_loss)(p, b), opt, p)
         return optax.apply_updates(p, u), opt
+
     p = jax.device_put(params, NamedSharding(mesh, P()))
     b = jax.device_put(batch, NamedSharding(mesh, P("data")))
     return eigen_dots(jax.jit(step).lower((p, tx.init(p)), b).compile().as_text())
@@ -160,8 +180,9 @@ def test_dot_barrier_switch(stage, micro_batches):
     tx, mesh = optax.adam(1e-2), jaxzero.make_mesh(2)
     finals, unfused = {}, {}
     for on in (True, False):
-        engine = jaxzero.Engine(_token_mlp_loss, tx, mesh=mesh, stage=stage,
-                                micro_batches=micro_batches, dot_barrier=on)
+        engine = jaxzero.Engine(
+            _token_mlp_loss, tx, mesh=mesh, stage=stage, micro_batches=micro_batches, dot_barrier=on
+        )
         state = engine.init(params)
         unfused[on] = eigen_dots(engine.compile(state, batches[0]).as_text())
         for b in batches:
@@ -182,8 +203,7 @@ def test_dot_barrier_reaches_scanned_layers():
     model, batch = GPT(TINY_GPT), gpt_batches(1)[0]
     counts = {}
     for on in (True, False):
-        engine = model.engine(optax.adam(1e-3), mesh=jaxzero.make_mesh(2), stage=1,
-                              dot_barrier=on)
+        engine = model.engine(optax.adam(1e-3), mesh=jaxzero.make_mesh(2), stage=1, dot_barrier=on)
         state = engine.init_from(model.init, jax.random.key(0))
         counts[on] = eigen_dots(engine.compile(state, batch).as_text())
     assert counts[True] == 0 < counts[False]

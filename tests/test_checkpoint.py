@@ -107,8 +107,7 @@ def test_keep_last_and_metadata(tmp_path):
     ckpt.wait()
     assert ckpt.all_steps() == [2, 4, 5]  # the last two, and every second one
     meta = ckpt.metadata()
-    assert (meta["stage"], meta["num_shards"], meta["precision"], meta["step"]) == (
-        3, 8, "fp32", 5)
+    assert (meta["stage"], meta["num_shards"], meta["precision"], meta["step"]) == (3, 8, "fp32", 5)
     w1 = meta["leaves"]["params/w1"]
     assert (w1["shape"], w1["stored_shape"], w1["dtype"]) == ([37, 53], [37, 56], "float32")
     assert isinstance(w1["fingerprint"], int)
@@ -126,12 +125,16 @@ def test_bad_checkpoints_are_named(saved, tmp_path):
     p = mlp_params()
     p["w1"] = p["w1"][:, :50]
     other.init(p)
-    with pytest.raises(jaxzero.CheckpointError, match=r"different model: param 'w1' is "
-                                                      r"\(37, 53\) there and \(37, 50\) here"):
+    with pytest.raises(
+        jaxzero.CheckpointError,
+        match=r"different model: param 'w1' is "
+        r"\(37, 53\) there and \(37, 50\) here",
+    ):
         jaxzero.CheckpointManager(d).restore(other)
     with pytest.raises(jaxzero.CheckpointError, match="different optimizer or model"):
         jaxzero.CheckpointManager(d).restore(
-            jaxzero.Engine(mlp_loss, optax.lion(1e-3), mesh=jaxzero.make_mesh(8)))
+            jaxzero.Engine(mlp_loss, optax.lion(1e-3), mesh=jaxzero.make_mesh(8))
+        )
     # flipped bytes anywhere in the data: a one-line error naming the path, never a silent
     # different state (orbax stores no checksum; the metadata holds a fingerprint per leaf)
     import shutil
@@ -146,7 +149,7 @@ def test_bad_checkpoints_are_named(saved, tmp_path):
         f = bad / files[i % len(files)].relative_to(d)
         data = bytearray(f.read_bytes())
         at = int(len(data) * frac)
-        data[at:at + 4] = bytes(x ^ 0x5A for x in data[at:at + 4])
+        data[at : at + 4] = bytes(x ^ 0x5A for x in data[at : at + 4])
         f.write_bytes(bytes(data))
         before = sorted(str(p) for p in bad.rglob("*"))
         try:
@@ -184,15 +187,15 @@ CRASH = textwrap.dedent("""
 def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path):
     d = tmp_path / "ck"
     script = CRASH.format(tests=str(Path(__file__).parent), d=str(d))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == -signal.SIGKILL and "saving" in proc.stdout, proc.stderr[-2000:]
     assert any("tmp" in p.name for p in d.iterdir())  # the save was cut short mid-write
     ckpt = jaxzero.CheckpointManager(d)  # opening cleans the partial one up
     assert ckpt.all_steps() == [0]
     assert not any("tmp" in p.name for p in d.iterdir())
-    engine = jaxzero.Engine(lambda p, b: 0.0, optax.adam(1e-3), mesh=jaxzero.make_mesh(8),
-                            stage=3)
+    engine = jaxzero.Engine(lambda p, b: 0.0, optax.adam(1e-3), mesh=jaxzero.make_mesh(8), stage=3)
     state, _ = ckpt.restore(engine)
     assert int(state.step) == 0 and float(np.asarray(_host(state.params["w"])).mean()) == 1.0
 
@@ -211,8 +214,12 @@ def test_a_script_that_ends_without_wait_keeps_its_checkpoint_and_prints_nothing
     """The save in flight completes as the interpreter exits, without orbax's
     "cannot schedule new futures" / "Event loop is closed" tracebacks."""
     d = tmp_path / "ck"
-    proc = subprocess.run([sys.executable, "-c", ENDS_WITHOUT_WAIT.format(d=str(d))],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", ENDS_WITHOUT_WAIT.format(d=str(d))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and proc.stdout == "saved\n", proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "Event loop" not in proc.stderr, proc.stderr
     with jaxzero.CheckpointManager(d) as ckpt:
@@ -242,8 +249,9 @@ def _records(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics.read_jsonl(run / metrics.METRICS_FILE)}
 
 
-def _run_until(cmd: list[str], run: Path, step: int, sig: int, saved: int | None = None
-               ) -> tuple[subprocess.Popen, str]:
+def _run_until(
+    cmd: list[str], run: Path, step: int, sig: int, saved: int | None = None
+) -> tuple[subprocess.Popen, str]:
     """Start ``cmd``; once ``step`` is logged (and checkpoint ``saved`` committed), send
     ``sig``; return the finished process and its stderr."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -267,12 +275,14 @@ def test_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
 
     # killed outright after step 6; the checkpoint of step 4 is the latest complete one
     run = tmp_path / "killed"
-    proc, _ = _run_until(_cmd(tmp_path, "killed", "--set", "checkpoint.every=4"), run, 6,
-                         signal.SIGKILL, saved=4)
+    proc, _ = _run_until(
+        _cmd(tmp_path, "killed", "--set", "checkpoint.every=4"), run, 6, signal.SIGKILL, saved=4
+    )
     assert proc.returncode == -signal.SIGKILL
     assert max(_records(run)) < 8  # killed before the end
-    again = subprocess.run(_cmd(tmp_path, "x")[:3] + ["--resume", str(run)],
-                           capture_output=True, text=True, env=env)
+    again = subprocess.run(
+        _cmd(tmp_path, "x")[:3] + ["--resume", str(run)], capture_output=True, text=True, env=env
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resume from" in again.stdout and "(step 4)" in again.stdout
     got = _records(run)
@@ -287,21 +297,29 @@ def test_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
     assert "stopped by SIGTERM after step" in err and f"--resume {run}" in err
     stopped = max(_records(run))
     assert jaxzero.CheckpointManager(run / "checkpoints").latest_step() == stopped
-    again = subprocess.run(_cmd(tmp_path, "x")[:3] + ["--resume", "--name", "term", "--set",
-                           f"logging.root={tmp_path}", "--stage", "1"],
-                           capture_output=True, text=True, env=env)
+    again = subprocess.run(
+        _cmd(tmp_path, "x")[:3]
+        + ["--resume", "--name", "term", "--set", f"logging.root={tmp_path}", "--stage", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     assert "changed parallel.stage: 3 -> 1" in again.stdout
     got = _records(run)
     assert sorted(got) == list(range(1, 9))
-    np.testing.assert_allclose([got[s] for s in range(1, 9)], [want[s] for s in range(1, 9)],
-                               rtol=1e-5)  # another stage: equal to fp32 rounding
+    np.testing.assert_allclose(
+        [got[s] for s in range(1, 9)], [want[s] for s in range(1, 9)], rtol=1e-5
+    )  # another stage: equal to fp32 rounding
 
 
-@pytest.mark.parametrize("extra, expected", [
-    (["--resume"], "--resume needs a run directory"),
-    (["--resume", "nowhere"], "nothing to resume in 'nowhere'"),
-])
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--resume"], "--resume needs a run directory"),
+        (["--resume", "nowhere"], "nothing to resume in 'nowhere'"),
+    ],
+)
 def test_resume_errors_are_one_line(tmp_path, capsys, extra, expected):
     assert train.main(extra) == 2
     err = capsys.readouterr().err.strip()
@@ -336,8 +354,16 @@ def test_nan_rollback_restores_and_skips_the_batch(tmp_path, monkeypatch, capsys
         real(step, loss, grad_norm)
 
     monkeypatch.setattr(train, "check_finite", flaky)
-    argv = _cmd(tmp_path, "nan", "--set", "checkpoint.every=4", "--set",
-                "checkpoint.on_nan=rollback", "--devices", "8")[3:]
+    argv = _cmd(
+        tmp_path,
+        "nan",
+        "--set",
+        "checkpoint.every=4",
+        "--set",
+        "checkpoint.on_nan=rollback",
+        "--devices",
+        "8",
+    )[3:]
     argv.remove("--simulate-devices"), argv.remove("4")
     assert train.main(argv) == 0
     assert seen == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]

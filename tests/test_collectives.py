@@ -17,8 +17,13 @@ N = 8
 def _per_device(fn, x_per_device, spec_in, spec_out):
     """Run ``fn`` on N devices; inputs and outputs stacked along a leading device dim."""
     mesh = jaxzero.make_mesh(N)
-    f = jax.shard_map(lambda x: fn(x[0])[None], mesh=mesh, in_specs=P("data", *spec_in),
-                      out_specs=P("data", *spec_out), check_vma=False)
+    f = jax.shard_map(
+        lambda x: fn(x[0])[None],
+        mesh=mesh,
+        in_specs=P("data", *spec_in),
+        out_specs=P("data", *spec_out),
+        check_vma=False,
+    )
     return list(np.asarray(jax.jit(f)(np.stack(x_per_device))))
 
 
@@ -57,16 +62,22 @@ def test_dot_barrier_keeps_the_weight_gradient_dot_fused(reduce):
     x = rng.standard_normal((8, 8, 32)).astype(np.float32)  # B x S x D
     w = rng.standard_normal((32, 48)).astype(np.float32)
     lay = leaf_layout("w", w.shape, 2)
-    red = {"all_reduce": collectives.all_reduce,
-           "reduce_scatter": lambda g: collectives.reduce_scatter(g, lay)}[reduce]
+    red = {
+        "all_reduce": collectives.all_reduce,
+        "reduce_scatter": lambda g: collectives.reduce_scatter(g, lay),
+    }[reduce]
     out_spec = P() if reduce == "all_reduce" else P("data")
 
     def step(barrier):
         def local(x, w):
             g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
             return red(collectives.dot_barrier(g) if barrier else g)
-        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P()),
-                                     out_specs=out_spec, check_vma=False))
+
+        return jax.jit(
+            jax.shard_map(
+                local, mesh=mesh, in_specs=(P("data"), P()), out_specs=out_spec, check_vma=False
+            )
+        )
 
     texts = {b: step(b).lower(x, w).compile().as_text() for b in (True, False)}
     assert (eigen_dots(texts[True]), eigen_dots(texts[False])) == (0, 1)
@@ -78,22 +89,27 @@ def test_dot_barrier_keeps_the_weight_gradient_dot_fused(reduce):
 
 def test_packed_collectives_match_per_leaf():
     """One all-gather / reduce-scatter for a layer equals one per leaf."""
-    lays = [leaf_layout("a", (37, 53), N), leaf_layout("b", (16,), N, min_shard_size=1),
-            leaf_layout("c", (5, 7, 9), N, min_shard_size=1)]
+    lays = [
+        leaf_layout("a", (37, 53), N),
+        leaf_layout("b", (16,), N, min_shard_size=1),
+        leaf_layout("c", (5, 7, 9), N, min_shard_size=1),
+    ]
     rng = np.random.default_rng(2)
-    grads = [[rng.standard_normal(lay.shape).astype(np.float32) for lay in lays]
-             for _ in range(N)]
+    grads = [[rng.standard_normal(lay.shape).astype(np.float32) for lay in lays] for _ in range(N)]
     mesh = jaxzero.make_mesh(N)
 
     def run(fn, per_device, specs_in, specs_out):
-        f = jax.shard_map(lambda *xs: [y[None] for y in fn([x[0] for x in xs])], mesh=mesh,
-                          in_specs=tuple(P("data") for _ in specs_in),
-                          out_specs=[P("data") for _ in specs_out], check_vma=False)
+        f = jax.shard_map(
+            lambda *xs: [y[None] for y in fn([x[0] for x in xs])],
+            mesh=mesh,
+            in_specs=tuple(P("data") for _ in specs_in),
+            out_specs=[P("data") for _ in specs_out],
+            check_vma=False,
+        )
         stacked = [np.stack([d[i] for d in per_device]) for i in range(len(specs_in))]
         return [np.asarray(o) for o in jax.jit(f)(*stacked)]
 
-    packed = run(lambda gs: collectives.reduce_scatter_packed(gs, lays, [0] * 3), grads, lays,
-                 lays)
+    packed = run(lambda gs: collectives.reduce_scatter_packed(gs, lays, [0] * 3), grads, lays, lays)
     for i, lay in enumerate(lays):
         want = collectives.reference_reduce_scatter([g[i] for g in grads], lay)
         np.testing.assert_allclose(packed[i], np.stack(want), rtol=1e-5, atol=1e-5)
@@ -118,23 +134,37 @@ def test_bucketed_collectives_match_references(bucket_bytes, n_buckets):
     lays = [leaf_layout(str(i), s, N, min_shard_size=16) for i, s in enumerate(shapes)]
     assert [lay.dim for lay in lays] == [0, 0, 1, 0, None]
     rng = np.random.default_rng(3)
-    grads = [[rng.standard_normal(s).astype(dt) for s, dt in zip(shapes, dtypes, strict=True)]
-             for _ in range(N)]
+    grads = [
+        [rng.standard_normal(s).astype(dt) for s, dt in zip(shapes, dtypes, strict=True)]
+        for _ in range(N)
+    ]
 
     def run(fn, per_device):
-        f = jax.jit(jax.shard_map(lambda *xs: [y[None] for y in fn([x[0] for x in xs])],
-                                  mesh=mesh, in_specs=tuple(P("data") for _ in lays),
-                                  out_specs=[P("data") for _ in lays], check_vma=False))
+        f = jax.jit(
+            jax.shard_map(
+                lambda *xs: [y[None] for y in fn([x[0] for x in xs])],
+                mesh=mesh,
+                in_specs=tuple(P("data") for _ in lays),
+                out_specs=[P("data") for _ in lays],
+                check_vma=False,
+            )
+        )
         stacked = [np.stack([d[i] for d in per_device]) for i in range(len(lays))]
         return [np.asarray(o, np.float32) for o in f(*stacked)], f.lower(*stacked).compile()
 
-    scattered, rs = run(lambda gs: collectives.reduce_scatter_buckets(gs, lays, bucket_bytes),
-                        grads)
+    scattered, rs = run(
+        lambda gs: collectives.reduce_scatter_buckets(gs, lays, bucket_bytes), grads
+    )
     for i, lay in enumerate(lays):
         want = collectives.reference_reduce_scatter(
-            [np.asarray(g[i], np.float32) for g in grads], lay)
-        np.testing.assert_allclose(scattered[i], np.stack(want), rtol=2e-2 if i == 3 else 1e-5,
-                                   atol=0.1 if i == 3 else 1e-5)
+            [np.asarray(g[i], np.float32) for g in grads], lay
+        )
+        np.testing.assert_allclose(
+            scattered[i],
+            np.stack(want),
+            rtol=2e-2 if i == 3 else 1e-5,
+            atol=0.1 if i == 3 else 1e-5,
+        )
     shards = [[scattered[i][d].astype(dtypes[i]) for i in range(len(lays))] for d in range(N)]
     gathered, ag = run(lambda vs: collectives.gather_buckets(vs, lays, bucket_bytes), shards)
     for i, lay in enumerate(lays):
@@ -143,7 +173,8 @@ def test_bucketed_collectives_match_references(bucket_bytes, n_buckets):
 
     # the f32 leaves in n_buckets collectives, the bf16 leaf in one more
     count = lambda compiled, op: sum(
-        f" {op}(" in line or f" {op}-start(" in line for line in compiled.as_text().splitlines())
+        f" {op}(" in line or f" {op}-start(" in line for line in compiled.as_text().splitlines()
+    )
     assert count(rs, "reduce-scatter") == n_buckets + 1
     assert count(ag, "all-gather") == n_buckets + 1
     assert count(rs, "all-reduce") == 1

@@ -16,10 +16,22 @@ from jaxzero.job import DistributedError, detect_cluster, resolve
 from jaxzero.mesh import replicas_for
 from jaxzero.train import launch
 
-TORCH = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "4",
-         "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
-SLURM = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_NTASKS": "4",
-         "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2"}
+TORCH = {
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+    "RANK": "1",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+}
+SLURM = {
+    "SLURM_JOB_ID": "77",
+    "SLURM_STEP_NODELIST": "node[01-02]",
+    "SLURM_NTASKS": "4",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS_PER_NODE": "2",
+}
 
 
 def test_nothing_set_is_a_single_process():
@@ -45,20 +57,32 @@ def test_arguments_beat_jaxzero_variables_beat_torchrun():
     assert "(argument)" in job.named("rank")
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
-     "RANK=2 must be below WORLD_SIZE=2: ranks run from 0 to 1"),
-    ({"RANK": "1", "WORLD_SIZE": "2"},
-     "the coordinator's host and port are not: set MASTER_ADDR and MASTER_PORT"),
-    ({"JAXZERO_RANK": "1", "JAXZERO_WORLD_SIZE": "2", "JAXZERO_HOST": "h"},
-     "port are not: set JAXZERO_PORT"),
-    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but the rank is not: set RANK (0 to 1)"),
-    ({"RANK": "0"}, "RANK=0 is set but the world size is not: set WORLD_SIZE"),
-    ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK=one is not an integer >= 0"),
-    ({**TORCH, "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not an integer >= 1 and <= 65535"),
-    ({**TORCH, "LOCAL_RANK": "2"}, "LOCAL_RANK=2 must be below LOCAL_WORLD_SIZE=2"),
-    ({**TORCH, "JAXZERO_INIT_TIMEOUT": "-1"}, "JAXZERO_INIT_TIMEOUT=-1 is not a positive"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
+            "RANK=2 must be below WORLD_SIZE=2: ranks run from 0 to 1",
+        ),
+        (
+            {"RANK": "1", "WORLD_SIZE": "2"},
+            "the coordinator's host and port are not: set MASTER_ADDR and MASTER_PORT",
+        ),
+        (
+            {"JAXZERO_RANK": "1", "JAXZERO_WORLD_SIZE": "2", "JAXZERO_HOST": "h"},
+            "port are not: set JAXZERO_PORT",
+        ),
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but the rank is not: set RANK (0 to 1)"),
+        ({"RANK": "0"}, "RANK=0 is set but the world size is not: set WORLD_SIZE"),
+        ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK=one is not an integer >= 0"),
+        (
+            {**TORCH, "MASTER_PORT": "70000"},
+            "MASTER_PORT=70000 is not an integer >= 1 and <= 65535",
+        ),
+        ({**TORCH, "LOCAL_RANK": "2"}, "LOCAL_RANK=2 must be below LOCAL_WORLD_SIZE=2"),
+        ({**TORCH, "JAXZERO_INIT_TIMEOUT": "-1"}, "JAXZERO_INIT_TIMEOUT=-1 is not a positive"),
+    ],
+)
 def test_wrong_settings_name_the_variable_and_value(env, message):
     with pytest.raises(DistributedError) as err:
         resolve(env)
@@ -97,16 +121,21 @@ def test_group_size_to_replicas():
 # --------------------------------------------------------------------------- jaxzero launch
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--nproc-per-node", "0", "--", "true"], "--nproc-per-node must be at least 1, got 0"),
-    (["--nproc-per-node", "2", "true"], "give the command after '--'"),
-    (["--nproc-per-node", "2", "--"], "no command after '--'"),
-    (["--nnodes", "2", "--", "true"], "--master-addr is required with --nnodes > 1"),
-    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--", "true"],
-     "--node-rank must be in 0..1"),
-    (["--nproc-per-node", "two", "--", "true"], "invalid int value: 'two'"),
-    (["--", "no-such-command-jaxzero"], "command not found: 'no-such-command-jaxzero'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nproc-per-node", "0", "--", "true"], "--nproc-per-node must be at least 1, got 0"),
+        (["--nproc-per-node", "2", "true"], "give the command after '--'"),
+        (["--nproc-per-node", "2", "--"], "no command after '--'"),
+        (["--nnodes", "2", "--", "true"], "--master-addr is required with --nnodes > 1"),
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--", "true"],
+            "--node-rank must be in 0..1",
+        ),
+        (["--nproc-per-node", "two", "--", "true"], "invalid int value: 'two'"),
+        (["--", "no-such-command-jaxzero"], "command not found: 'no-such-command-jaxzero'"),
+    ],
+)
 def test_launch_usage_errors_are_one_line_exit_2(argv, message, capsys):
     started = time.monotonic()
     assert launch.main(argv) == 2
@@ -116,8 +145,22 @@ def test_launch_usage_errors_are_one_line_exit_2(argv, message, capsys):
 
 
 def test_child_env_sets_both_families():
-    plan = launch.parse(["--nnodes", "2", "--node-rank", "1", "--master-addr", "head",
-                         "--nproc-per-node", "4", "--simulate-devices", "2", "--", "x"])
+    plan = launch.parse(
+        [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "head",
+            "--nproc-per-node",
+            "4",
+            "--simulate-devices",
+            "2",
+            "--",
+            "x",
+        ]
+    )
     flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     env = launch.child_env(plan, 3, 29500, 0, flags)
     assert env["RANK"] == env["JAXZERO_RANK"] == "7"
@@ -131,13 +174,24 @@ def test_child_env_sets_both_families():
 
 
 def _launch(*argv, env=None, timeout=60):
-    return subprocess.run([sys.executable, "-m", "jaxzero.cli", "launch", *argv],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxzero.cli", "launch", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def test_output_is_prefixed_by_rank():
-    out = _launch("--nproc-per-node", "2", "--", "sh", "-c",
-                  'echo "out $RANK of $WORLD_SIZE at $MASTER_ADDR:$MASTER_PORT"; echo err >&2')
+    out = _launch(
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        'echo "out $RANK of $WORLD_SIZE at $MASTER_ADDR:$MASTER_PORT"; echo err >&2',
+    )
     assert out.returncode == 0, out.stderr
     lines = sorted(out.stdout.splitlines())
     assert lines[0].startswith("[rank 0] out 0 of 2 at 127.0.0.1:")
@@ -160,12 +214,23 @@ def test_a_failing_process_stops_the_others_and_leaves_nothing():
 
 
 def test_restarts_the_group_then_succeeds():
-    out = _launch("--nproc-per-node", "2", "--max-restarts", "2", "--", "sh", "-c",
-                  '[ "$JAXZERO_RESTART_COUNT" -ge 1 ] || exit 5')
+    out = _launch(
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        '[ "$JAXZERO_RESTART_COUNT" -ge 1 ] || exit 5',
+    )
     assert out.returncode == 0, out.stderr
     # both ranks exit at once: either can be the one the launcher sees first
-    assert re.search(r"restarting all 2 process\(es\) after rank [01] exited with code 5 "
-                     r"\(restart 1 of 2\)", out.stderr), out.stderr
+    assert re.search(
+        r"restarting all 2 process\(es\) after rank [01] exited with code 5 "
+        r"\(restart 1 of 2\)",
+        out.stderr,
+    ), out.stderr
     out = _launch("--nproc-per-node", "1", "--max-restarts", "1", "--", "sh", "-c", "exit 4")
     assert out.returncode == 1 and out.stderr.count("started 1 process(es)") == 2
 
@@ -173,6 +238,7 @@ def test_restarts_the_group_then_succeeds():
 def test_the_failure_named_is_a_killed_process_then_the_lowest_rank():
     """Processes that exited by the same poll: one killed by a signal is the likely cause
     (the others then fail in a collective), else the lowest rank."""
+
     class Proc:
         def __init__(self, code):
             self.code = code
@@ -181,25 +247,47 @@ def test_the_failure_named_is_a_killed_process_then_the_lowest_rank():
             return self.code
 
     group = object.__new__(launch.Group)
-    for codes, named in [([None, 0], None), ([1, -9], (1, -9)), ([5, 5], (0, 5)),
-                         ([None, 3], (1, 3)), ([-15, -9], (0, -15)), ([0, 0], None)]:
+    for codes, named in [
+        ([None, 0], None),
+        ([1, -9], (1, -9)),
+        ([5, 5], (0, 5)),
+        ([None, 3], (1, 3)),
+        ([-15, -9], (0, -15)),
+        ([0, 0], None),
+    ]:
         group.procs = [Proc(c) for c in codes]
         assert group.failed() == named, codes
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signals_are_forwarded_to_every_process(sig):
-    child = ("import signal, sys, time\n"
-             "def got(s, f):\n"
-             "    print('got', s, flush=True)\n"
-             "    sys.exit(0)\n"
-             "signal.signal(signal.SIGINT, got)\n"
-             "signal.signal(signal.SIGTERM, got)\n"
-             "print('ready', flush=True)\n"
-             "time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-m", "jaxzero.cli", "launch", "--nproc-per-node",
-                             "2", "--", sys.executable, "-c", child],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = (
+        "import signal, sys, time\n"
+        "def got(s, f):\n"
+        "    print('got', s, flush=True)\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGINT, got)\n"
+        "signal.signal(signal.SIGTERM, got)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxzero.cli",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            sys.executable,
+            "-c",
+            child,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     ready = 0
     while ready < 2:
         line = proc.stdout.readline()
@@ -227,8 +315,13 @@ def test_train_builds_the_hybrid_mesh_from_group_size():
 def test_under_torchrun_the_coordinator_moves_off_the_stores_port():
     """torchrun (TORCHELASTIC_RUN_ID set) already listens on MASTER_PORT: JAX's coordinator
     takes the next port; JAXZERO_PORT, when set, wins as it is."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "2",
-           "TORCHELASTIC_RUN_ID": "none"}
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "TORCHELASTIC_RUN_ID": "none",
+    }
     job = resolve(env)
     assert job.coordinator == "127.0.0.1:29501" and str(job.port) == "MASTER_PORT+1=29501"
     assert resolve({**env, "JAXZERO_PORT": "31000"}).coordinator == "127.0.0.1:31000"
@@ -245,8 +338,12 @@ def test_a_taken_coordinator_port_is_one_line_not_a_crash():
         holder.bind(("", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        job = resolve({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
-                       "WORLD_SIZE": "2"})
-        with pytest.raises(DistributedError, match=rf"port {port} \(MASTER_PORT={port}\) "
-                           r"cannot be bound.*Set JAXZERO_PORT"):
+        job = resolve(
+            {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2"}
+        )
+        with pytest.raises(
+            DistributedError,
+            match=rf"port {port} \(MASTER_PORT={port}\) "
+            r"cannot be bound.*Set JAXZERO_PORT",
+        ):
             check_port_free(job.port)

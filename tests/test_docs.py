@@ -88,8 +88,7 @@ def test_readme_install_extras_exist_and_tensorboard_is_one():
 
 def test_readme_plot_commands_write_under_runs():
     """runs/ is ignored by git; a plot written in the repository root would not be."""
-    commands = re.findall(r"^\s*jaxzero plot [^\n#]*", "\n".join([README, *PAGES.values()]),
-                          re.M)
+    commands = re.findall(r"^\s*jaxzero plot [^\n#]*", "\n".join([README, *PAGES.values()]), re.M)
     assert commands
     for command in commands:
         assert re.search(r"-o runs/\S+\.png", command), command
@@ -111,8 +110,7 @@ def test_accounting_tables_quote_the_experiment_results():
     experiments/zero_*.py wrote, not typed."""
     results = ROOT / "experiments" / "results"
     comm = {
-        (int(r[0]), r[1], int(r[2])): r[3]
-        for r in _md_rows((results / "zero_comm.md").read_text())
+        (int(r[0]), r[1], int(r[2])): r[3] for r in _md_rows((results / "zero_comm.md").read_text())
     }
     memory = {}
     for r in _md_rows((results / "zero_memory.md").read_text()):
@@ -152,8 +150,9 @@ def test_models_page_speed_table_quotes_the_benchmark_results():
     assert table in (ROOT / "docs" / "models.md").read_text(), table
 
 
-@pytest.mark.parametrize("page, printed", [("models.md", ["(16, 1)", "loss "]),
-                                           ("runs.md", ["restored step 0 first"])])
+@pytest.mark.parametrize(
+    "page, printed", [("models.md", ["(16, 1)", "loss "]), ("runs.md", ["restored step 0 first"])]
+)
 def test_docs_pages_code_runs(page, printed, monkeypatch, capsys):
     """Every python block of a docs/ page, in order in one namespace, from the repo root."""
     monkeypatch.chdir(ROOT)
@@ -176,8 +175,9 @@ def test_readme_library_example_runs_as_written_on_one_cpu_device():
     printed = _blocks(section, "")[0]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _losses(proc.stdout) == _losses(printed)
 
@@ -200,8 +200,13 @@ def test_the_docs_site_builds_strictly(tmp_path):
     mkdocs = shutil.which("mkdocs") or str(Path(sys.executable).parent / "mkdocs")
     if not Path(mkdocs).exists():
         pytest.skip("mkdocs not installed: pip install -e '.[docs]'")
-    done = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    done = subprocess.run(
+        [mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "site" / "api" / "index.html").is_file()

@@ -60,8 +60,9 @@ def test_odd_mlp_matches_one_device(mlp_reference, stage, n):
 def test_bucket_sizes_match_one_device(mlp_reference, stage, bucket_mb):
     """One collective per leaf (0) and ~2 KB buckets (w1 and w2 apart) train alike."""
     params, batches, (ref_losses, ref_params) = mlp_reference
-    engine = jaxzero.Engine(mlp_loss, TX, mesh=jaxzero.make_mesh(8), stage=stage,
-                            bucket_mb=bucket_mb)
+    engine = jaxzero.Engine(
+        mlp_loss, TX, mesh=jaxzero.make_mesh(8), stage=stage, bucket_mb=bucket_mb
+    )
     losses, final, _ = train_engine(engine, params, batches)
     assert rel_diff(losses, ref_losses) <= 1e-5
     assert rel_diff(final, ref_params) <= 1e-5
@@ -72,8 +73,9 @@ def test_micro_batches_and_clipping_match(mlp_reference, stage):
     params, batches, _ = mlp_reference
     tx = optax.chain(optax.clip_by_global_norm(0.05), TX)
     ref_losses, ref_params = train_reference(mlp_loss, params, batches, tx)
-    engine = jaxzero.Engine(mlp_loss, TX, mesh=jaxzero.make_mesh(8), stage=stage,
-                            micro_batches=2, max_grad_norm=0.05)
+    engine = jaxzero.Engine(
+        mlp_loss, TX, mesh=jaxzero.make_mesh(8), stage=stage, micro_batches=2, max_grad_norm=0.05
+    )
     losses, final, _ = train_engine(engine, params, batches)
     assert rel_diff(losses, ref_losses) <= 1e-5
     assert rel_diff(final, ref_params) <= 1e-5
@@ -86,8 +88,9 @@ BF16_LOSS_TOL = 2e-2  # documented in README: bf16 vs fp32 training, 10 steps
 @pytest.mark.parametrize("reduce_dtype", [None, "fp32"])
 def test_bf16_within_tolerance_of_fp32(gpt_reference, stage, reduce_dtype):
     model, params, batches, (ref_losses, _) = gpt_reference
-    engine = model.engine(TX, mesh=jaxzero.make_mesh(8), stage=stage, precision="bf16",
-                          reduce_dtype=reduce_dtype)
+    engine = model.engine(
+        TX, mesh=jaxzero.make_mesh(8), stage=stage, precision="bf16", reduce_dtype=reduce_dtype
+    )
     losses, _, state = train_engine(engine, params, batches)
     assert rel_diff(losses, ref_losses) <= BF16_LOSS_TOL
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype("bfloat16")}
@@ -200,7 +203,10 @@ def test_init_warns_only_about_converted_params(stage):
         engine.init(params)
     params["w1"] = params["w1"].astype(np.float64)
     params["b2"] = params["b2"].astype(np.float16)
-    with pytest.warns(UserWarning, match=r"2 param\(s\) converted: b2 \(float16\), w1 "
-                                         r"\(float64\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"2 param\(s\) converted: b2 \(float16\), w1 "
+        r"\(float64\)",
+    ):
         state = engine.init(params)
     assert state.params["w1"].dtype == np.float32

@@ -27,17 +27,21 @@ def _gb(psi: float, n: int, stage: int) -> float:
     return est.model_state_bytes(psi, n, stage).total / GB
 
 
-@pytest.mark.parametrize(
-    "stage, reference", [(0, "120"), (1, "31.4"), (2, "16.6"), (3, "1.9")]
-)
+@pytest.mark.parametrize("stage, reference", [(0, "120"), (1, "31.4"), (2, "16.6"), (3, "1.9")])
 def test_paper_figure1(stage, reference):
     assert printed(_gb(7.5e9, 64, stage), reference)
 
 
 @pytest.mark.parametrize(
     "n, stage, reference",
-    [(4, 1, "52.5"), (4, 2, "41.3"), (4, 3, "30"), (1024, 1, "30.1"), (1024, 2, "15.1"),
-     (1024, 3, "0.12")],
+    [
+        (4, 1, "52.5"),
+        (4, 2, "41.3"),
+        (4, 3, "30"),
+        (1024, 1, "30.1"),
+        (1024, 2, "15.1"),
+        (1024, 3, "0.12"),
+    ],
 )
 def test_paper_table1(n, stage, reference):
     assert printed(_gb(7.5e9, n, stage), reference)
@@ -158,7 +162,8 @@ def test_cli_process_nonsense_has_no_traceback():
     code = "import sys; from jaxzero.cli import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.run(
         [sys.executable, "-c", code, "estimate", "--params", "-1", "--optimizer", "adam"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr

@@ -33,17 +33,20 @@ MIB = 1 << 20
 
 def _save(directory: Path, precision: str, extra: dict, steps=(0,)):
     model = GPT(CFG)
-    engine = model.engine(optax.adam(1e-3), mesh=jaxzero.make_mesh(8), stage=3,
-                          precision=precision)
+    engine = model.engine(optax.adam(1e-3), mesh=jaxzero.make_mesh(8), stage=3, precision=precision)
     state = engine.init_from(model.init, jax.random.key(0))
     ckpt = jaxzero.CheckpointManager(directory)
     for step in steps:
-        ckpt.save(engine, dataclasses.replace(
-            state, step=jax.device_put(jnp.int32(step), state.step.sharding)), extra=extra)
+        ckpt.save(
+            engine,
+            dataclasses.replace(state, step=jax.device_put(jnp.int32(step), state.step.sharding)),
+            extra=extra,
+        )
         ckpt.wait()
     ckpt.close()
-    flat = {path_str(p): x for p, x in
-            jax.tree_util.tree_leaves_with_path(engine.gather_params(state))}
+    flat = {
+        path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(engine.gather_params(state))
+    }
     return flat, state
 
 
@@ -59,8 +62,12 @@ def saved(tmp_path_factory):
     config = C.Config(model=C.ModelConfig(**model_cfg))
     (run / "config.yaml").write_text(C.dump_yaml(config))
     bf16, state16 = _save(run / "checkpoints", "bf16", {"loader": {"step": 0}}, steps=(0, 5))
-    return {"fp32": (root / "ckpt32", fp32), "bf16": (run, bf16), "root": root,
-            "params16": state16.params}
+    return {
+        "fp32": (root / "ckpt32", fp32),
+        "bf16": (run, bf16),
+        "root": root,
+        "params16": state16.params,
+    }
 
 
 def _cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -89,14 +96,14 @@ def test_export_equals_gather_params(saved, tmp_path, capsys, precision):
     meta = ex.read_meta(ex.find_step_dir(src))  # the export really had padding to drop
     assert any(v["shape"] != v["stored_shape"] for v in meta["leaves"].values())
 
-    rc, _, err = _cli(capsys, "export", str(src), "--out", str(tmp_path / "h"),
-                      "--dtype", "bf16")
+    rc, _, err = _cli(capsys, "export", str(src), "--out", str(tmp_path / "h"), "--dtype", "bf16")
     assert rc == 0, err
     half = load_file(str(tmp_path / "h" / ex.WEIGHTS))
     for name, x in want.items():
         assert half[name].dtype == jnp.bfloat16, name
-        np.testing.assert_array_equal(half[name].view(np.uint16),
-                                      x.astype(jnp.bfloat16).view(np.uint16), err_msg=name)
+        np.testing.assert_array_equal(
+            half[name].view(np.uint16), x.astype(jnp.bfloat16).view(np.uint16), err_msg=name
+        )
 
 
 def test_bf16_export_reads_the_fp32_master(saved):
@@ -151,8 +158,13 @@ MEASURE = textwrap.dedent("""
 
 def _export_peak(step_dir: Path, out: Path, how: str) -> int:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", MEASURE, str(step_dir), str(out), how],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(step_dir), str(out), how],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])["delta"]
 
@@ -163,8 +175,12 @@ def test_export_memory_is_one_leaf_not_the_model(tmp_path):
     under 2 x the largest leaf + 32 MiB; loading every leaf (the control) does not."""
     shape, n = (1023, 1024), 20  # 1023 rows: padded to 1024 when sharded on that dim
     params = {f"w{i:02d}": jax.random.normal(jax.random.key(i), shape) for i in range(n)}
-    engine = jaxzero.Engine(lambda p, b: sum(jnp.sum(x) for x in jax.tree.leaves(p)) * b["x"],
-                            optax.sgd(0.1), mesh=jaxzero.make_mesh(8), stage=3)
+    engine = jaxzero.Engine(
+        lambda p, b: sum(jnp.sum(x) for x in jax.tree.leaves(p)) * b["x"],
+        optax.sgd(0.1),
+        mesh=jaxzero.make_mesh(8),
+        stage=3,
+    )
     state = engine.init(params)
     ckpt = jaxzero.CheckpointManager(tmp_path / "ckpt")
     ckpt.save(engine, state)
@@ -179,8 +195,10 @@ def test_export_memory_is_one_leaf_not_the_model(tmp_path):
     naive = _export_peak(tmp_path / "ckpt" / "0", out, "all")
     got = load_file(str(out))
     np.testing.assert_array_equal(got["w07"], np.asarray(params["w07"]))
-    print(f"export: +{streamed / MIB:.1f} MiB, all leaves: +{naive / MIB:.1f} MiB, "
-          f"bound {bound / MIB:.1f} MiB")
+    print(
+        f"export: +{streamed / MIB:.1f} MiB, all leaves: +{naive / MIB:.1f} MiB, "
+        f"bound {bound / MIB:.1f} MiB"
+    )
     assert streamed < bound, f"export grew host memory by {streamed / MIB:.1f} MiB"
     assert naive > bound, f"the control grew by only {naive / MIB:.1f} MiB: no signal"
 
@@ -203,8 +221,7 @@ def test_sample_from_run_and_export(saved, tmp_path, capsys):
     greedy = [sm.sample(tmp_path / "exp", "def ", 6, seed=s, top_k=1)[0] for s in (0, 1)]
     np.testing.assert_array_equal(greedy[0], greedy[1])  # top-1 ignores the seed
 
-    rc, out, err = _cli(capsys, "sample", str(tmp_path / "exp"), "--tokens", "12",
-                        "--seed", "3")
+    rc, out, err = _cli(capsys, "sample", str(tmp_path / "exp"), "--tokens", "12", "--seed", "3")
     assert rc == 0, err
     assert out == text + "\n"
 
@@ -230,8 +247,7 @@ def test_bad_paths(saved, tmp_path, capsys):
         err = _one_line_error(capsys, cmd, str(tmp_path / "junk"), *extra)
         assert "not a jaxzero run, checkpoint or export" in err
     run, _ = saved["bf16"]
-    err = _one_line_error(capsys, "export", str(run), "--out", str(tmp_path / "o"),
-                          "--step", "3")
+    err = _one_line_error(capsys, "export", str(run), "--out", str(tmp_path / "o"), "--step", "3")
     assert "no checkpoint of step 3" in err and "[0, 5]" in err
     (tmp_path / "emptyrun").mkdir()
     (tmp_path / "emptyrun" / "config.yaml").write_text("model: {}\n")
@@ -283,9 +299,13 @@ def test_cli_subprocess_error_has_no_traceback(saved, tmp_path):
     for f in (src / "0" / "state").rglob("*"):
         if f.parent.name == "d":
             f.write_bytes(f.read_bytes()[:10])
-    proc = subprocess.run([sys.executable, "-m", "jaxzero.cli", "export", str(src), "--out",
-                           str(tmp_path / "o")], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxzero.cli", "export", str(src), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 2
     assert proc.stderr.startswith("jaxzero export: error: checkpoint ")
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -312,8 +332,11 @@ def test_a_damaged_checkpoint_stops_export_and_sample(saved, tmp_path, capsys):
     Every data file is damaged: which of orbax's files hold the params, and which only
     optimizer state (that export and sample never read), depends on its write timing."""
     src = saved["bf16"][0]  # a run: checkpoints of steps 0 and 5
-    data_files = [f.relative_to(src) for f in (src / "checkpoints" / "5" / "state").rglob("d/*")
-                  if f.is_file()]
+    data_files = [
+        f.relative_to(src)
+        for f in (src / "checkpoints" / "5" / "state").rglob("d/*")
+        if f.is_file()
+    ]
     assert data_files
     for i, frac in enumerate((0.2, 0.5, 0.8)):
         bad = tmp_path / f"bad{i}"
@@ -321,10 +344,12 @@ def test_a_damaged_checkpoint_stops_export_and_sample(saved, tmp_path, capsys):
         for name in data_files:
             data = bytearray((bad / name).read_bytes())
             at = int(len(data) * frac)
-            data[at:at + 64] = bytes(x ^ 0x5A for x in data[at:at + 64])
+            data[at : at + 64] = bytes(x ^ 0x5A for x in data[at : at + 64])
             (bad / name).write_bytes(bytes(data))
-        for argv in (["export", str(bad), "--out", str(tmp_path / f"x{i}")],
-                     ["sample", str(bad), "--tokens", "2"]):
+        for argv in (
+            ["export", str(bad), "--out", str(tmp_path / f"x{i}")],
+            ["sample", str(bad), "--tokens", "2"],
+        ):
             rc, _, err = _cli(capsys, *argv)
             assert rc == 2 and err.count("\n") == 1, (argv, err)
             assert "is damaged" in err or "could not be read" in err
@@ -344,11 +369,15 @@ def test_export_records_the_tokens_training_read(tmp_path):
     np.arange(4000, dtype=np.uint16).tofile(token_dir / "train.bin")
     (token_dir / "notes.txt").write_text("how the tokens were made\n" * 200)
     np.arange(4000, dtype=np.uint16).tofile(tmp_path / "t.bin")
-    cases = [({}, "bytes"), ({"path": str(text_dir)}, "bytes"),
-             ({"path": str(token_dir)}, "uint16"), ({"path": str(tmp_path / "t.bin")}, "uint16"),
-             ({"path": str(tmp_path / "t.bin"), "format": "bytes"}, "bytes"),
-             ({"path": str(token_dir), "format": "bytes"}, "bytes"),
-             ({"path": str(text_dir), "format": "uint16"}, "uint16")]
+    cases = [
+        ({}, "bytes"),
+        ({"path": str(text_dir)}, "bytes"),
+        ({"path": str(token_dir)}, "uint16"),
+        ({"path": str(tmp_path / "t.bin")}, "uint16"),
+        ({"path": str(tmp_path / "t.bin"), "format": "bytes"}, "bytes"),
+        ({"path": str(token_dir), "format": "bytes"}, "bytes"),
+        ({"path": str(text_dir), "format": "uint16"}, "uint16"),
+    ]
     for data, kind in cases:
         assert ex.token_kind({"data": data}) == kind, data
         cfg = C.DataConfig(**data)

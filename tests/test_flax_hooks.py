@@ -71,8 +71,13 @@ def test_flax_model_gathers_per_layer_and_matches(make):
     params, loss = make()
     params = jax.tree.map(np.asarray, params)
     rng = np.random.default_rng(0)
-    batches = [{"x": rng.standard_normal((16, D)).astype(np.float32),
-                "y": rng.standard_normal((16, D)).astype(np.float32)} for _ in range(5)]
+    batches = [
+        {
+            "x": rng.standard_normal((16, D)).astype(np.float32),
+            "y": rng.standard_normal((16, D)).astype(np.float32),
+        }
+        for _ in range(5)
+    ]
     ref_losses, ref_params = train_reference(loss, params, batches, TX)
     engine = jaxzero.Engine(loss, TX, mesh=jaxzero.make_mesh(8), stage=3, per_layer=True)
     losses, final, state = train_engine(engine, params, batches)

@@ -25,8 +25,14 @@ from jaxzero.hf.config import HFError, llama_config
 from tests._models import rel_diff, train_reference
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-DIRS = ["llama_gqa/single", "llama_gqa/sharded", "qwen2_tied/single", "qwen2_tied/sharded",
-        "llama3_rope/single", "mistral/single"]
+DIRS = [
+    "llama_gqa/single",
+    "llama_gqa/sharded",
+    "qwen2_tied/single",
+    "qwen2_tied/sharded",
+    "llama3_rope/single",
+    "mistral/single",
+]
 MIB = 2**20
 
 
@@ -61,16 +67,20 @@ def test_logits_match_transformers(name, stage):
 def test_config_fields_read_as_transformers_means_them():
     qwen = hf.model(FIXTURES / "qwen2_tied/single").config
     assert (qwen.qkv_bias, qwen.o_bias, qwen.tie_word_embeddings) == (True, False, True)
-    assert hf.model(FIXTURES / "qwen2_tied/sharded").config.tie_word_embeddings is False, \
+    assert hf.model(FIXTURES / "qwen2_tied/sharded").config.tie_word_embeddings is False, (
         "a shipped lm_head of other values unties, as in transformers"
+    )
     rope = hf.model(FIXTURES / "llama3_rope/single").config
     assert rope.rope_scaling["rope_type"] == "llama3" and rope.rope_theta == 500000.0
     assert (rope.head_size, rope.kv_heads, rope.qkv_bias, rope.o_bias) == (16, 1, True, True)
     # transformers 4's spelling: rope_theta at the top, the scaling under rope_scaling
     raw = json.loads((FIXTURES / "llama3_rope/single/config.json").read_text())
     params = raw.pop("rope_parameters")
-    legacy = {**raw, "rope_theta": params.pop("rope_theta"),
-              "rope_scaling": {"type": params.pop("rope_type"), **params}}
+    legacy = {
+        **raw,
+        "rope_theta": params.pop("rope_theta"),
+        "rope_scaling": {"type": params.pop("rope_type"), **params},
+    }
     assert llama_config(legacy) == rope
 
 
@@ -124,8 +134,12 @@ def test_saved_directory_is_what_transformers_reads(tmp_path):
     names = sorted(p.name for p in out.iterdir())
     shards = [n for n in names if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", n)]
     assert len(shards) >= 2 and "model.safetensors.index.json" in names
-    assert {"config.json", "generation_config.json", "tokenizer.json",
-            "tokenizer_config.json"} <= set(names)
+    assert {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= set(names)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     source = hf.Weights(src)
     assert set(index["weight_map"]) == set(source.where)
@@ -145,9 +159,17 @@ def test_a_model_built_here_saves_as_its_architecture(tmp_path):
     """No source directory: config.json is written from LlamaConfig (both rope spellings)."""
     from jaxzero.models.llama import Llama, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, qkv_bias=True, seq_len=8,
-                      rope_scaling={"rope_type": "linear", "factor": 2.0})
+    cfg = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        qkv_bias=True,
+        seq_len=8,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
     model = Llama(cfg)
     engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
     params = jax.tree.map(np.asarray, model.init(jax.random.key(0)))
@@ -167,19 +189,35 @@ def test_two_processes_read_their_own_slices_and_save_together(tmp_path):
 
     src, out, port = FIXTURES / "llama_gqa/sharded", tmp_path / "out", free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).parent), str(Path(__file__).parent.parent),
-         env.get("PYTHONPATH", "")]))
+    env.update(
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join(
+            [
+                str(Path(__file__).parent),
+                str(Path(__file__).parent.parent),
+                env.get("PYTHONPATH", ""),
+            ]
+        ),
+    )
     worker = Path(__file__).parent / "_mp_hf_worker.py"
-    procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(port), str(src),
-                               str(out)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(i), str(port), str(src), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     results = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err[-3000:]
     # gloo prints to stdout too, at any moment: the result is the line that is JSON
-    runs = [json.loads(next(ln for ln in reversed(o.splitlines()) if ln.startswith("{")))
-            for o, _ in results]
+    runs = [
+        json.loads(next(ln for ln in reversed(o.splitlines()) if ln.startswith("{")))
+        for o, _ in results
+    ]
     assert runs[0]["sharded"], "stage 3 on 4 devices shards the larger params"
     for path, size in runs[0]["sharded"].items():
         for run in runs:
@@ -190,8 +228,9 @@ def test_two_processes_read_their_own_slices_and_save_together(tmp_path):
     for _ in range(3):
         t = rng.integers(0, model.config.vocab_size, (8, 13)).astype(np.int32)
         data.append({"inputs": t[:, :-1], "targets": t[:, 1:]})
-    ref_losses, ref_params = train_reference(model.loss_fn, hf.read_params(src), data,
-                                             optax.adamw(1e-2))
+    ref_losses, ref_params = train_reference(
+        model.loss_fn, hf.read_params(src), data, optax.adamw(1e-2)
+    )
     np.testing.assert_allclose(runs[0]["losses"], ref_losses, rtol=1e-5)
     assert rel_diff(hf.read_params(out), ref_params) < 1e-4
 
@@ -244,8 +283,13 @@ MEASURE = textwrap.dedent("""
 
 def _load_peak(path: Path, how: str) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", MEASURE, str(path), how], capture_output=True,
-                          text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(path), how],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -257,23 +301,32 @@ def test_load_holds_about_one_param_on_the_host(tmp_path):
     whole checkpoint first (the control) does not."""
     from jaxzero.models.llama import Llama, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1376,
-                      num_hidden_layers=8, num_attention_heads=8, seq_len=8)
+    cfg = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        seq_len=8,
+    )
     model = Llama(cfg)
     engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(8), stage=3)
     state = engine.init_from(model.init, jax.random.key(0))
     hf.save(tmp_path / "big", engine, state, dtype="float32")
-    largest = max(x.size * 4 for x in jax.tree.leaves(jax.eval_shape(model.init,
-                                                                      jax.random.key(0))))
+    largest = max(
+        x.size * 4 for x in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0)))
+    )
     total = 4 * engine.num_params
     del state
     bound = 2 * largest + 32 * MIB
     assert total > 1.3 * bound, "the model must be far larger than what the load may hold"
     load, naive = _load_peak(tmp_path / "big", "load"), _load_peak(tmp_path / "big", "naive")
     extra, control = load["delta"] - load["state"], naive["delta"] - naive["state"]
-    print(f"hf.load: +{extra / MIB:.1f} MiB beyond the state ({load['state'] / MIB:.0f} MiB); "
-          f"naive: +{control / MIB:.1f} MiB; largest param {largest / MIB:.1f} MiB, "
-          f"model {total / MIB:.0f} MiB")
+    print(
+        f"hf.load: +{extra / MIB:.1f} MiB beyond the state ({load['state'] / MIB:.0f} MiB); "
+        f"naive: +{control / MIB:.1f} MiB; largest param {largest / MIB:.1f} MiB, "
+        f"model {total / MIB:.0f} MiB"
+    )
     assert extra < bound, f"hf.load held {extra / MIB:.1f} MiB beyond the state"
     assert control > bound, f"the control held only {control / MIB:.1f} MiB: no signal"
 
@@ -312,8 +365,11 @@ def test_bad_directories_are_refused_in_one_line(tmp_path):
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(HFError, match="GPT2LMHeadModel is not supported.*LlamaForCausalLM, "
-                       "Qwen2ForCausalLM, MistralForCausalLM") as e:
+    with pytest.raises(
+        HFError,
+        match="GPT2LMHeadModel is not supported.*LlamaForCausalLM, "
+        "Qwen2ForCausalLM, MistralForCausalLM",
+    ) as e:
         hf.model(gpt2)
     _one_line(e)
 
@@ -341,18 +397,27 @@ def _rewrite(path: Path, change) -> None:
 def test_bad_tensors_are_named(tmp_path):
     engine = lambda m: m.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=3)
     missing = _copy("llama_gqa/single", tmp_path)
-    _rewrite(missing / "model.safetensors",
-             lambda t: {k: v for k, v in t.items() if k != "model.layers.1.mlp.up_proj.weight"})
+    _rewrite(
+        missing / "model.safetensors",
+        lambda t: {k: v for k, v in t.items() if k != "model.layers.1.mlp.up_proj.weight"},
+    )
     with pytest.raises(HFError, match="tensor model.layers.1.mlp.up_proj.weight is missing"):
         hf.load(missing, engine(hf.model(missing)))
 
     shape = _copy("llama_gqa/sharded", tmp_path)
     index = json.loads((shape / "model.safetensors.index.json").read_text())
     file = shape / index["weight_map"]["model.layers.0.self_attn.k_proj.weight"]
-    _rewrite(file, lambda t: {k: (v[:8] if k.endswith("0.self_attn.k_proj.weight") else v)
-                              for k, v in t.items()})
-    with pytest.raises(HFError, match=r"model.layers.0.self_attn.k_proj.weight has shape "
-                       r"\[8, 32\]; the config needs \[16, 32\]"):
+    _rewrite(
+        file,
+        lambda t: {
+            k: (v[:8] if k.endswith("0.self_attn.k_proj.weight") else v) for k, v in t.items()
+        },
+    )
+    with pytest.raises(
+        HFError,
+        match=r"model.layers.0.self_attn.k_proj.weight has shape "
+        r"\[8, 32\]; the config needs \[16, 32\]",
+    ):
         hf.load(shape, engine(hf.model(shape)))
 
     cut = _copy("llama_gqa/single", tmp_path)

@@ -31,8 +31,11 @@ def _stored(path: str, shape: tuple[int, ...], dim: int | None = 0) -> Stored:
 
 
 def _params() -> dict:
-    return {"w": _stored("w", (D, D)), "stack": _stored("stack", (L, D, D), dim=1),
-            "s": _stored("s", (), dim=None)}
+    return {
+        "w": _stored("w", (D, D)),
+        "stack": _stored("stack", (L, D, D), dim=1),
+        "s": _stored("s", (), dim=None),
+    }
 
 
 def _layer(p, h):
@@ -76,53 +79,73 @@ CASES = {
     "jit": (
         lambda p, x: jnp.sum(_jitted_layer(p, x)),
         lambda p, x: jnp.sum(jax.jit(lambda w, x: x @ w)(raw(p["w"]), x)),
-        "dot_general"),
+        "dot_general",
+    ),
     "scan": (
         lambda p, x: jnp.sum(_scan_layers(p, x)),
-        lambda p, x: jax.lax.scan(lambda c, w: (c + jnp.sum(w * w), None), 0.0,
-                                  raw(p["stack"]))[0] + jnp.sum(x),
-        "mul"),
+        lambda p, x: (
+            jax.lax.scan(lambda c, w: (c + jnp.sum(w * w), None), 0.0, raw(p["stack"]))[0]
+            + jnp.sum(x)
+        ),
+        "mul",
+    ),
     # the carry is clean in the first iteration and holds the raw param from the second
     "scan_carry": (
         lambda p, x: jax.lax.scan(lambda c, _: (_layer(p, c), None), x, None, length=L)[0].sum(),
-        lambda p, x: jax.lax.scan(lambda c, _: (raw(p["w"]), jnp.sum(c * 2.0)),
-                                  jnp.zeros((D, D)), None, length=L)[1].sum() + jnp.sum(x),
-        "mul"),
+        lambda p, x: (
+            jax.lax.scan(
+                lambda c, _: (raw(p["w"]), jnp.sum(c * 2.0)), jnp.zeros((D, D)), None, length=L
+            )[1].sum()
+            + jnp.sum(x)
+        ),
+        "mul",
+    ),
     "while": (
-        lambda p, x: jax.lax.while_loop(lambda c: c[0] < L,
-                                        lambda c: (c[0] + 1, _layer(p, c[1])), (0, x))[1].sum(),
-        lambda p, x: jax.lax.while_loop(lambda c: c[0] < L,
-                                        lambda c: (c[0] + 1, c[1] @ raw(p["w"])), (0, x))[1].sum(),
-        "dot_general"),
+        lambda p, x: jax.lax.while_loop(
+            lambda c: c[0] < L, lambda c: (c[0] + 1, _layer(p, c[1])), (0, x)
+        )[1].sum(),
+        lambda p, x: jax.lax.while_loop(
+            lambda c: c[0] < L, lambda c: (c[0] + 1, c[1] @ raw(p["w"])), (0, x)
+        )[1].sum(),
+        "dot_general",
+    ),
     "while_cond": (
         None,
-        lambda p, x: jax.lax.while_loop(lambda c: c[0] < jnp.sum(raw(p["w"])),
-                                        lambda c: (c[0] + 1, c[1]), (0.0, x))[1].sum(),
-        "reduce_sum"),
+        lambda p, x: jax.lax.while_loop(
+            lambda c: c[0] < jnp.sum(raw(p["w"])), lambda c: (c[0] + 1, c[1]), (0.0, x)
+        )[1].sum(),
+        "reduce_sum",
+    ),
     "fori_loop": (
         lambda p, x: jax.lax.fori_loop(0, L, lambda i, h: _layer(p, h), x).sum(),
         lambda p, x: jax.lax.fori_loop(0, L, lambda i, h: h @ raw(p["stack"])[i], x).sum(),
-        "dot_general"),
+        "dot_general",
+    ),
     "cond": (
         lambda p, x: jax.lax.cond(_finite(x), lambda h: _layer(p, h), lambda h: h, x).sum(),
         lambda p, x: jax.lax.cond(_finite(x), lambda h: h @ raw(p["w"]), lambda h: h, x).sum(),
-        "dot_general"),
+        "dot_general",
+    ),
     "cond_predicate": (
         None,
         lambda p, x: jax.lax.cond(raw(p["s"]).astype(bool), lambda h: h, lambda h: -h, x).sum(),
-        "cond"),
+        "cond",
+    ),
     "remat": (
         lambda p, x: jax.checkpoint(_layer)(p, x).sum(),
         lambda p, x: jax.checkpoint(lambda w, x: jnp.tanh(x @ w))(raw(p["w"]), x).sum(),
-        "dot_general"),
+        "dot_general",
+    ),
     "custom_jvp": (
         lambda p, x: jnp.sum(_softplus(x @ jaxzero.use_params(p["w"]))),
         lambda p, x: jnp.sum(_softplus(raw(p["w"]))) + jnp.sum(x),
-        "exp"),
+        "exp",
+    ),
     "custom_vjp": (
         lambda p, x: jnp.sum(_half_grad(jaxzero.use_params(p["w"])) @ x.T),
         lambda p, x: jnp.sum(_half_grad(raw(p["w"])) @ x.T),
-        "dot_general"),
+        "dot_general",
+    ),
 }
 
 
@@ -146,6 +169,7 @@ def test_misuse_is_caught_and_named(name):
 
 def test_a_primitive_the_check_cannot_follow_is_refused_by_name():
     """custom_linear_solve has sub-programs the walk does not map: refuse, never pass."""
+
     def loss(p, x):
         w = raw(p["w"])
         sol = jax.lax.custom_linear_solve(lambda v: w @ v, x[0], lambda mv, b: b)
@@ -156,6 +180,7 @@ def test_a_primitive_the_check_cannot_follow_is_refused_by_name():
     assert found and all(m.opaque for m in found) and {m.path for m in found} == {"w"}
     with pytest.raises(TypeError, match=r"(?s)cannot follow:.*linear_solve at .*'w'"):
         check_uses(loss, _params(), x)
+
     # the same solve on params that went through use_params first is fine
     def ok(p, x):
         w = jaxzero.use_params(p["w"])
@@ -166,8 +191,9 @@ def test_a_primitive_the_check_cannot_follow_is_refused_by_name():
 
 def test_a_view_that_cuts_the_sharded_dim_is_caught():
     """``stack`` is sharded on dim 1: slicing that dim away is no view but a misuse."""
-    found = misuses(lambda p, x: jnp.sum(raw(p["stack"])[:, 0]) + jnp.sum(x), _params(),
-                    jnp.ones((4, D)))
+    found = misuses(
+        lambda p, x: jnp.sum(raw(p["stack"])[:, 0]) + jnp.sum(x), _params(), jnp.ones((4, D))
+    )
     assert found and found[0].path == "stack"
 
 
@@ -176,24 +202,29 @@ def test_a_view_that_cuts_the_sharded_dim_is_caught():
 
 def _engine_params():
     rng = np.random.default_rng(1)
-    return {"w": (rng.standard_normal((D, D)) / D ** 0.5).astype(np.float32),
-            "stack": (rng.standard_normal((L, D, D)) / D ** 0.5).astype(np.float32)}
+    return {
+        "w": (rng.standard_normal((D, D)) / D**0.5).astype(np.float32),
+        "stack": (rng.standard_normal((L, D, D)) / D**0.5).astype(np.float32),
+    }
 
 
 def _as_loss(case):
     def loss(p, b):
         return case(p, b["x"]) / b["x"].shape[0]
+
     return loss
 
 
-@pytest.mark.parametrize("name", ["jit", "scan", "scan_carry", "fori_loop", "cond", "remat",
-                                  "custom_jvp", "custom_vjp"])
+@pytest.mark.parametrize(
+    "name", ["jit", "scan", "scan_carry", "fori_loop", "cond", "remat", "custom_jvp", "custom_vjp"]
+)
 def test_accepted_losses_train_like_one_device_at_stage_3(name):
     loss = _as_loss(CASES[name][0])
     rng = np.random.default_rng(2)
     batches = [{"x": rng.standard_normal((8, D)).astype(np.float32)} for _ in range(2)]
     ref_losses, ref_params = train_reference(loss, _engine_params(), batches, optax.adam(1e-2))
-    engine = jaxzero.Engine(loss, optax.adam(1e-2), mesh=jaxzero.make_mesh(2), stage=3,
-                            per_layer=True, stacked="^stack")
+    engine = jaxzero.Engine(
+        loss, optax.adam(1e-2), mesh=jaxzero.make_mesh(2), stage=3, per_layer=True, stacked="^stack"
+    )
     losses, final, _ = train_engine(engine, _engine_params(), batches)
     assert rel_diff(losses, ref_losses) <= 1e-5 and rel_diff(final, ref_params) <= 1e-5

@@ -25,8 +25,16 @@ from tests._models import rel_diff, train_reference
 ROOT = Path(__file__).parent.parent
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 # hidden 36 and kv 2 x 6: leaves that do not divide by 8 carry padding; q/k/v biases as Qwen2
-TINY = LlamaConfig(vocab_size=64, hidden_size=36, intermediate_size=52, num_hidden_layers=2,
-                   num_attention_heads=6, num_key_value_heads=2, qkv_bias=True, seq_len=8)
+TINY = LlamaConfig(
+    vocab_size=64,
+    hidden_size=36,
+    intermediate_size=52,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    qkv_bias=True,
+    seq_len=8,
+)
 
 
 def _batches(n: int, cfg: LlamaConfig = TINY, rows: int = 16) -> list[dict]:
@@ -66,15 +74,17 @@ def test_config_is_checked_and_flops_count_gqa():
     lookup = TINY.vocab_size * TINY.hidden_size  # untied: the input embedding is a lookup
     attention = 12 * TINY.num_hidden_layers * TINY.seq_len * 6 * 6  # query heads x head dim
     assert model.flops_per_token() == 6 * (n - lookup) + attention
-    linear = rope_frequencies(dataclasses.replace(TINY, rope_scaling={"rope_type": "linear",
-                                                                      "factor": 4.0}))
+    linear = rope_frequencies(
+        dataclasses.replace(TINY, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    )
     np.testing.assert_allclose(linear * 4, rope_frequencies(TINY), rtol=1e-6)
 
 
 def test_train_config_builds_either_model():
     gpt = from_fields(dataclasses.asdict(C.ModelConfig(vocab_size=32)))
-    llama = from_fields(dataclasses.asdict(C.ModelConfig(arch="llama", vocab_size=32,
-                                                         n_kv_heads=2)))
+    llama = from_fields(
+        dataclasses.asdict(C.ModelConfig(arch="llama", vocab_size=32, n_kv_heads=2))
+    )
     assert type(gpt).__name__ == "GPT" and isinstance(llama, Llama)
     assert (llama.config.kv_heads, llama.config.intermediate_size) == (2, 352)
     with pytest.raises(C.ConfigError, match="model.n_kv_heads applies to model.arch=llama"):
@@ -92,8 +102,13 @@ def test_llama_1b_config_estimates_and_compiles_abstractly(capsys):
     assert "Ψ = 1.236e+09 parameters, N = 8 devices" in out
     cfg = C.resolve(str(path), [])
     model = from_fields(dataclasses.asdict(cfg.model))
-    engine = model.engine(optax.adamw(1e-4), mesh=jaxzero.make_mesh(8), stage=3,
-                          precision="bf16", micro_batches=cfg.parallel.micro_batches)
+    engine = model.engine(
+        optax.adamw(1e-4),
+        mesh=jaxzero.make_mesh(8),
+        stage=3,
+        precision="bf16",
+        micro_batches=cfg.parallel.micro_batches,
+    )
     state = engine.abstract_state(jax.eval_shape(model.init, jax.random.key(0)))
     assert engine.num_params == 1_235_814_400  # Llama-3.2-1B's count, tied embeddings
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len), jnp.int32)
@@ -109,21 +124,60 @@ def test_llama_1b_config_estimates_and_compiles_abstractly(capsys):
 @pytest.fixture(scope="module")
 def llama_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama_run")
-    rc = cli.main(["train", "--set", "model.arch=llama", "--set", "model.n_kv_heads=2",
-                   "--set", "model.d_model=32", "--set", "model.n_layers=2",
-                   "--set", "model.seq_len=16", "--set", "train.steps=3",
-                   "--set", "train.batch_size=8", "--set", "logging.eval_every=3",
-                   "--set", "logging.sample_tokens=0", "--set", "checkpoint.every=3",
-                   "--set", "data.max_bytes=20000", "--devices", "2",
-                   "--set", f"logging.root={root}", "--name", "llama"])
+    rc = cli.main(
+        [
+            "train",
+            "--set",
+            "model.arch=llama",
+            "--set",
+            "model.n_kv_heads=2",
+            "--set",
+            "model.d_model=32",
+            "--set",
+            "model.n_layers=2",
+            "--set",
+            "model.seq_len=16",
+            "--set",
+            "train.steps=3",
+            "--set",
+            "train.batch_size=8",
+            "--set",
+            "logging.eval_every=3",
+            "--set",
+            "logging.sample_tokens=0",
+            "--set",
+            "checkpoint.every=3",
+            "--set",
+            "data.max_bytes=20000",
+            "--devices",
+            "2",
+            "--set",
+            f"logging.root={root}",
+            "--name",
+            "llama",
+        ]
+    )
     assert rc == 0
     return root / "llama"
 
 
 def test_export_hf_of_a_llama_run_equals_its_params(llama_run, tmp_path, capsys):
     assert cli.main(["export", str(llama_run), "--out", str(tmp_path / "plain")]) == 0
-    assert cli.main(["export", str(llama_run), "--out", str(tmp_path / "hf"), "--format", "hf",
-                     "--dtype", "fp32"]) == 0
+    assert (
+        cli.main(
+            [
+                "export",
+                str(llama_run),
+                "--out",
+                str(tmp_path / "hf"),
+                "--format",
+                "hf",
+                "--dtype",
+                "fp32",
+            ]
+        )
+        == 0
+    )
     assert "Hugging Face format" in capsys.readouterr().out
     plain = hf.safetensors.read_all(tmp_path / "plain" / ex.WEIGHTS)
     model = hf.model(tmp_path / "hf", seq_len=16)
@@ -140,8 +194,9 @@ def test_export_hf_of_a_gpt_run_is_refused(tmp_path, capsys):
     run = tmp_path / "gpt"
     run.mkdir()
     (run / "config.yaml").write_text(C.dump_yaml(C.Config(model=C.ModelConfig(vocab_size=64))))
-    model = from_fields({"vocab_size": 64, "seq_len": 16, "d_model": 16, "n_layers": 1,
-                         "n_heads": 2})
+    model = from_fields(
+        {"vocab_size": 64, "seq_len": 16, "d_model": 16, "n_layers": 1, "n_heads": 2}
+    )
     engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
     with jaxzero.CheckpointManager(run / "checkpoints") as ckpt:
         ckpt.save(engine, engine.init_from(model.init, jax.random.key(0)))

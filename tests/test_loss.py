@@ -59,8 +59,15 @@ def test_weighted_loss_is_exact_with_uneven_masks(stage, micro):
     data, tx = uneven_batches(), optax.sgd(0.5)  # the update is the gradient itself
     whole = lambda p, b: (lambda w: w.total / w.weight)(masked_loss(p, b))
     ref_losses, ref_params = train_reference(whole, PARAMS, data, tx)
-    engine = jaxzero.Engine(masked_loss, tx, mesh=jaxzero.make_mesh(8), stage=stage,
-                            micro_batches=micro, per_layer=True, stacked=r"^blocks/")
+    engine = jaxzero.Engine(
+        masked_loss,
+        tx,
+        mesh=jaxzero.make_mesh(8),
+        stage=stage,
+        micro_batches=micro,
+        per_layer=True,
+        stacked=r"^blocks/",
+    )
     losses, params, tokens = _train(engine, PARAMS, data)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert rel_diff(params, ref_params) <= 1e-5
@@ -73,8 +80,15 @@ def test_the_scalar_form_of_the_same_loss_is_not_exact():
     data, tx = uneven_batches(), optax.adamw(1e-2)
     whole = lambda p, b: (lambda w: w.total / w.weight)(masked_loss(p, b))
     ref_losses, _ = train_reference(whole, PARAMS, data, tx)
-    engine = jaxzero.Engine(mean_of_shares, tx, mesh=jaxzero.make_mesh(8), stage=3,
-                            micro_batches=4, per_layer=True, stacked=r"^blocks/")
+    engine = jaxzero.Engine(
+        mean_of_shares,
+        tx,
+        mesh=jaxzero.make_mesh(8),
+        stage=3,
+        micro_batches=4,
+        per_layer=True,
+        stacked=r"^blocks/",
+    )
     losses, _, _ = _train(engine, PARAMS, data)
     assert np.max(np.abs(losses - ref_losses) / ref_losses) > 1e-2
 
@@ -94,8 +108,15 @@ def test_dropout_and_aux_are_the_same_at_any_stage_device_count_and_micro_batchi
     data, tx = mlp_batches(3, batch=16), optax.adam(1e-2)
 
     def run(devices, stage, micro):
-        engine = jaxzero.Engine(dropout_loss, tx, mesh=jaxzero.make_mesh(devices), stage=stage,
-                                micro_batches=micro, seed=3, min_shard_size=8)
+        engine = jaxzero.Engine(
+            dropout_loss,
+            tx,
+            mesh=jaxzero.make_mesh(devices),
+            stage=stage,
+            micro_batches=micro,
+            seed=3,
+            min_shard_size=8,
+        )
         state, out = engine.init(mlp_params()), []
         for b in data:
             state, metrics = engine.step(state, b)
@@ -107,8 +128,9 @@ def test_dropout_and_aux_are_the_same_at_any_stage_device_count_and_micro_batchi
     assert rel_diff(p8, p1) <= 1e-5
     for a, b in zip(one, many, strict=True):
         assert a["tokens"] == b["tokens"] == 16.0 and a["aux"]["rows"] == 1.0
-        np.testing.assert_allclose([b["loss"], b["aux"]["close"]],
-                                   [a["loss"], a["aux"]["close"]], rtol=1e-5)
+        np.testing.assert_allclose(
+            [b["loss"], b["aux"]["close"]], [a["loss"], a["aux"]["close"]], rtol=1e-5
+        )
     other_seed = jaxzero.Engine(dropout_loss, tx, mesh=jaxzero.make_mesh(1), stage=0, seed=4)
     _, metrics = other_seed.step(other_seed.init(mlp_params()), data[0])
     assert abs(float(metrics["loss"]) - one[0]["loss"]) > 1e-4, "the seed must matter"
@@ -119,8 +141,7 @@ def test_eval_combines_like_the_step_and_passes_no_rng():
     engine = jaxzero.Engine(masked_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(8), stage=2)
     state = engine.init(PARAMS)
     w = masked_loss(PARAMS, data)
-    np.testing.assert_allclose(float(engine.eval_loss(state, data)), w.total / w.weight,
-                               rtol=1e-5)
+    np.testing.assert_allclose(float(engine.eval_loss(state, data)), w.total / w.weight, rtol=1e-5)
     engine = jaxzero.Engine(dropout_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=0)
     b = mlp_batches(1, batch=16)[0]
     got = float(engine.eval_loss(engine.init(mlp_params()), b))
@@ -128,11 +149,14 @@ def test_eval_combines_like_the_step_and_passes_no_rng():
     np.testing.assert_allclose(got, w.total / w.weight, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda p, b: jnp.ones(3) * p["w"].sum(), "must be a scalar, got \\(3,\\)"),
-    (lambda p, b: (p["w"].sum(), 1.0, 2.0), "a tuple of 3"),
-    (lambda p, b: jaxzero.Weighted(p["w"], 1.0), "total must be a scalar"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda p, b: jnp.ones(3) * p["w"].sum(), "must be a scalar, got \\(3,\\)"),
+        (lambda p, b: (p["w"].sum(), 1.0, 2.0), "a tuple of 3"),
+        (lambda p, b: jaxzero.Weighted(p["w"], 1.0), "total must be a scalar"),
+    ],
+)
 def test_a_loss_of_another_form_is_refused_naming_the_forms(bad, match):
     engine = jaxzero.Engine(bad, optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
     state = engine.init({"w": np.ones(4, np.float32)})

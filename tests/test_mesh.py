@@ -25,12 +25,19 @@ def test_bad_device_counts(n, match):
 
 
 def test_simulate_devices_fails_loudly_after_backend_start():
-    code = ("import jax, jaxzero; jax.devices(); "
-            "jaxzero.simulate_devices(3)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+    code = "import jax, jaxzero; jax.devices(); jaxzero.simulate_devices(3)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+    )
     assert out.returncode != 0 and "already initialised" in out.stderr
     code = "import jaxzero, jax; jaxzero.simulate_devices(3); print(jax.device_count())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+    )
     assert out.stdout.strip() == "3", out.stderr

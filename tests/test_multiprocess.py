@@ -26,15 +26,23 @@ def test_two_processes_match_one_device(stage, tmp_path):
     port, out = free_port(), tmp_path / "final.npz"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
-    procs = [subprocess.Popen([sys.executable, str(HERE / "_mp_worker.py"), str(i), str(port),
-                               str(stage), str(out)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "_mp_worker.py"), str(i), str(port), str(stage), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     results = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err[-3000:]
     losses = json.loads(results[0][0].strip().splitlines()[-1])["losses"]
-    ref_losses, ref_params = train_reference(mlp_loss, mlp_params(), mlp_batches(5),
-                                             optax.adamw(1e-3))
+    ref_losses, ref_params = train_reference(
+        mlp_loss, mlp_params(), mlp_batches(5), optax.adamw(1e-3)
+    )
     final = dict(np.load(out))
     assert rel_diff(np.array(losses), ref_losses) <= 1e-5
     assert rel_diff(final, ref_params) <= 1e-5
@@ -48,15 +56,23 @@ TINY = str(HERE.parent / "experiments" / "configs" / "tiny.yaml")
 def _env(**extra: str) -> dict[str, str]:
     """This environment without the 8 simulated devices of conftest, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(HERE),
-                                                                env.get("PYTHONPATH", "")]))
+    env.update(
+        JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    )
     env.update(extra)
     return env
 
 
 def _torchrun_env(rank: int, port: int, world: int = 2, **extra: str) -> dict[str, str]:
-    return _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **extra)
+    return _env(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        **extra,
+    )
 
 
 @pytest.mark.slow
@@ -65,11 +81,16 @@ def test_torchrun_variables_alone_stage3_and_hybrid_match_one_process_of_4():
     import jaxzero
 
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "_mp_env_worker.py")],
-                              env=_torchrun_env(i, port, XLA_FLAGS=
-                                                "--xla_force_host_platform_device_count=2"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "_mp_env_worker.py")],
+            env=_torchrun_env(i, port, XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     results = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err[-3000:]
@@ -97,8 +118,13 @@ def _train_args(root: Path, name: str, *extra: str) -> list[str]:
 
 
 def _launch(*argv: str, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "jaxzero.cli", "launch", *argv], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxzero.cli", "launch", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.slow
@@ -108,19 +134,36 @@ def test_launch_train_matches_one_process(stage, tmp_path, capsys):
     from jaxzero.train import metrics
 
     args = _train_args(tmp_path, f"launched{stage}", "--stage", str(stage), "--steps", "3")
-    proc = _launch("--nproc-per-node", "2", "--simulate-devices", "2", "--", "jaxzero", "train",
-                   *args, env=_env())
+    proc = _launch(
+        "--nproc-per-node",
+        "2",
+        "--simulate-devices",
+        "2",
+        "--",
+        "jaxzero",
+        "train",
+        *args,
+        env=_env(),
+    )
     out, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-3000:]
     assert "[rank 0]   mesh   2 process(es) x 2 local device(s) = 4 devices, mesh (data=4)" in out
     assert "[rank 0] step 3/3" in out and "[rank 1] step" not in out  # rank 0 reports alone
     assert "rank 1 of 2 | local rank 1 of 2" in err
-    ref = _train_args(tmp_path, f"single{stage}", "--stage", str(stage), "--steps", "3",
-                      "--devices", "4")
+    ref = _train_args(
+        tmp_path, f"single{stage}", "--stage", str(stage), "--steps", "3", "--devices", "4"
+    )
     assert train.main(ref) == 0  # one process, 4 of the 8 simulated devices
     capsys.readouterr()
-    launched, single = (np.array([r["loss"] for r in metrics.read_jsonl(
-        tmp_path / f"{name}{stage}" / metrics.METRICS_FILE)]) for name in ("launched", "single"))
+    launched, single = (
+        np.array(
+            [
+                r["loss"]
+                for r in metrics.read_jsonl(tmp_path / f"{name}{stage}" / metrics.METRICS_FILE)
+            ]
+        )
+        for name in ("launched", "single")
+    )
     assert len(launched) == 3
     np.testing.assert_allclose(launched, single, rtol=1e-5, atol=0)
 
@@ -129,8 +172,17 @@ def test_launch_train_matches_one_process(stage, tmp_path, capsys):
 def test_killing_a_training_process_ends_the_run_naming_it(tmp_path):
     marker = f"JAXZERO_RUN_{uuid.uuid4().hex}"
     args = _train_args(tmp_path, "killed", "--stage", "3", "--steps", "100000")
-    proc = _launch("--nproc-per-node", "2", "--simulate-devices", "2", "--", "jaxzero", "train",
-                   *args, env=_env(**{marker: "1"}))
+    proc = _launch(
+        "--nproc-per-node",
+        "2",
+        "--simulate-devices",
+        "2",
+        "--",
+        "jaxzero",
+        "train",
+        *args,
+        env=_env(**{marker: "1"}),
+    )
     pids = None
     for line in proc.stderr:
         if "pids" in line:
@@ -149,8 +201,11 @@ def test_killing_a_training_process_ends_the_run_naming_it(tmp_path):
     assert proc.returncode != 0 and took < 60, (took, err[-2000:])
     assert f"rank 1 (local rank 1, pid {pids[1]}) was killed by SIGKILL" in err
     assert "failed: rank 1 was killed by SIGKILL" in err
-    survivor = [line for line in err.splitlines() if line.startswith(
-        f"jaxzero launch: rank 0 (pid {pids[0]})")]
+    survivor = [
+        line
+        for line in err.splitlines()
+        if line.startswith(f"jaxzero launch: rank 0 (pid {pids[0]})")
+    ]
     assert survivor and "exited with code 0" not in survivor[0]  # non-zero or by a signal
     assert alive_with(marker) == []
     print(f"failure test: launcher exited {took:.1f} s after the SIGKILL")
@@ -162,17 +217,31 @@ def test_misconfiguration_is_one_clear_line_within_the_timeout(case, tmp_path):
     port = free_port()
     env = _torchrun_env(2 if case == "rank_too_big" else 1, port)
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "jaxzero.cli", "train", "--init-timeout", "3",
-                           *_train_args(tmp_path, case)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxzero.cli",
+            "train",
+            "--init-timeout",
+            "3",
+            *_train_args(tmp_path, case),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     took = time.monotonic() - started
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     if case == "rank_too_big":
         assert "RANK=2 must be below WORLD_SIZE=2" in proc.stderr
     else:
-        assert f"nobody listens at the coordinator 127.0.0.1:{port} (MASTER_ADDR=127.0.0.1, " \
-               f"MASTER_PORT={port})" in proc.stderr
+        assert (
+            f"nobody listens at the coordinator 127.0.0.1:{port} (MASTER_ADDR=127.0.0.1, "
+            f"MASTER_PORT={port})" in proc.stderr
+        )
         assert took >= 3
     assert took < 3 + 30  # the timeout, plus starting Python and importing JAX
 
@@ -183,15 +252,24 @@ def test_world_size_that_disagrees_with_the_processes_fails_within_the_timeout()
     port = free_port()
     code = "import jaxzero.distributed as d; d.initialize(init_timeout=4); print('joined')"
     started = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=_torchrun_env(i, port, world=3),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=_torchrun_env(i, port, world=3),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     results = [p.communicate(timeout=120) for p in procs]
     assert time.monotonic() - started < 4 + 30
     for p, (out, err) in zip(procs, results, strict=True):
         assert p.returncode == 2 and "joined" not in out
-        assert "waited 4 s (init timeout) for WORLD_SIZE=3 processes to connect to the " \
-               f"coordinator at 127.0.0.1:{port}" in err, err[-2000:]
+        assert (
+            "waited 4 s (init timeout) for WORLD_SIZE=3 processes to connect to the "
+            f"coordinator at 127.0.0.1:{port}" in err
+        ), err[-2000:]
 
 
 @pytest.mark.slow
@@ -199,9 +277,16 @@ def test_without_a_launcher_the_survivor_stops_and_names_the_lost_rank():
     """JAX's heartbeats (JAXZERO_HEARTBEAT_TIMEOUT) end a survivor blocked in a collective."""
     port = free_port()
     env = dict(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAXZERO_HEARTBEAT_TIMEOUT="10")
-    procs = [subprocess.Popen([sys.executable, str(HERE / "_mp_loop_worker.py")],
-                              env=_torchrun_env(i, port, **env), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "_mp_loop_worker.py")],
+            env=_torchrun_env(i, port, **env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     for line in procs[0].stdout:
         if line.startswith("step 3 "):
             break
@@ -221,15 +306,22 @@ def test_world_sizes_that_differ_between_processes_are_refused():
     port = free_port()
     code = "import jaxzero.distributed as d; d.initialize(init_timeout=10); print('joined')"
     beat = {"JAXZERO_HEARTBEAT_TIMEOUT": "5"}
-    procs = [subprocess.Popen([sys.executable, "-c", code],
-                              env=_torchrun_env(i, port, world=2 + i, **beat),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=_torchrun_env(i, port, world=2 + i, **beat),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     results = [p.communicate(timeout=120) for p in procs]
     out, err = results[1]
     assert procs[1].returncode != 0 and "joined" not in out
-    assert f"WORLD_SIZE=3 but the coordinator at 127.0.0.1:{port} runs a job of 2 processes" \
-        in err, err[-2000:]
+    assert (
+        f"WORLD_SIZE=3 but the coordinator at 127.0.0.1:{port} runs a job of 2 processes" in err
+    ), err[-2000:]
 
 
 @pytest.mark.slow
@@ -250,12 +342,21 @@ def test_a_store_holding_master_port_does_not_stop_a_torchrun_job():
                 holder.close()
     holder.listen()
     try:
-        procs = [subprocess.Popen([sys.executable, str(HERE / "_mp_env_worker.py")],
-                                  env=_torchrun_env(i, port, TORCHELASTIC_RUN_ID="test",
-                                                    XLA_FLAGS="--xla_force_host_platform_"
-                                                    "device_count=2"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for i in range(2)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(HERE / "_mp_env_worker.py")],
+                env=_torchrun_env(
+                    i,
+                    port,
+                    TORCHELASTIC_RUN_ID="test",
+                    XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(2)
+        ]
         results = [p.communicate(timeout=300) for p in procs]
     finally:
         holder.close()
@@ -279,16 +380,31 @@ print("done", flush=True)
 
 def _timed_launch(how: str, survivor: str) -> tuple[int, str, dict[str, float]]:
     """Runs _EARLY on 3 ranks; (exit status, output, when each marker line first came)."""
-    proc = _launch("--nproc-per-node", "3", "--simulate-devices", "1", "--", sys.executable,
-                   "-c", _EARLY, env=_env(HOW=how, SURVIVOR_SECONDS=survivor))
+    proc = _launch(
+        "--nproc-per-node",
+        "3",
+        "--simulate-devices",
+        "1",
+        "--",
+        sys.executable,
+        "-c",
+        _EARLY,
+        env=_env(HOW=how, SURVIVOR_SECONDS=survivor),
+    )
     seen: dict[str, float] = {}
     lines: list[str] = []
 
     def watch(stream):
         for line in stream:
             lines.append(line)
-            for key in ("[rank 1] leaving", "[rank 2] leaving", "rank 1 (pid",
-                        "rank 2 (pid", "stopping the other", "[rank 0] done"):
+            for key in (
+                "[rank 1] leaving",
+                "[rank 2] leaving",
+                "rank 1 (pid",
+                "rank 2 (pid",
+                "stopping the other",
+                "[rank 0] done",
+            ):
                 if key in line:
                     seen.setdefault(key, time.monotonic())
 
@@ -335,8 +451,10 @@ def _torchrun() -> str | None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_torchrun() is None, reason="torchrun not found (install torch, or set "
-                    "JAXZERO_TORCHRUN to a torchrun executable)")
+@pytest.mark.skipif(
+    _torchrun() is None,
+    reason="torchrun not found (install torch, or set JAXZERO_TORCHRUN to a torchrun executable)",
+)
 def test_under_the_real_torchrun_train_matches_one_process(tmp_path, capsys):
     """torchrun's store holds MASTER_PORT: the coordinator moves to MASTER_PORT+1."""
     from jaxzero.train import loop as train
@@ -344,15 +462,34 @@ def test_under_the_real_torchrun_train_matches_one_process(tmp_path, capsys):
 
     args = _train_args(tmp_path, "torchrun", "--stage", "3", "--steps", "3")
     done = subprocess.run(
-        [_torchrun(), "--nproc_per_node=2", f"--master_port={free_port()}", "--no-python",
-         sys.executable, "-m", "jaxzero.cli", "train", *args],
-        env=_env(JAXZERO_SIMULATE_DEVICES="2"), capture_output=True, text=True, timeout=400)
+        [
+            _torchrun(),
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            "--no-python",
+            sys.executable,
+            "-m",
+            "jaxzero.cli",
+            "train",
+            *args,
+        ],
+        env=_env(JAXZERO_SIMULATE_DEVICES="2"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "MASTER_PORT+1" in done.stderr
-    assert train.main(_train_args(tmp_path, "single", "--stage", "3", "--steps", "3",
-                                  "--devices", "4")) == 0
+    assert (
+        train.main(
+            _train_args(tmp_path, "single", "--stage", "3", "--steps", "3", "--devices", "4")
+        )
+        == 0
+    )
     capsys.readouterr()
-    torchrun, single = (np.array([r["loss"] for r in metrics.read_jsonl(
-        tmp_path / name / metrics.METRICS_FILE)]) for name in ("torchrun", "single"))
+    torchrun, single = (
+        np.array([r["loss"] for r in metrics.read_jsonl(tmp_path / name / metrics.METRICS_FILE)])
+        for name in ("torchrun", "single")
+    )
     assert len(torchrun) == 3
     np.testing.assert_allclose(torchrun, single, rtol=1e-5, atol=0)

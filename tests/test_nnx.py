@@ -27,8 +27,9 @@ class Block(nnx.Module):
 class MLP(nnx.Module):
     """Dimensions not divisible by 8, a list of blocks, a head: the shape of the docs' MLP."""
 
-    def __init__(self, din: int, dim: int, dout: int, depth: int, rngs: nnx.Rngs,
-                 per_layer: bool = False):
+    def __init__(
+        self, din: int, dim: int, dout: int, depth: int, rngs: nnx.Rngs, per_layer: bool = False
+    ):
         self.embed = nnx.Linear(din, dim, rngs=rngs)
         self.blocks = nnx.List([Block(dim, rngs) for _ in range(depth)])
         self.head = nnx.Linear(dim, dout, rngs=rngs)
@@ -48,8 +49,13 @@ def loss_fn(model, batch):
 
 def batches(n: int = 4, rows: int = 16) -> list[dict]:
     rng = np.random.default_rng(1)
-    return [{"x": rng.standard_normal((rows, 13)).astype(np.float32),
-             "y": rng.standard_normal((rows, 5)).astype(np.float32)} for _ in range(n)]
+    return [
+        {
+            "x": rng.standard_normal((rows, 13)).astype(np.float32),
+            "y": rng.standard_normal((rows, 5)).astype(np.float32),
+        }
+        for _ in range(n)
+    ]
 
 
 def one_device(model, tx, data):
@@ -72,9 +78,15 @@ def test_nnx_model_trains_like_one_device(stage, per_layer):
     data = batches()
     ref_losses, ref_params = one_device(MLP(13, 37, 5, 2, nnx.Rngs(0), per_layer), tx, data)
 
-    engine = jaxzero.NNXEngine(MLP(13, 37, 5, 2, nnx.Rngs(0), per_layer), loss_fn, tx,
-                               mesh=jaxzero.make_mesh(8), stage=stage, per_layer=per_layer,
-                               min_shard_size=8)
+    engine = jaxzero.NNXEngine(
+        MLP(13, 37, 5, 2, nnx.Rngs(0), per_layer),
+        loss_fn,
+        tx,
+        mesh=jaxzero.make_mesh(8),
+        stage=stage,
+        per_layer=per_layer,
+        min_shard_size=8,
+    )
     state = engine.init()
     losses = []
     for b in data:
@@ -90,8 +102,9 @@ def test_init_from_never_builds_the_model_outside_the_mesh():
     """An abstract module (nnx.eval_shape) + init_from: the params are created sharded,
     and equal the ones the module would have made eagerly."""
     abstract = nnx.eval_shape(lambda: MLP(13, 37, 5, 2, nnx.Rngs(0)))
-    engine = jaxzero.NNXEngine(abstract, loss_fn, optax.sgd(0.1), mesh=jaxzero.make_mesh(8),
-                               stage=3)
+    engine = jaxzero.NNXEngine(
+        abstract, loss_fn, optax.sgd(0.1), mesh=jaxzero.make_mesh(8), stage=3
+    )
     with pytest.raises(ValueError, match="abstract"):
         engine.init()
     state = engine.init_from(lambda: MLP(13, 37, 5, 2, nnx.Rngs(0)))

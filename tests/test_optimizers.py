@@ -31,13 +31,15 @@ ELEMENTWISE = {
     "adamw_dict_mask": lambda: optax.adamw(1e-2, weight_decay=0.1, mask=DECAY),
     "masked_adam_dict": lambda: optax.chain(
         optax.masked(optax.adam(1e-2), DECAY),
-        optax.masked(optax.sgd(1e-2), {k: not v for k, v in DECAY.items()})),
+        optax.masked(optax.sgd(1e-2), {k: not v for k, v in DECAY.items()}),
+    ),
     "masked_adam_callable": lambda: optax.chain(
         optax.masked(optax.adam(1e-2), lambda p: jax.tree.map(lambda x: x.ndim == 2, p)),
-        optax.masked(optax.set_to_zero(), lambda p: jax.tree.map(lambda x: x.ndim < 2, p))),
+        optax.masked(optax.set_to_zero(), lambda p: jax.tree.map(lambda x: x.ndim < 2, p)),
+    ),
     "multi_transform": lambda: optax.multi_transform(
-        {"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2), "frozen": optax.set_to_zero()},
-        GROUPS),
+        {"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2), "frozen": optax.set_to_zero()}, GROUPS
+    ),
     "lion": lambda: optax.lion(1e-3),
     "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
 }
@@ -98,12 +100,16 @@ def test_cross_element_optimizers_match_one_device(data, name, stage):
 
 def test_optimizer_state_layouts_follow_each_leaf():
     """Moments share their param's layout; factored statistics get one of their own."""
-    tx = optax.chain(optax.masked(optax.adafactor(1e-2, min_dim_size_to_factor=8), DECAY),
-                     optax.masked(optax.adam(1e-2), {k: not v for k, v in DECAY.items()}))
+    tx = optax.chain(
+        optax.masked(optax.adafactor(1e-2, min_dim_size_to_factor=8), DECAY),
+        optax.masked(optax.adam(1e-2), {k: not v for k, v in DECAY.items()}),
+    )
     engine = jaxzero.Engine(mlp_loss, tx, mesh=jaxzero.make_mesh(N), stage=3)
     state = engine.init(mlp_params())
-    lays = {jax.tree_util.keystr(p): lay for p, lay in
-            jax.tree_util.tree_leaves_with_path(engine.opt_layouts, is_leaf=is_layout)}
+    lays = {
+        jax.tree_util.keystr(p): lay
+        for p, lay in jax.tree_util.tree_leaves_with_path(engine.opt_layouts, is_leaf=is_layout)
+    }
     rows = [lay for k, lay in lays.items() if "v_row" in k and "'w1'" in k]
     assert rows and rows[0].shape == (37,) and rows[0] is not engine.layouts["w1"]
     mu_b1 = [lay for k, lay in lays.items() if ".mu" in k and "'b1'" in k]
@@ -120,15 +126,22 @@ def _update_collectives(tx, stage):
     """Collectives XLA adds to the global-view update alone, placed as the step places it."""
     engine = jaxzero.Engine(mlp_loss, tx, mesh=jaxzero.make_mesh(N), stage=stage)
     state = engine.abstract_state(jax.eval_shape(lambda: mlp_params()))
-    named = lambda tree: jax.tree.map(lambda p: NamedSharding(engine.mesh, p), tree,
-                                      is_leaf=lambda x: isinstance(x, P))
+    named = lambda tree: jax.tree.map(
+        lambda p: NamedSharding(engine.mesh, p), tree, is_leaf=lambda x: isinstance(x, P)
+    )
     master_sh = named(master_specs(stage, engine.layouts))
-    grads = jax.tree.map(lambda lay, sh: jax.ShapeDtypeStruct(lay.padded_shape, jnp.float32,
-                                                              sharding=sh),
-                         engine.layouts, master_sh, is_leaf=is_layout)
-    update = jax.jit(lambda g, s, m: step_lib.optimizer_update(
-        engine.tx, engine.layouts, engine.opt_layouts, True, g, s, m),
-        out_shardings=(master_sh, named(engine.specs.opt_state)))
+    grads = jax.tree.map(
+        lambda lay, sh: jax.ShapeDtypeStruct(lay.padded_shape, jnp.float32, sharding=sh),
+        engine.layouts,
+        master_sh,
+        is_leaf=is_layout,
+    )
+    update = jax.jit(
+        lambda g, s, m: step_lib.optimizer_update(
+            engine.tx, engine.layouts, engine.opt_layouts, True, g, s, m
+        ),
+        out_shardings=(master_sh, named(engine.specs.opt_state)),
+    )
     hlo = update.lower(grads, state.opt_state, state.params).compile().as_text()
     return collectives_from_hlo(hlo).collectives
 
@@ -148,14 +161,23 @@ def test_l2_penalty_over_tree_leaves_is_refused_per_layer():
     model, params = gpt()
 
     def l2(p, batch):
-        return model.loss_fn(p, batch) + 1e-3 * sum(jnp.sum(x ** 2) for x in jax.tree.leaves(p))
+        return model.loss_fn(p, batch) + 1e-3 * sum(jnp.sum(x**2) for x in jax.tree.leaves(p))
 
     for stage in (2, 3):
-        engine = jaxzero.Engine(l2, optax.adam(1e-2), mesh=jaxzero.make_mesh(N), stage=stage,
-                                per_layer=True, stacked="^blocks/")
+        engine = jaxzero.Engine(
+            l2,
+            optax.adam(1e-2),
+            mesh=jaxzero.make_mesh(N),
+            stage=stage,
+            per_layer=True,
+            stacked="^blocks/",
+        )
         state = engine.init(params)
-        with pytest.raises(TypeError, match=r"(?s)only through jaxzero.use_params.*integer_pow at "
-                                            r".*test_optimizers.py.*'blocks/fc/kernel'"):
+        with pytest.raises(
+            TypeError,
+            match=r"(?s)only through jaxzero.use_params.*integer_pow at "
+            r".*test_optimizers.py.*'blocks/fc/kernel'",
+        ):
             engine.step(state, gpt_batches(1)[0])
     # coarse mode gathers the whole tree itself: the same loss trains right
     ref_losses, _ = train_reference(l2, params, gpt_batches(3), optax.adam(1e-2))
@@ -173,8 +195,9 @@ def test_reparametrisation_before_use_params_is_refused():
         return jnp.mean((jnp.tanh(b["x"] @ layer["w"]) - b["y"]) ** 2)
 
     params = {"layer": {"w": np.eye(D, dtype=np.float32)}}
-    engine = jaxzero.Engine(loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(N), stage=3,
-                            per_layer=True)
+    engine = jaxzero.Engine(
+        loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(N), stage=3, per_layer=True
+    )
     state = engine.init(params)
     batch = {"x": np.ones((8, D), np.float32), "y": np.zeros((8, D), np.float32)}
     with pytest.raises(TypeError, match=r"logistic at .*: 'layer/w'"):
@@ -185,7 +208,7 @@ def test_indexing_stacked_layers_before_use_params_is_allowed():
     """A Python loop over stacked layers (``x[i]`` on each leaf) is a view, not a use."""
     L, D = 3, 64
     rng = np.random.default_rng(0)
-    params = {"w": (rng.standard_normal((L, D, D)) / D ** 0.5).astype(np.float32)}
+    params = {"w": (rng.standard_normal((L, D, D)) / D**0.5).astype(np.float32)}
 
     def loss(p, b):
         h = b["x"]
@@ -194,10 +217,16 @@ def test_indexing_stacked_layers_before_use_params_is_allowed():
             h = jnp.tanh(h @ layer["w"])
         return jnp.mean((h - b["y"]) ** 2)
 
-    batches = [{"x": rng.standard_normal((16, D)).astype(np.float32),
-                "y": rng.standard_normal((16, D)).astype(np.float32)} for _ in range(3)]
+    batches = [
+        {
+            "x": rng.standard_normal((16, D)).astype(np.float32),
+            "y": rng.standard_normal((16, D)).astype(np.float32),
+        }
+        for _ in range(3)
+    ]
     ref_losses, ref_params = train_reference(loss, params, batches, optax.adam(1e-2))
-    engine = jaxzero.Engine(loss, optax.adam(1e-2), mesh=jaxzero.make_mesh(N), stage=3,
-                            per_layer=True, stacked="^w")
+    engine = jaxzero.Engine(
+        loss, optax.adam(1e-2), mesh=jaxzero.make_mesh(N), stage=3, per_layer=True, stacked="^w"
+    )
     losses, final, _ = train_engine(engine, params, batches)
     assert rel_diff(losses, ref_losses) <= 1e-5 and rel_diff(final, ref_params) <= 1e-5

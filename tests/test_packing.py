@@ -13,9 +13,17 @@ from jaxzero.models.common import positions
 from jaxzero.models.llama import Llama, LlamaConfig
 from tests._models import gpt
 
-LLAMA = Llama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          seq_len=16))
+LLAMA = Llama(
+    LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        seq_len=16,
+    )
+)
 
 
 def _models():
@@ -43,8 +51,9 @@ def test_packing_another_document_before_changes_no_logits(name):
 
 def test_positions_restart_at_each_segment():
     seg = jnp.array([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5]])
-    np.testing.assert_array_equal(positions(seg, seg),
-                                  [[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7]])
+    np.testing.assert_array_equal(
+        positions(seg, seg), [[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7]]
+    )
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])

@@ -22,11 +22,34 @@ TINY = str(ROOT / "experiments" / "configs" / "tiny.yaml")
 
 
 def _train(root: Path, name: str, *extra: str) -> int:
-    return cli.main(["train", "--config", TINY, "--name", name, "--devices", "2",
-                     "--set", f"logging.root={root}", "--set", "logging.eval_every=100",
-                     "--set", "logging.sample_tokens=0", "--set", "logging.log_every=1",
-                     "--set", "logging.tensorboard=false", "--set", "data.max_bytes=60000",
-                     "--set", "model.d_model=32", "--set", "model.seq_len=32", *extra])
+    return cli.main(
+        [
+            "train",
+            "--config",
+            TINY,
+            "--name",
+            name,
+            "--devices",
+            "2",
+            "--set",
+            f"logging.root={root}",
+            "--set",
+            "logging.eval_every=100",
+            "--set",
+            "logging.sample_tokens=0",
+            "--set",
+            "logging.log_every=1",
+            "--set",
+            "logging.tensorboard=false",
+            "--set",
+            "data.max_bytes=60000",
+            "--set",
+            "model.d_model=32",
+            "--set",
+            "model.seq_len=32",
+            *extra,
+        ]
+    )
 
 
 def _records(run: Path) -> dict[int, dict]:
@@ -137,11 +160,29 @@ def test_ctrl_c_during_start_up_stops_at_once_and_keeps_nothing(tmp_path, reused
     if reused:
         (run / "checkpoints" / "4").mkdir(parents=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxzero.cli", "train", "--config", TINY, "--name", "early",
-         "--devices", "2", "--set", f"logging.root={tmp_path / 'runs'}",
-         "--set", "logging.overwrite=true", "--set", "data.max_bytes=60000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "jaxzero.cli",
+            "train",
+            "--config",
+            TINY,
+            "--name",
+            "early",
+            "--devices",
+            "2",
+            "--set",
+            f"logging.root={tmp_path / 'runs'}",
+            "--set",
+            "logging.overwrite=true",
+            "--set",
+            "data.max_bytes=60000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     for line in proc.stdout:
         if line.startswith("  mesh "):  # the banner's last line: the first step compiles next
             sent = time.monotonic()

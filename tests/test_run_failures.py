@@ -18,29 +18,40 @@ from jaxzero.train import metrics
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "experiments" / "configs" / "tiny.yaml")
-TRAIN = (f"{sys.executable} -m jaxzero.cli train --config {TINY} --devices 2 "
-         "--set logging.sample_tokens=0 --set logging.tensorboard=true --set logging.log_every=1 "
-         "--set logging.eval_every=1000 --set data.max_bytes=60000 --set model.d_model=32 "
-         "--set model.seq_len=32")
+TRAIN = (
+    f"{sys.executable} -m jaxzero.cli train --config {TINY} --devices 2 "
+    "--set logging.sample_tokens=0 --set logging.tensorboard=true --set logging.log_every=1 "
+    "--set logging.eval_every=1000 --set data.max_bytes=60000 --set model.d_model=32 "
+    "--set model.seq_len=32"
+)
 
 
 def _namespaces() -> bool:
     """A user and mount namespace of our own, where a small tmpfs is a real full disk."""
     if shutil.which("unshare") is None:
         return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"],
-                           capture_output=True)
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True
+    )
     return probe.returncode == 0
 
 
-needs_tmpfs = pytest.mark.skipif(not _namespaces(), reason="needs unshare -rm and tmpfs "
-                                 "mounts (user namespaces) to make a small real disk")
+needs_tmpfs = pytest.mark.skipif(
+    not _namespaces(),
+    reason="needs unshare -rm and tmpfs mounts (user namespaces) to make a small real disk",
+)
 
 
 def _in_namespace(script: str, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(["unshare", "-rm", "sh", "-ec", script], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-ec", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -48,13 +59,16 @@ def _in_namespace(script: str, tmp_path: Path) -> None:
 def test_a_full_disk_ends_in_one_line_and_the_previous_checkpoint_is_intact(tmp_path):
     disk = tmp_path / "disk"  # two checkpoints (~0.53 MiB each) fit on 1.5 MiB
     disk.mkdir()
-    _in_namespace(f"""
+    _in_namespace(
+        f"""
         mount -t tmpfs -o size=1536k tmpfs {disk}
         {TRAIN} --name full --set logging.root={tmp_path} --set checkpoint.dir={disk}/ck \
             --set checkpoint.every=2 --steps 12 >out1 2>err1 || echo $? >rc1
         {sys.executable} -m jaxzero.cli export {tmp_path}/full --out {tmp_path}/x >out2 2>err2 \
             || echo $? >rc2
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     err = (tmp_path / "err1").read_text()
     assert (tmp_path / "rc1").read_text().strip() == "1", err
     assert err.count("\n") == 1, err  # one line: no orbax, asyncio or absl echoes
@@ -63,8 +77,10 @@ def test_a_full_disk_ends_in_one_line_and_the_previous_checkpoint_is_intact(tmp_
     latest = int(err.split("the latest complete checkpoint is step ")[1].split()[0])
     # that checkpoint is complete and intact (export verifies every leaf's fingerprint)
     assert not (tmp_path / "rc2").exists(), (tmp_path / "err2").read_text()
-    assert f"checkpoint of step {latest} ({disk / 'ck' / str(latest)})" in (
-        tmp_path / "err2").read_text()
+    assert (
+        f"checkpoint of step {latest} ({disk / 'ck' / str(latest)})"
+        in (tmp_path / "err2").read_text()
+    )
 
 
 @needs_tmpfs
@@ -73,14 +89,17 @@ def test_a_disk_filled_under_a_running_run_ends_it_in_one_line(tmp_path):
     TensorBoard write fails, and says which file and why."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    _in_namespace(f"""
+    _in_namespace(
+        f"""
         mount -t tmpfs -o size=8m tmpfs {disk}
         {TRAIN} --name filled --set logging.root={disk} --steps 3000 >out 2>err &
         pid=$!
         until grep -q "step  *5/" out 2>/dev/null; do sleep 0.05; done
         dd if=/dev/zero of={disk}/filler bs=64k 2>/dev/null || true
         wait $pid || echo $? >rc
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     err = (tmp_path / "err").read_text()
     assert (tmp_path / "rc").read_text().strip() == "1", err
     assert err.count("\n") == 1, err
@@ -103,11 +122,13 @@ def test_a_write_that_fails_names_its_file(tmp_path):
 
 def test_metrics_and_tensorboard_keep_every_step_when_killed(tmp_path):
     """Each record is on disk when write() returns: SIGKILL loses nothing logged."""
-    script = (f"from pathlib import Path\nfrom jaxzero.train import metrics\n"
-              f"w = metrics.MetricsWriter(Path({str(tmp_path)!r}))\n"
-              "for step in range(1, 51):\n"
-              "    w.write({'step': step, 'loss': 1.0 / step})\n"
-              "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    script = (
+        f"from pathlib import Path\nfrom jaxzero.train import metrics\n"
+        f"w = metrics.MetricsWriter(Path({str(tmp_path)!r}))\n"
+        "for step in range(1, 51):\n"
+        "    w.write({'step': step, 'loss': 1.0 / step})\n"
+        "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == -signal.SIGKILL, done.stderr
     assert len(metrics.read_jsonl(tmp_path / metrics.METRICS_FILE)) == 50
@@ -119,8 +140,8 @@ def test_metrics_and_tensorboard_keep_every_step_when_killed(tmp_path):
     while data:  # TFRecord: length (8), its crc (4), the Event, its crc (4), as TensorBoard reads
         n = int.from_bytes(data[:8], "little")
         assert int.from_bytes(data[8:12], "little") == masked_crc32c(data[:8])
-        assert int.from_bytes(data[12 + n:16 + n], "little") == masked_crc32c(data[12:12 + n])
-        event = Event.FromString(data[12:12 + n])
-        data = data[16 + n:]
+        assert int.from_bytes(data[12 + n : 16 + n], "little") == masked_crc32c(data[12 : 12 + n])
+        event = Event.FromString(data[12 : 12 + n])
+        data = data[16 + n :]
         steps += [event.step for v in event.summary.value if v.tag == "loss"]
     assert steps == list(range(1, 51))

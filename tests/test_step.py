@@ -16,10 +16,12 @@ N = 8
 
 def _collectives(stage, precision="fp32"):
     model, params = gpt()
-    engine = model.engine(optax.adamw(1e-3), mesh=jaxzero.make_mesh(N), stage=stage,
-                          precision=precision)
-    compiled = engine.compile(engine.abstract_state(jax.eval_shape(lambda: params)),
-                              gpt_batches(1)[0])
+    engine = model.engine(
+        optax.adamw(1e-3), mesh=jaxzero.make_mesh(N), stage=stage, precision=precision
+    )
+    compiled = engine.compile(
+        engine.abstract_state(jax.eval_shape(lambda: params)), gpt_batches(1)[0]
+    )
     found = {}
     for c in collectives_from_hlo(compiled.as_text()).collectives:
         if max(b.elements for b in c.buffers) > 1:  # ignore the scalar loss / norm
@@ -54,8 +56,12 @@ def test_collectives_per_stage(stage):
 
 def _peak(compiled) -> int:
     m = compiled.memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
 
 
 def test_peak_memory_decreases_with_stage():
@@ -79,10 +85,19 @@ def _device0_bytes(tree) -> int:
 def test_persistent_bytes_match_formulas(stage, precision):
     """Design doc: params 4|2 B, master 0|4 B, Adam moments 8 B per param, / N when sharded."""
     rng = np.random.default_rng(0)  # no dimension divides by 8: padding is counted
-    params = {"w1": rng.standard_normal((97, 515)), "b1": np.zeros(515),
-              "w2": rng.standard_normal((515, 301)), "b2": np.zeros(301)}
-    engine = jaxzero.Engine(lambda p, b: 0.0, optax.adam(1e-3), mesh=jaxzero.make_mesh(N),
-                            stage=stage, precision=precision)
+    params = {
+        "w1": rng.standard_normal((97, 515)),
+        "b1": np.zeros(515),
+        "w2": rng.standard_normal((515, 301)),
+        "b2": np.zeros(301),
+    }
+    engine = jaxzero.Engine(
+        lambda p, b: 0.0,
+        optax.adam(1e-3),
+        mesh=jaxzero.make_mesh(N),
+        stage=stage,
+        precision=precision,
+    )
     state = engine.init(jax.tree.map(lambda x: x.astype(np.float32), params))
     psi = engine.num_params
     param_bytes = 4 if precision == "fp32" else 2
@@ -91,8 +106,11 @@ def test_persistent_bytes_match_formulas(stage, precision):
         "master": 0 if precision == "fp32" else 4 * psi / (N if stage >= 1 else 1),
         "opt_state": 8 * psi / (N if stage >= 1 else 1),
     }
-    got = {"params": _device0_bytes(state.params), "master": _device0_bytes(state.master),
-           "opt_state": _device0_bytes(state.opt_state)}
+    got = {
+        "params": _device0_bytes(state.params),
+        "master": _device0_bytes(state.master),
+        "opt_state": _device0_bytes(state.opt_state),
+    }
     for part, w in want.items():
         if w == 0:
             assert got[part] == 0

@@ -19,8 +19,10 @@ from jaxzero.train import data as data_lib
 from jaxzero.train.config import DataConfig
 
 WORDS = "the cat dog sat on mat ran fast slow big small red blue a and or not is was".split()
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def sentence(rng: np.random.Generator, n: int) -> str:
@@ -37,13 +39,17 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     raw = Raw(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     raw.train_from_iterator([sentence(rng, 20) for _ in range(300)], trainer)
     out = tmp_path_factory.mktemp("tok")
     raw.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|endoftext|>", "chat_template": TEMPLATE}))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "chat_template": TEMPLATE})
+    )
     return out
 
 
@@ -67,15 +73,30 @@ def test_tokenizer_round_trips_text_and_finds_its_eos(tokenizer_dir, tmp_path):
 
 def test_store_tokenizes_documents_once_with_prompt_masks(tokenizer_dir, tmp_path):
     tok = Tokenizer.load(tokenizer_dir)
-    rows = [{"text": "the cat sat"}, {"prompt": "Q: a dog?", "completion": " ran fast"},
-            {"messages": [{"role": "user", "content": "red or blue"},
-                          {"role": "assistant", "content": "blue"}]}]
+    rows = [
+        {"text": "the cat sat"},
+        {"prompt": "Q: a dog?", "completion": " ran fast"},
+        {
+            "messages": [
+                {"role": "user", "content": "red or blue"},
+                {"role": "assistant", "content": "blue"},
+            ]
+        },
+    ]
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     store = store_lib.build(data, tok, progress=False)
     eos = tok.eos_id
     chat_prompt = "<|user|>red or blue\n<|assistant|>"
-    want = (tok.encode("the cat sat") + [eos] + tok.encode("Q: a dog?") + tok.encode(" ran fast")
-            + [eos] + tok.encode(chat_prompt) + tok.encode("blue") + [eos])
+    want = (
+        tok.encode("the cat sat")
+        + [eos]
+        + tok.encode("Q: a dog?")
+        + tok.encode(" ran fast")
+        + [eos]
+        + tok.encode(chat_prompt)
+        + tok.encode("blue")
+        + [eos]
+    )
     np.testing.assert_array_equal(store.tokens, want)
     n1, n2 = len(tok.encode("the cat sat")) + 1, len(tok.encode("Q: a dog?"))
     n3 = len(tok.encode(" ran fast")) + 1
@@ -87,8 +108,9 @@ def test_store_tokenizes_documents_once_with_prompt_masks(tokenizer_dir, tmp_pat
 
     again = store_lib.build(data, tok, progress=False)  # cached: the same files, not rebuilt
     assert again.path == store.path
-    assert (store.path / "tokens.bin").stat().st_mtime_ns == \
-        (again.path / "tokens.bin").stat().st_mtime_ns
+    assert (store.path / "tokens.bin").stat().st_mtime_ns == (
+        again.path / "tokens.bin"
+    ).stat().st_mtime_ns
     host, root = socket.gethostname(), store.path.parent
     killed = root / f".{store.path.name}.partial-{host}-{2**22 + 12345}"  # no such pid
     alive = root / f".{store.path.name}.partial-{host}-{os.getppid()}"  # a build under way
@@ -116,8 +138,13 @@ def test_packed_windows_carry_segments_and_the_loss_mask():
 
 def test_corpus_from_a_tokenizer_and_how_much_packing_saves(tokenizer_dir, tmp_path):
     rng = np.random.default_rng(1)
-    rows = [{"prompt": "Q: " + sentence(rng, int(rng.integers(2, 8))),
-             "completion": " " + sentence(rng, int(rng.integers(1, 12)))} for _ in range(200)]
+    rows = [
+        {
+            "prompt": "Q: " + sentence(rng, int(rng.integers(2, 8))),
+            "completion": " " + sentence(rng, int(rng.integers(1, 12))),
+        }
+        for _ in range(200)
+    ]
     data = write_jsonl(tmp_path / "sft.jsonl", rows)
     cfg = DataConfig(path=str(data), tokenizer=str(tokenizer_dir), val_fraction=0.1)
     corpus = data_lib.load_corpus(cfg)
@@ -130,38 +157,70 @@ def test_corpus_from_a_tokenizer_and_how_much_packing_saves(tokenizer_dir, tmp_p
     store = store_lib.build(data, Tokenizer.load(tokenizer_dir), progress=False)
     unpacked = store_lib.real_fraction(store, 32)
     assert 0.2 < unpacked < 0.8  # short pairs padded to 33 tokens; packed windows: 1.0
-    with pytest.raises(data_lib.DataError, match=r"vocabulary \(300\) is larger than "
-                       r"model.vocab_size=256"):
+    with pytest.raises(
+        data_lib.DataError,
+        match=r"vocabulary \(300\) is larger than "
+        r"model.vocab_size=256",
+    ):
         data_lib.load_corpus(cfg, vocab_size=256)
 
 
-@pytest.mark.parametrize("line,match", [
-    ("{\"text\": \"ok\"}\n{not json\n", r"bad.jsonl:2: not JSON"),
-    ("{\"txt\": \"typo\"}\n", r"bad.jsonl:1: needs a string 'text'.*found txt"),
-    ("[1, 2]\n", r"bad.jsonl:1: a line must be a JSON object"),
-    ("\n\n", r"no documents in"),
-    ("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n", "ending with an assistant"),
-])
+@pytest.mark.parametrize(
+    "line,match",
+    [
+        ('{"text": "ok"}\n{not json\n', r"bad.jsonl:2: not JSON"),
+        ('{"txt": "typo"}\n', r"bad.jsonl:1: needs a string 'text'.*found txt"),
+        ("[1, 2]\n", r"bad.jsonl:1: a line must be a JSON object"),
+        ("\n\n", r"no documents in"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}\n', "ending with an assistant"),
+    ],
+)
 def test_bad_lines_are_named_by_file_and_line(tokenizer_dir, tmp_path, line, match):
     (tmp_path / "bad.jsonl").write_text(line)
     cfg = DataConfig(path=str(tmp_path / "bad.jsonl"), tokenizer=str(tokenizer_dir))
     with pytest.raises(data_lib.DataError, match=match) as e:
         data_lib.load_corpus(cfg)
     assert "\n" not in str(e.value)
-    assert not any(p.name.startswith(".") for p in (tmp_path / "bad.jsonl.jaxzero-tokens")
-                   .iterdir()), "no partial store left behind"
+    assert not any(
+        p.name.startswith(".") for p in (tmp_path / "bad.jsonl.jaxzero-tokens").iterdir()
+    ), "no partial store left behind"
 
 
 def test_train_on_jsonl_with_a_tokenizer_and_sample_with_it(tokenizer_dir, tmp_path, capsys):
     rng = np.random.default_rng(2)
     rows = [{"text": sentence(rng, int(rng.integers(5, 30)))} for _ in range(150)]
     data = write_jsonl(tmp_path / "docs.jsonl", rows)
-    argv = ["train", "--tokenizer", str(tokenizer_dir), "--data", str(data),
-            "--set", "model.arch=llama", "--set", "model.d_model=32", "--set", "model.n_layers=1",
-            "--set", "model.seq_len=16", "--set", "train.steps=2", "--set", "train.batch_size=8",
-            "--set", "logging.eval_every=2", "--set", "logging.sample_tokens=0",
-            "--set", "checkpoint.every=2", "--set", f"logging.root={tmp_path}",
-            "--name", "tok", "--devices", "2"]
+    argv = [
+        "train",
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--data",
+        str(data),
+        "--set",
+        "model.arch=llama",
+        "--set",
+        "model.d_model=32",
+        "--set",
+        "model.n_layers=1",
+        "--set",
+        "model.seq_len=16",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "logging.eval_every=2",
+        "--set",
+        "logging.sample_tokens=0",
+        "--set",
+        "checkpoint.every=2",
+        "--set",
+        f"logging.root={tmp_path}",
+        "--name",
+        "tok",
+        "--devices",
+        "2",
+    ]
     assert cli.main(argv) == 0
     capsys.readouterr()
     assert cli.main(["sample", str(tmp_path / "tok"), "--prompt", "the cat", "--tokens", "5"]) == 0
@@ -182,23 +241,52 @@ def test_packing_off_gives_each_document_a_padded_row():
 
 def test_packing_off_trains_and_says_what_it_cut(tokenizer_dir, tmp_path, capsys):
     rng = np.random.default_rng(3)
-    rows = [{"prompt": sentence(rng, 3), "completion": " " + sentence(rng, int(n))}
-            for n in rng.integers(1, 40, 60)]
+    rows = [
+        {"prompt": sentence(rng, 3), "completion": " " + sentence(rng, int(n))}
+        for n in rng.integers(1, 40, 60)
+    ]
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     cfg = DataConfig(path=str(data), tokenizer=str(tokenizer_dir), packing=False)
     corpus = data_lib.load_corpus(cfg)
     assert corpus.train_docs is not None and corpus.val_docs[0, 0] == 0  # val starts a doc
-    loader = data_lib.Loader(corpus.train, 16, 4, 0, mask=corpus.train_mask, eos=corpus.eos,
-                             docs=corpus.train_docs)
+    loader = data_lib.Loader(
+        corpus.train, 16, 4, 0, mask=corpus.train_mask, eos=corpus.eos, docs=corpus.train_docs
+    )
     batch = loader.batch(0)
     assert batch["inputs"].shape == (4, 16) and (batch["loss_mask"] <= 1).all()
-    argv = ["train", "--tokenizer", str(tokenizer_dir), "--data", str(data),
-            "--set", "data.packing=false", "--set", "model.arch=llama",
-            "--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "model.seq_len=16",
-            "--set", "train.steps=1", "--set", "train.batch_size=4", "--set",
-            "logging.eval_every=1", "--set", "logging.eval_batches=1", "--set",
-            "logging.sample_tokens=0", "--set", f"logging.root={tmp_path}", "--name", "unpacked",
-            "--devices", "2"]
+    argv = [
+        "train",
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--data",
+        str(data),
+        "--set",
+        "data.packing=false",
+        "--set",
+        "model.arch=llama",
+        "--set",
+        "model.d_model=32",
+        "--set",
+        "model.n_layers=1",
+        "--set",
+        "model.seq_len=16",
+        "--set",
+        "train.steps=1",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "logging.eval_every=1",
+        "--set",
+        "logging.eval_batches=1",
+        "--set",
+        "logging.sample_tokens=0",
+        "--set",
+        f"logging.root={tmp_path}",
+        "--name",
+        "unpacked",
+        "--devices",
+        "2",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "packing off:" in out and "train documents cut at 17 tokens" in out
@@ -216,8 +304,9 @@ def test_a_long_text_file_is_one_document_read_in_pieces(tokenizer_dir, tmp_path
     assert store.meta["documents"] == 2 and store.mask is None
     whole = tok.encode("".join(lines))
     np.testing.assert_array_equal(store.tokens[: len(whole) + 1], whole + [tok.eos_id])
-    np.testing.assert_array_equal(np.load(store.path / "lengths.npy"),
-                                  [len(whole) + 1, len(tok.encode("the end\n")) + 1])
+    np.testing.assert_array_equal(
+        np.load(store.path / "lengths.npy"), [len(whole) + 1, len(tok.encode("the end\n")) + 1]
+    )
 
 
 def test_chat_templates_render_as_transformers_renders_them(tokenizer_dir, tmp_path):
@@ -226,20 +315,27 @@ def test_chat_templates_render_as_transformers_renders_them(tokenizer_dir, tmp_p
 
     tok_dir = tmp_path / "tok"
     shutil.copytree(tokenizer_dir, tok_dir)
-    template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}"
-                "{% endif %}\n{% for m in messages %}\n  {{ m['content'] }}{{ eos_token }}\n"
-                "{% endfor %}")
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|endoftext|>", "chat_template": template}))
+    template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}"
+        "{% endif %}\n{% for m in messages %}\n  {{ m['content'] }}{{ eos_token }}\n"
+        "{% endfor %}"
+    )
+    (tok_dir / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "chat_template": template})
+    )
     tok = Tokenizer.load(tok_dir)
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "red"}]
-    store = store_lib.build(write_jsonl(tmp_path / "c.jsonl", [{"messages": chat}]), tok,
-                            progress=False)
+    store = store_lib.build(
+        write_jsonl(tmp_path / "c.jsonl", [{"messages": chat}]), tok, progress=False
+    )
     # trim_blocks ate the newlines after the tags; the indent before {{ stays
     want = tok.encode("  hi<|endoftext|>\n") + tok.encode("red") + [tok.eos_id]
     np.testing.assert_array_equal(store.tokens, want)
     system = [{"role": "system", "content": "x"}] + chat
     write_jsonl(tmp_path / "s.jsonl", [{"messages": system}])
-    with pytest.raises(store_lib.StoreError, match="s.jsonl:1: the chat template failed "
-                       r"\(no system\)"):
+    with pytest.raises(
+        store_lib.StoreError,
+        match="s.jsonl:1: the chat template failed "
+        r"\(no system\)",
+    ):
         store_lib.build(tmp_path / "s.jsonl", tok, progress=False)

@@ -65,8 +65,7 @@ def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
     ``(index // pre) % size`` of that axis. Within a group, devices are ordered by the
     listed axes' digits in the order listed.
     """
-    m = re.fullmatch(r"mesh\[([^\]]*)\](?:,\s*device_ids=\((.*)\))?\s*\{([^{}]*)\}",
-                     text.strip())
+    m = re.fullmatch(r"mesh\[([^\]]*)\](?:,\s*device_ids=\((.*)\))?\s*\{([^{}]*)\}", text.strip())
     if not m:
         raise ValueError(f"cannot parse replica groups {text!r}")
     names, sizes = [], []
@@ -78,8 +77,9 @@ def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
         ids = np.arange(math.prod(sizes))
     else:
         iota = _iota(m.group(2))
-        ids = iota if iota is not None else np.array([int(x) for x in re.findall(r"\d+",
-                                                                                   m.group(2))])
+        ids = (
+            iota if iota is not None else np.array([int(x) for x in re.findall(r"\d+", m.group(2))])
+        )
     ids = ids.reshape(sizes)
     digits = []  # (mesh axis, pre, size) of each listed (sub-)axis, in order
     for ref in filter(None, (r.strip() for r in m.group(3).split(","))):
@@ -87,8 +87,7 @@ def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
         if not rm or rm.group(1) not in names:
             raise ValueError(f"cannot parse replica groups {text!r}: axis {ref!r}")
         i = names.index(rm.group(1))
-        digits.append((i, int(rm.group(2)), int(rm.group(3))) if rm.group(2)
-                      else (i, 1, sizes[i]))
+        digits.append((i, int(rm.group(2)), int(rm.group(3))) if rm.group(2) else (i, 1, sizes[i]))
     groups: dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]] = {}
     for pos in np.ndindex(*sizes):
         own = [((pos[i] // pre) % size) for i, pre, size in digits]
@@ -242,8 +241,10 @@ def _widening_converts(
 
 
 def _is_narrower_float(src: str, dst: str) -> bool:
-    return src.startswith(_FLOATS) and dst.startswith(_FLOATS) and (
-        dtype_bytes(src) < dtype_bytes(dst)
+    return (
+        src.startswith(_FLOATS)
+        and dst.startswith(_FLOATS)
+        and (dtype_bytes(src) < dtype_bytes(dst))
     )
 
 
@@ -362,11 +363,13 @@ def collectives_from_hlo(text: str) -> HloCollectives:
                 gm = _GROUPS_RE.search(ins.attrs)
                 if gm is None and "replica_groups=" in ins.attrs:  # a form we do not know
                     at = ins.attrs.index("replica_groups=")
-                    raise ValueError(f"{ins.name}: cannot parse replica groups in "
-                                     f"{ins.attrs[at:at + 120]!r}")
+                    raise ValueError(
+                        f"{ins.name}: cannot parse replica groups in {ins.attrs[at : at + 120]!r}"
+                    )
                 groups = (
                     parse_replica_groups(gm.group(1), num_devices)
-                    if gm else (tuple(range(num_devices)),)
+                    if gm
+                    else (tuple(range(num_devices)),)
                 )
                 size = len(groups[0])
             n_runs = runs.get(comp, 0)
@@ -436,8 +439,11 @@ class Traffic:
     by_scope_logical: dict[str, float] = field(default_factory=dict)
 
 
-def traffic(collectives: list[Collective], scalar_elements: int = SCALAR_ELEMENTS,
-            group_size: int | None = None) -> Traffic:
+def traffic(
+    collectives: list[Collective],
+    scalar_elements: int = SCALAR_ELEMENTS,
+    group_size: int | None = None,
+) -> Traffic:
     """Sum ring bytes × runs per step, splitting scalar buffers from the real traffic.
 
     ``group_size``: devices per group of a hybrid mesh, to split traffic by
@@ -461,5 +467,4 @@ def traffic(collectives: list[Collective], scalar_elements: int = SCALAR_ELEMENT
                 by_scope[where] += sent
                 by_scope_logical[where] += c.runs * c.wire_bytes(nb)
     runs = sum(c.runs for c in collectives)
-    return Traffic(big, small, by_kind, len(collectives), runs, logical, by_scope,
-                   by_scope_logical)
+    return Traffic(big, small, by_kind, len(collectives), runs, logical, by_scope, by_scope_logical)

@@ -86,7 +86,9 @@ def precision_bytes(precision: str = "mixed", optimizer: str = "adam") -> Precis
         )
     width, has_master = PRECISIONS[precision]
     return Precision(
-        param=width, grad=width, master=4.0 if has_master else 0.0,
+        param=width,
+        grad=width,
+        master=4.0 if has_master else 0.0,
         optimizer=OPTIMIZER_BYTES[optimizer],
     )
 
@@ -127,9 +129,7 @@ class ModelStates:
         return self.persistent + self.grads
 
 
-def model_state_bytes(
-    psi: float, n: int, stage: int, prec: Precision | None = None
-) -> ModelStates:
+def model_state_bytes(psi: float, n: int, stage: int, prec: Precision | None = None) -> ModelStates:
     """Per-device model-state bytes: docs/zero.md's memory table.
 
     Stage 1 shards the optimizer state (and master), stage 2 also the gradients,
@@ -154,9 +154,7 @@ def model_state_bytes(
     )
 
 
-def max_params(
-    device_bytes: float, n: int, stage: int, prec: Precision | None = None
-) -> float:
+def max_params(device_bytes: float, n: int, stage: int, prec: Precision | None = None) -> float:
     """Largest Ψ whose model states (with gradients) fit in ``device_bytes`` per device.
 
     The inverse of :func:`model_state_bytes`, ignoring activations and buffers, as the
@@ -459,8 +457,13 @@ def estimate(
     if shape is not None:
         act = activation_bytes(shape, micro_batch, remat, fused_attention, prec.param)
     out = Estimate(
-        num_params=float(num_params), devices=devices, device_memory=float(device_memory),
-        precision=precision, optimizer=optimizer, k=prec.k, micro_batches=micro_batches,
+        num_params=float(num_params),
+        devices=devices,
+        device_memory=float(device_memory),
+        precision=precision,
+        optimizer=optimizer,
+        k=prec.k,
+        micro_batches=micro_batches,
         activations=act,
     )
     for stage in STAGES:
@@ -469,10 +472,19 @@ def estimate(
         total = ms.total + (act.total if act else 0.0)
         out.stages.append(
             StageEstimate(
-                stage=stage, name=STAGE_NAMES[stage], params=ms.params, grads=ms.grads,
-                master=ms.master, optimizer=ms.optimizer, persistent=ms.persistent,
-                model_states=ms.total, activations=act.total if act else None, total=total,
-                fits=total <= device_memory, comm_grad=comm.grad, comm_param=comm.param,
+                stage=stage,
+                name=STAGE_NAMES[stage],
+                params=ms.params,
+                grads=ms.grads,
+                master=ms.master,
+                optimizer=ms.optimizer,
+                persistent=ms.persistent,
+                model_states=ms.total,
+                activations=act.total if act else None,
+                total=total,
+                fits=total <= device_memory,
+                comm_grad=comm.grad,
+                comm_param=comm.param,
                 comm_total=comm.total,
                 max_params=max_params(device_memory, devices, stage, prec),
             )
@@ -497,8 +509,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Per-device memory and communication of ZeRO stages 0-3 (GB = 1e9 bytes).",
     )
     p.add_argument("--params", type=str, help="parameter count, e.g. 7.5e9, 7.5B, 350M")
-    p.add_argument("--config", metavar="YAML", help="a jaxzero train config: its model (GPT or "
-                   "Llama, counted exactly), batch, precision, remat and devices")
+    p.add_argument(
+        "--config",
+        metavar="YAML",
+        help="a jaxzero train config: its model (GPT or "
+        "Llama, counted exactly), batch, precision, remat and devices",
+    )
     g = p.add_argument_group("GPT shape (instead of --params; also gives activation memory)")
     g.add_argument("--layers", type=int)
     g.add_argument("--d-model", type=int)
@@ -531,21 +547,29 @@ def _from_config(args: argparse.Namespace) -> Estimate:
     cfg = config_lib.resolve(args.config, [])
     m = cfg.model
     if m.vocab_size is None:
-        raise ValueError(f"{args.config}: model.vocab_size is needed (it is otherwise taken "
-                         "from the data)")
+        raise ValueError(
+            f"{args.config}: model.vocab_size is needed (it is otherwise taken from the data)"
+        )
     model = from_fields(dataclasses.asdict(m))
-    psi = float(sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init,
-                                                                    jax.random.key(0)))))
+    psi = float(sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0)))))
     devices = cfg.parallel.devices or args.devices
     shape = GPTShape(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len)
     rows = cfg.train.batch_size // (devices * cfg.parallel.micro_batches)
     if rows < 1:
-        raise ValueError(f"train.batch_size {cfg.train.batch_size} gives no rows per device "
-                         f"on {devices} devices x {cfg.parallel.micro_batches} micro-batches")
+        raise ValueError(
+            f"train.batch_size {cfg.train.batch_size} gives no rows per device "
+            f"on {devices} devices x {cfg.parallel.micro_batches} micro-batches"
+        )
     return estimate(
-        psi, devices, args.device_memory * GB,
-        "mixed" if cfg.precision.compute == "bf16" else "fp32", args.optimizer, shape,
-        rows, cfg.parallel.micro_batches, "full" if m.remat == "full" else "none",
+        psi,
+        devices,
+        args.device_memory * GB,
+        "mixed" if cfg.precision.compute == "bf16" else "fp32",
+        args.optimizer,
+        shape,
+        rows,
+        cfg.parallel.micro_batches,
+        "full" if m.remat == "full" else "none",
         args.fused_attention,
     )
 
@@ -575,8 +599,16 @@ def _from_args(args: argparse.Namespace) -> Estimate:
     if not math.isfinite(args.device_memory) or args.device_memory <= 0:
         raise ValueError(f"--device-memory must be positive, got {args.device_memory}")
     return estimate(
-        psi, args.devices, args.device_memory * GB, args.precision, args.optimizer, shape,
-        args.micro_batch, args.micro_batches, args.remat, args.fused_attention,
+        psi,
+        args.devices,
+        args.device_memory * GB,
+        args.precision,
+        args.optimizer,
+        shape,
+        args.micro_batch,
+        args.micro_batches,
+        args.remat,
+        args.fused_attention,
     )
 
 

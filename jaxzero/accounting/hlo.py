@@ -14,10 +14,27 @@ import re
 from dataclasses import dataclass
 
 _DTYPE_BYTES = {
-    "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1,
-    "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
-    "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
-    "token": 0, "opaque": 0,
+    "pred": 1,
+    "s2": 0.25,
+    "u2": 0.25,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "s32": 4,
+    "u32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f16": 2,
+    "bf16": 2,
+    "f32": 4,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "token": 0,
+    "opaque": 0,
 }
 
 
@@ -149,7 +166,7 @@ def _match_paren(s: str, start: int) -> int:
             stack.pop()
             if not stack:
                 return i + 1
-    raise ValueError(f"unbalanced brackets in {s[start:start + 80]!r}")
+    raise ValueError(f"unbalanced brackets in {s[start : start + 80]!r}")
 
 
 _INSTR_RE = re.compile(r"^\s+(ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
@@ -173,7 +190,12 @@ def parse_instruction(line: str) -> Instruction | None:
     close = _match_paren(rest, om.end() - 1)
     operands = tuple(re.findall(r"%([\w.\-]+)", rest[om.end() : close - 1]))
     return Instruction(
-        name, type_text, om.group(1), rest[close:], operands, bool(m.group(1)),
+        name,
+        type_text,
+        om.group(1),
+        rest[close:],
+        operands,
+        bool(m.group(1)),
         rest[om.end() : close - 1],
     )
 

@@ -111,8 +111,9 @@ class Theory:
     comm_inter: float = 0.0  # ... across the R groups (the all-reduce of gradient shards)
 
 
-def inter_group_bytes(psi: float, n: int, replicas: int, stage: int, grad_bytes: float,
-                      micro_batches: int = 1) -> float:
+def inter_group_bytes(
+    psi: float, n: int, replicas: int, stage: int, grad_bytes: float, micro_batches: int = 1
+) -> float:
     """Hybrid sharding's traffic across groups, per device per step.
 
     Each device all-reduces its reduced gradient shard (Ψ/N elements) with the
@@ -153,20 +154,29 @@ def theory(
       replicas: hybrid sharding: R groups of ``n`` devices each hold a copy of the state.
     """
     prec = est.Precision(
-        param=param_bytes, grad=param_bytes, master=master_bytes,
+        param=param_bytes,
+        grad=param_bytes,
+        master=master_bytes,
         optimizer=optimizer_per_param,
     )
     ms = est.model_state_bytes(psi, n, stage, prec)
     n_ring = n * replicas if stage == 0 else n  # stage 0 all-reduces over every device
-    cm = est.comm_bytes(psi, n_ring, stage, grad_bytes, param_bytes, micro_batches,
-                        param_gathers)
+    cm = est.comm_bytes(psi, n_ring, stage, grad_bytes, param_bytes, micro_batches, param_gathers)
     inter = inter_group_bytes(psi, n, replicas, stage, grad_bytes, micro_batches)
     intra = 0.0 if stage == 0 and replicas > 1 else cm.total
     return Theory(
-        params=ms.params, master=ms.master, optimizer=ms.optimizer, grads=ms.grads,
-        persistent=ms.persistent, model_states=ms.total, comm_grad=cm.grad + inter,
-        comm_param=cm.param, comm=cm.total + inter, optimizer_per_param=optimizer_per_param,
-        comm_intra=intra, comm_inter=inter,
+        params=ms.params,
+        master=ms.master,
+        optimizer=ms.optimizer,
+        grads=ms.grads,
+        persistent=ms.persistent,
+        model_states=ms.total,
+        comm_grad=cm.grad + inter,
+        comm_param=cm.param,
+        comm=cm.total + inter,
+        optimizer_per_param=optimizer_per_param,
+        comm_intra=intra,
+        comm_inter=inter,
     )
 
 
@@ -225,8 +235,10 @@ def layout_expectation(
     padded_total = replicated = 0
     for lay in layouts:
         size = math.prod(lay.shape)
-        persistent += (_stored_per_device(lay, n, stage == 3) * param_bytes
-                       + _stored_per_device(lay, n, stage >= 1) * master_bytes)
+        persistent += (
+            _stored_per_device(lay, n, stage == 3) * param_bytes
+            + _stored_per_device(lay, n, stage >= 1) * master_bytes
+        )
         if lay.dim is None:
             replicated += size
             padded_total += size
@@ -237,7 +249,8 @@ def layout_expectation(
         padded_total += padded
         if stage >= 1 and replicas > 1:
             inter += (k if stage >= 2 else 1) * est.ring_bytes(
-                "all-reduce", padded / n * grad_bytes, replicas)
+                "all-reduce", padded / n * grad_bytes, replicas
+            )
         if stage == 0:
             comm += 2 * size * grad_bytes * frac_all
         elif stage == 1:
@@ -308,8 +321,7 @@ class Report:
             "comm": nan_none(self.comm_ratio),
             "comm_logical": nan_none(self.comm_ratio_logical),
             "comm_logical_vs_layouts": (
-                self.traffic.grad_param_logical / self.expected.comm if self.expected.comm
-                else None
+                self.traffic.grad_param_logical / self.expected.comm if self.expected.comm else None
             ),
         }
         for label, got, formula, _ in _scope_rows(self):
@@ -318,11 +330,17 @@ class Report:
                 d["ratios"][key] = got / formula
         d["collectives"] = [
             {
-                "name": c.name, "kind": c.kind, "opcode": c.opcode, "computation": c.computation,
+                "name": c.name,
+                "kind": c.kind,
+                "opcode": c.opcode,
+                "computation": c.computation,
                 "buffers": [_fmt_buffer(b) for b in c.buffers],
                 "logical_buffers": [_fmt_buffer(b) for b in c.logical_buffers],
-                "group_size": c.group_size, "num_groups": len(c.replica_groups), "runs": c.runs,
-                "bytes_per_run": c.bytes_per_run, "bytes_per_step": c.bytes_per_step,
+                "group_size": c.group_size,
+                "num_groups": len(c.replica_groups),
+                "runs": c.runs,
+                "bytes_per_run": c.bytes_per_run,
+                "bytes_per_step": c.bytes_per_step,
             }
             for c in self.collectives
         ]
@@ -352,16 +370,19 @@ class Report:
             f"stage {c['stage']}, N = {c['num_shards']}, {c['precision']} "
             f"(compute {c['compute_dtype']}, gradient reduce {c['reduce_dtype']}), "
             f"{c['micro_batches']} micro-batch(es)"
-            + (f"; hybrid: {c['replicas']} groups of {c['num_shards']} devices, the state "
-               "replicated across groups" if c.get("replicas", 1) > 1 else ""),
+            + (
+                f"; hybrid: {c['replicas']} groups of {c['num_shards']} devices, the state "
+                "replicated across groups"
+                if c.get("replicas", 1) > 1
+                else ""
+            ),
             f"Ψ = {c['num_params']:,} (stored {e.padded_params:,} with padding; "
             f"{e.replicated_params:,} in replicated small leaves); optimizer state "
             f"{t.optimizer_per_param:.2f} bytes per param",
             "",
             "persistent memory per device (MB)",
             head,
-            f"{'working params':<30}{mb(p['params'])}{mb(t.params)}"
-            f"{ratio(p['params'], t.params)}",
+            f"{'working params':<30}{mb(p['params'])}{mb(t.params)}{ratio(p['params'], t.params)}",
             f"{'fp32 master':<30}{mb(p['master'])}{mb(t.master)}{ratio(p['master'], t.master)}",
             f"{'optimizer state':<30}{mb(p['optimizer'])}{mb(t.optimizer)}"
             f"{ratio(p['optimizer'], t.optimizer)}",
@@ -410,10 +431,13 @@ def _scope_rows(report: Report) -> list[tuple[str, float, float | None, float | 
         return []
     got = report.traffic.by_scope_logical or report.traffic.by_scope
     return [
-        (f"within a group (N = {c['num_shards']})", got.get("intra", 0.0), t.comm_intra,
-         e.comm - e.comm_inter if c["stage"] > 0 else None),
-        (f"across groups (R = {c['replicas']})", got.get("inter", 0.0), t.comm_inter,
-         e.comm_inter),
+        (
+            f"within a group (N = {c['num_shards']})",
+            got.get("intra", 0.0),
+            t.comm_intra,
+            e.comm - e.comm_inter if c["stage"] > 0 else None,
+        ),
+        (f"across groups (R = {c['replicas']})", got.get("inter", 0.0), t.comm_inter, e.comm_inter),
         ("spanning both", got.get("both", 0.0), None, None),
     ]
 
@@ -430,8 +454,11 @@ def _stage3_notes(engine: Any, collectives: list[Collective], scalar_elements: i
 
     def elements(kind: str) -> int:
         return sum(
-            c.runs * b.elements for c in collectives if c.kind == kind
-            for b in c.buffers if b.elements >= scalar_elements
+            c.runs * b.elements
+            for c in collectives
+            if c.kind == kind
+            for b in c.buffers
+            if b.elements >= scalar_elements
         )
 
     gathered, scattered = elements("all-gather"), elements("reduce-scatter")
@@ -507,12 +534,29 @@ def report(
     per_param = sum(lay.size * b for lay, b in zip(opt_lays, opt_sizes, strict=True)) / psi
     k = engine.micro_batches
     gathers = 2 if getattr(engine, "per_layer", True) else 1  # coarse stage 3 gathers once
-    th = theory(psi, n, engine.stage, param_bytes, grad_bytes, master_bytes, per_param, k,
-                param_gathers=gathers, replicas=replicas)
+    th = theory(
+        psi,
+        n,
+        engine.stage,
+        param_bytes,
+        grad_bytes,
+        master_bytes,
+        per_param,
+        k,
+        param_gathers=gathers,
+        replicas=replicas,
+    )
     layouts = jax.tree.leaves(engine.layouts, is_leaf=is_layout)
     ex = layout_expectation(
-        layouts, n, engine.stage, param_bytes, grad_bytes, master_bytes,
-        list(zip(opt_lays, opt_sizes, strict=True)), k, param_gathers=gathers,
+        layouts,
+        n,
+        engine.stage,
+        param_bytes,
+        grad_bytes,
+        master_bytes,
+        list(zip(opt_lays, opt_sizes, strict=True)),
+        k,
+        param_gathers=gathers,
         replicas=replicas,
     )
     notes = list(hlo.notes)
@@ -543,6 +587,4 @@ def report(
         "padded_params": ex.padded_params,
         "scalar_elements": scalar_elements,
     }
-    return Report(
-        config, persistent, th, ex, compiled_memory(compiled), tr, hlo.collectives, notes
-    )
+    return Report(config, persistent, th, ex, compiled_memory(compiled), tr, hlo.collectives, notes)

@@ -33,9 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="ZeRO stage(s) to report (several: one report each)",
     )
     p.add_argument("--devices", type=int, default=None, help="devices in the mesh (default all)")
-    p.add_argument("--group-size", type=int, default=None, metavar="G",
-                   help="hybrid sharding: shard the state within groups of G devices, replicate "
-                   "it across groups (default: one group of all devices)")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        metavar="G",
+        help="hybrid sharding: shard the state within groups of G devices, replicate "
+        "it across groups (default: one group of all devices)",
+    )
     p.add_argument(
         "--simulate-devices",
         type=int,
@@ -50,8 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="gradient reduction dtype (default: the compute dtype)",
     )
     p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
-    p.add_argument("--arch", default="gpt", choices=["gpt", "llama"],
-                   help="gpt: the reference GPT; llama: the Llama (--kv-heads for GQA)")
+    p.add_argument(
+        "--arch",
+        default="gpt",
+        choices=["gpt", "llama"],
+        help="gpt: the reference GPT; llama: the Llama (--kv-heads for GQA)",
+    )
     p.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
@@ -111,9 +120,18 @@ def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any]:
 
     n = args.devices or jax.device_count()
     mesh = jaxzero.make_mesh(n, replicas=replicas_for(args.group_size, n, n))
-    model = from_fields(dict(arch=args.arch, vocab_size=args.vocab, seq_len=args.seq_len,
-                             d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                             n_kv_heads=args.kv_heads, remat=args.remat))
+    model = from_fields(
+        dict(
+            arch=args.arch,
+            vocab_size=args.vocab,
+            seq_len=args.seq_len,
+            d_model=args.d_model,
+            n_layers=args.layers,
+            n_heads=args.heads,
+            n_kv_heads=args.kv_heads,
+            remat=args.remat,
+        )
+    )
     engine = model.engine(
         optax.adamw(1e-3),
         mesh=mesh,

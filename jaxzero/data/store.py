@@ -65,8 +65,9 @@ class TokenStore:
     def open(cls, path: Path) -> TokenStore:
         meta = json.loads((path / "meta.json").read_text())
         dtype = np.dtype(meta["dtype"])
-        tokens = np.memmap(path / "tokens.bin", dtype, "r") if meta["tokens"] else np.zeros(0,
-                                                                                         dtype)
+        tokens = (
+            np.memmap(path / "tokens.bin", dtype, "r") if meta["tokens"] else np.zeros(0, dtype)
+        )
         mask = None
         if meta["masked"]:
             mask = np.memmap(path / "mask.bin", np.uint8, "r") if meta["tokens"] else None
@@ -88,13 +89,20 @@ def _is_jsonl(path: Path) -> bool:
 
 def _render_chat(tok: Tokenizer, messages: Any, where: str) -> Document:
     if not tok.chat_template:
-        raise StoreError(f"{where}: a 'messages' line needs a tokenizer with a chat template "
-                         f"({tok.source} has none)")
-    if (not isinstance(messages, list) or not messages
-            or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
-            or messages[-1]["role"] != "assistant"):
-        raise StoreError(f"{where}: 'messages' must be a list of {{role, content}} ending with "
-                         "an assistant turn (the completion)")
+        raise StoreError(
+            f"{where}: a 'messages' line needs a tokenizer with a chat template "
+            f"({tok.source} has none)"
+        )
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
+        or messages[-1]["role"] != "assistant"
+    ):
+        raise StoreError(
+            f"{where}: 'messages' must be a list of {{role, content}} ending with "
+            "an assistant turn (the completion)"
+        )
     try:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -108,8 +116,12 @@ def _render_chat(tok: Tokenizer, messages: Any, where: str) -> Document:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     try:
         prompt = env.from_string(tok.chat_template).render(
-            messages=messages[:-1], add_generation_prompt=True, eos_token=tok.eos_token,
-            bos_token=tok.bos_token, raise_exception=raise_exception)
+            messages=messages[:-1],
+            add_generation_prompt=True,
+            eos_token=tok.eos_token,
+            bos_token=tok.bos_token,
+            raise_exception=raise_exception,
+        )
     except jinja2.TemplateError as e:
         raise StoreError(f"{where}: the chat template failed ({e})") from None
     return Document(prompt, messages[-1]["content"])
@@ -149,8 +161,10 @@ def documents(path: Path, tok: Tokenizer) -> Iterator[tuple[Document, int]]:
             elif "messages" in row:
                 yield _render_chat(tok, row["messages"], where), done
             else:
-                raise StoreError(f"{where}: needs a string 'text', 'prompt' and 'completion', or "
-                                 f"'messages' (found {', '.join(sorted(row)) or 'nothing'})")
+                raise StoreError(
+                    f"{where}: needs a string 'text', 'prompt' and 'completion', or "
+                    f"'messages' (found {', '.join(sorted(row)) or 'nothing'})"
+                )
 
 
 def store_key(files: list[Path], tok: Tokenizer) -> str:
@@ -216,12 +230,19 @@ def _write(files: list[Path], tok: Tokenizer, out: Path, progress: bool) -> None
     from tqdm import tqdm
 
     total = sum(f.stat().st_size for f in files)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", leave=False,
-               disable=None if progress else True)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="tokenizing",
+        leave=False,
+        disable=None if progress else True,
+    )
     n_tokens = n_docs = current = 0
     masked = False
     lengths: list[int] = []
     with open(out / "tokens.bin", "wb") as ft, open(out / "mask.bin", "wb") as fm:
+
         def flush(batch: list[Document]) -> None:
             nonlocal n_tokens, n_docs, current, masked
             prompts = tok.encode_batch([d.prompt for d in batch])
@@ -229,8 +250,11 @@ def _write(files: list[Path], tok: Tokenizer, out: Path, progress: bool) -> None
             for d, p, t in zip(batch, prompts, texts, strict=True):
                 ids = np.asarray(p + t + [tok.eos_id] * d.eos, tok.dtype)
                 ft.write(ids.tobytes())
-                fm.write(np.concatenate([np.zeros(len(p), np.uint8),
-                                         np.ones(len(ids) - len(p), np.uint8)]).tobytes())
+                fm.write(
+                    np.concatenate(
+                        [np.zeros(len(p), np.uint8), np.ones(len(ids) - len(p), np.uint8)]
+                    ).tobytes()
+                )
                 masked |= bool(p)
                 n_tokens += len(ids)
                 current += len(ids)
@@ -259,12 +283,23 @@ def _write(files: list[Path], tok: Tokenizer, out: Path, progress: bool) -> None
         (out / "mask.bin").unlink()
     lens = np.asarray(lengths, np.int64)
     np.save(out / "lengths.npy", lens)
-    meta = {"version": VERSION, "dtype": tok.dtype.name, "tokens": n_tokens, "documents": n_docs,
-            "masked": masked, "eos_id": tok.eos_id, "vocab_size": tok.vocab_size,
-            "tokenizer": tok.source, "tokenizer_fingerprint": tok.fingerprint,
-            "sources": [str(f) for f in files],
-            "document_tokens": {"mean": float(lens.mean()), "max": int(lens.max()),
-                                "min": int(lens.min())}}
+    meta = {
+        "version": VERSION,
+        "dtype": tok.dtype.name,
+        "tokens": n_tokens,
+        "documents": n_docs,
+        "masked": masked,
+        "eos_id": tok.eos_id,
+        "vocab_size": tok.vocab_size,
+        "tokenizer": tok.source,
+        "tokenizer_fingerprint": tok.fingerprint,
+        "sources": [str(f) for f in files],
+        "document_tokens": {
+            "mean": float(lens.mean()),
+            "max": int(lens.max()),
+            "min": int(lens.min()),
+        },
+    }
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # last: complete
 
 

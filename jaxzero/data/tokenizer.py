@@ -45,17 +45,25 @@ class Tokenizer:
       ([2, 3], 0, 4)
     """
 
-    def __init__(self, raw: Any, eos: str | None = None, source: str = "", chat_template=None,
-                 bos: str | None = None):
+    def __init__(
+        self,
+        raw: Any,
+        eos: str | None = None,
+        source: str = "",
+        chat_template=None,
+        bos: str | None = None,
+    ):
         self.raw, self.source, self.chat_template = raw, source, chat_template
         self.bos_token = bos or ""  # what a chat template may print
         vocab = raw.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values(), default=-1) + 1
         names = [eos] if eos else [s for s in EOS_SPELLINGS if s in vocab]
         if not names or names[0] not in vocab:
-            raise TokenizerError(f"tokenizer {source or '(in memory)'} has no end-of-text token "
-                                 f"({eos or ' / '.join(EOS_SPELLINGS)}): packed documents need "
-                                 "one; name it as eos_token in tokenizer_config.json")
+            raise TokenizerError(
+                f"tokenizer {source or '(in memory)'} has no end-of-text token "
+                f"({eos or ' / '.join(EOS_SPELLINGS)}): packed documents need "
+                "one; name it as eos_token in tokenizer_config.json"
+            )
         self.eos_id, self.eos_token = vocab[names[0]], names[0]
         self.fingerprint = hashlib.sha256(raw.to_str().encode()).hexdigest()[:16]
 
@@ -67,13 +75,15 @@ class Tokenizer:
         path = Path(path).expanduser()
         file = path / FILE if path.is_dir() else path
         if not file.is_file():
-            raise TokenizerError(f"no tokenizer at {path} (give a {FILE} or a model "
-                                 f"directory holding one)")
+            raise TokenizerError(
+                f"no tokenizer at {path} (give a {FILE} or a model directory holding one)"
+            )
         try:
             raw = Raw.from_file(str(file))
         except Exception as e:  # the library raises its own exception type
-            raise TokenizerError(f"{file} is not a tokenizers file "
-                                 f"({' '.join(str(e).split())[:150]})") from None
+            raise TokenizerError(
+                f"{file} is not a tokenizers file ({' '.join(str(e).split())[:150]})"
+            ) from None
         config = _json(file.parent / "tokenizer_config.json")
         eos = config.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
@@ -83,8 +93,9 @@ class Tokenizer:
             eos = raw.id_to_token(eos_id) if isinstance(eos_id, int) else None
         bos = config.get("bos_token")
         bos = bos.get("content") if isinstance(bos, dict) else bos
-        return cls(raw, eos, str(file), config.get("chat_template"),
-                   bos if isinstance(bos, str) else None)
+        return cls(
+            raw, eos, str(file), config.get("chat_template"), bos if isinstance(bos, str) else None
+        )
 
     def encode(self, text: str) -> list[int]:
         return self.raw.encode(text, add_special_tokens=False).ids
@@ -94,8 +105,9 @@ class Tokenizer:
         return [e.ids for e in self.raw.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        return self.raw.decode([int(i) for i in np.asarray(ids).reshape(-1)],
-                               skip_special_tokens=False)
+        return self.raw.decode(
+            [int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False
+        )
 
     @property
     def dtype(self) -> np.dtype:

@@ -44,9 +44,17 @@ __all__ = ["HFError", "SafetensorsError", "load", "model", "read_params", "save"
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 SAVE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": None, "float16": np.dtype(np.float16)}
 
 
@@ -59,8 +67,10 @@ def model(path: str | Path, **overrides: Any) -> Llama:
     """
     path = Path(path)
     if not path.is_dir():
-        raise HFError(f"{path} is not a directory (a Hugging Face model directory holds "
-                      f"{CONFIG} and safetensors weights)")
+        raise HFError(
+            f"{path} is not a directory (a Hugging Face model directory holds "
+            f"{CONFIG} and safetensors weights)"
+        )
     raw = read_json(path / CONFIG)
     cfg = llama_config(raw, **overrides)
     if cfg.tie_word_embeddings and _separate_head(path):
@@ -96,9 +106,14 @@ class Weights:
             self.where = {name: path / SINGLE for name in self._file(path / SINGLE).names()}
         else:
             found = sorted(p.name for p in path.glob("*.safetensors"))[:3]
-            raise HFError(f"{path} has neither {SINGLE} nor {INDEX}"
-                          + (f" (found {', '.join(found)})" if found else
-                             ": no safetensors weights (.bin/.pth checkpoints are not read)"))
+            raise HFError(
+                f"{path} has neither {SINGLE} nor {INDEX}"
+                + (
+                    f" (found {', '.join(found)})"
+                    if found
+                    else ": no safetensors weights (.bin/.pth checkpoints are not read)"
+                )
+            )
 
     def _file(self, file: Path) -> SafetensorsFile:
         if file not in self._files:
@@ -134,8 +149,9 @@ def _sources(m: Llama, weights: Weights, layouts: list[LeafLayout]) -> dict[str,
         for name in names:
             shape = weights.shape(name)
             if shape != want:
-                raise HFError(f"tensor {name} has shape {list(shape)}; the config needs "
-                              f"{list(want)}")
+                raise HFError(
+                    f"tensor {name} has shape {list(shape)}; the config needs {list(want)}"
+                )
         out[lay.path] = names
     return out
 
@@ -151,8 +167,9 @@ def _reader(path: Path, m: Llama) -> tuple[Any, Any]:
         srcs = names[lay.path]
         try:
             if lay.path.startswith("layers/"):
-                return np.stack([weights.tensor(n)[index[1:]].astype(np.float32)
-                                 for n in srcs[index[0]]])
+                return np.stack(
+                    [weights.tensor(n)[index[1:]].astype(np.float32) for n in srcs[index[0]]]
+                )
             return weights.tensor(srcs[0])[index].astype(np.float32)
         except OSError as e:  # a file that shrank or vanished after its header was read
             raise HFError(f"{path}: reading {srcs[0]} failed ({e})") from None
@@ -188,15 +205,17 @@ def read_params(path: str | Path, m: Llama | None = None) -> dict[str, Any]:
     m = model(path) if m is None else m
     shapes, read = _reader(path, m)
     layouts = layouts_for(shapes, 1)
-    return jax.tree.map(lambda lay: read(lay, tuple(slice(0, n) for n in lay.shape)), layouts,
-                        is_leaf=is_layout)
+    return jax.tree.map(
+        lambda lay: read(lay, tuple(slice(0, n) for n in lay.shape)), layouts, is_leaf=is_layout
+    )
 
 
 # --------------------------------------------------------------------------- save
 
 
-def _plan(entries: list[tuple[str, np.dtype, tuple[int, ...]]], max_bytes: int
-          ) -> list[list[tuple[str, np.dtype, tuple[int, ...]]]]:
+def _plan(
+    entries: list[tuple[str, np.dtype, tuple[int, ...]]], max_bytes: int
+) -> list[list[tuple[str, np.dtype, tuple[int, ...]]]]:
     """Consecutive groups of at most ``max_bytes`` (a larger tensor alone), as
     ``transformers`` shards."""
     shards: list[list] = [[]]
@@ -211,10 +230,16 @@ def _plan(entries: list[tuple[str, np.dtype, tuple[int, ...]]], max_bytes: int
     return shards
 
 
-def write_model(path: str | Path, m: Llama, leaves: list[tuple[str, tuple[int, ...]]],
-                arrays: Iterator[np.ndarray], dtype: str = "bfloat16",
-                max_shard_size: int = 5 * 2**30, overwrite: bool = False,
-                writer: bool = True) -> Path:
+def write_model(
+    path: str | Path,
+    m: Llama,
+    leaves: list[tuple[str, tuple[int, ...]]],
+    arrays: Iterator[np.ndarray],
+    dtype: str = "bfloat16",
+    max_shard_size: int = 5 * 2**30,
+    overwrite: bool = False,
+    writer: bool = True,
+) -> Path:
     """Write a Hugging Face model directory from params given one at a time.
 
     ``leaves`` are ``(jaxzero param path, logical shape)`` in the order ``arrays``
@@ -239,12 +264,15 @@ def write_model(path: str | Path, m: Llama, leaves: list[tuple[str, tuple[int, .
 
     def tensors() -> Iterator[np.ndarray]:
         for (leaf, _), x in zip(leaves, arrays, strict=True):
-            for part in (x if leaf.startswith("layers/") else [x]):
+            for part in x if leaf.startswith("layers/") else [x]:
                 yield np.asarray(part).astype(np_dtype)
 
     shards = _plan(entries, max_shard_size)
-    files = ([SINGLE] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    files = (
+        [SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     stream = tensors()
     try:
@@ -271,8 +299,14 @@ def write_model(path: str | Path, m: Llama, leaves: list[tuple[str, tuple[int, .
     return path
 
 
-def save(path: str | Path, engine: Any, state: TrainState, dtype: str = "bfloat16",
-         max_shard_size: int = 5 * 2**30, overwrite: bool = False) -> Path:
+def save(
+    path: str | Path,
+    engine: Any,
+    state: TrainState,
+    dtype: str = "bfloat16",
+    max_shard_size: int = 5 * 2**30,
+    overwrite: bool = False,
+) -> Path:
     """Write ``state``'s params as a Hugging Face model directory.
 
     ``config.json`` (the source's, when the model came from :func:`model`),
@@ -286,14 +320,16 @@ def save(path: str | Path, engine: Any, state: TrainState, dtype: str = "bfloat1
     """
     m = getattr(engine, "model", None)
     if not isinstance(m, Llama):
-        raise HFError("hf.save needs an engine from Llama.engine(...) (jaxzero.hf.model(path)"
-                      ".engine(...)): it writes that model's architecture")
+        raise HFError(
+            "hf.save needs an engine from Llama.engine(...) (jaxzero.hf.model(path)"
+            ".engine(...)): it writes that model's architecture"
+        )
     engine._require_init()
-    leaves = [(lay.path, lay.shape)
-              for lay in jax.tree.leaves(engine.layouts, is_leaf=is_layout)]
+    leaves = [(lay.path, lay.shape) for lay in jax.tree.leaves(engine.layouts, is_leaf=is_layout)]
     arrays = (x for _, x in engine.iter_params(state))
-    out = write_model(path, m, leaves, arrays, dtype, max_shard_size, overwrite,
-                      writer=jax.process_index() == 0)
+    out = write_model(
+        path, m, leaves, arrays, dtype, max_shard_size, overwrite, writer=jax.process_index() == 0
+    )
     if jax.process_count() > 1:  # the others return once the directory is in place
         from jax.experimental import multihost_utils
 
@@ -308,19 +344,22 @@ def _write_side_files(out: Path, m: Llama, dtype: str, files: list[str], shards:
     if src_dir is not None and (Path(src_dir) / GENERATION_CONFIG).is_file():
         shutil.copyfile(Path(src_dir) / GENERATION_CONFIG, out / GENERATION_CONFIG)
     else:
-        gen = {k: (source or {}).get(k) for k in ("bos_token_id", "eos_token_id",
-                                                  "pad_token_id")}
-        (out / GENERATION_CONFIG).write_text(json.dumps(
-            {"_from_model_config": True, **{k: v for k, v in gen.items() if v is not None}},
-            indent=2) + "\n")
+        gen = {k: (source or {}).get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        (out / GENERATION_CONFIG).write_text(
+            json.dumps(
+                {"_from_model_config": True, **{k: v for k, v in gen.items() if v is not None}},
+                indent=2,
+            )
+            + "\n"
+        )
     if src_dir is not None:
         for name in TOKENIZER_FILES:
             if (Path(src_dir) / name).is_file():
                 shutil.copyfile(Path(src_dir) / name, out / name)
     if len(files) > 1:
         total = sum(int(np.prod(s)) * d.itemsize for g in shards for _, d, s in g)
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {name: f for f, g in zip(files, shards, strict=True)
-                                for name, _, _ in g}}
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {name: f for f, g in zip(files, shards, strict=True) for name, _, _ in g},
+        }
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-

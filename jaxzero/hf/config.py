@@ -35,8 +35,9 @@ def read_json(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text())
     except FileNotFoundError:
-        raise HFError(f"{path.parent} has no {path.name}: not a Hugging Face model "
-                      "directory") from None
+        raise HFError(
+            f"{path.parent} has no {path.name}: not a Hugging Face model directory"
+        ) from None
     except (OSError, ValueError) as e:
         raise HFError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
     if not isinstance(value, dict):
@@ -70,12 +71,15 @@ def llama_config(raw: dict[str, Any], **overrides: Any) -> LlamaConfig:
     if raw.get("hidden_act", "silu") != "silu":
         raise HFError(f"hidden_act {raw['hidden_act']!r} is not supported (SwiGLU needs silu)")
     if arch == "MistralForCausalLM" and raw.get("sliding_window") is not None:
-        raise HFError(f"sliding_window={raw['sliding_window']} is not supported: jaxzero's "
-                      "attention is full causal (set it to null only if every sequence is "
-                      "shorter than the window)")
+        raise HFError(
+            f"sliding_window={raw['sliding_window']} is not supported: jaxzero's "
+            "attention is full causal (set it to null only if every sequence is "
+            "shorter than the window)"
+        )
     if raw.get("use_sliding_window"):
-        raise HFError("use_sliding_window=true is not supported: jaxzero's attention is full "
-                      "causal")
+        raise HFError(
+            "use_sliding_window=true is not supported: jaxzero's attention is full causal"
+        )
     theta, scaling = _rope(raw)
     bias = bool(raw.get("attention_bias", False))
     qkv_bias, o_bias = biases if biases is not None else (bias, bias)
@@ -111,13 +115,16 @@ def llama_config(raw: dict[str, Any], **overrides: Any) -> LlamaConfig:
         raise HFError(f"{CONFIG}: {e}") from None
 
 
-def hf_config(cfg: LlamaConfig, dtype: str, source: dict[str, Any] | None = None
-              ) -> dict[str, Any]:
+def hf_config(cfg: LlamaConfig, dtype: str, source: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``config.json`` that ``transformers`` loads ``cfg`` from: the source's own
     (architecture, token ids, everything jaxzero does not read) when there is one."""
     if source is not None:  # tie: a shipped lm_head of other values unties (hf.model)
-        return {**source, "dtype": dtype, "torch_dtype": dtype,
-                "tie_word_embeddings": cfg.tie_word_embeddings}
+        return {
+            **source,
+            "dtype": dtype,
+            "torch_dtype": dtype,
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+        }
     if cfg.o_bias and not cfg.qkv_bias:
         raise HFError("no supported architecture has an o_proj bias without q/k/v biases")
     if cfg.qkv_bias != cfg.o_bias:
@@ -130,9 +137,11 @@ def hf_config(cfg: LlamaConfig, dtype: str, source: dict[str, Any] | None = None
         "model_type": model_type,
         "hidden_act": "silu",
         "attention_bias": cfg.qkv_bias,
-        **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-           if f.name not in ("qkv_bias", "o_bias", "rope_scaling", "seq_len", "remat",
-                             "attention")},
+        **{
+            f.name: getattr(cfg, f.name)
+            for f in dataclasses.fields(cfg)
+            if f.name not in ("qkv_bias", "o_bias", "rope_scaling", "seq_len", "remat", "attention")
+        },
         "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_size,
         "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},

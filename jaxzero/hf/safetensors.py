@@ -20,8 +20,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-CODES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16),
-         "F16": np.dtype(np.float16), "F64": np.dtype(np.float64)}
+CODES = {
+    "F32": np.dtype(np.float32),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype(np.float16),
+    "F64": np.dtype(np.float64),
+}
 NAMES = {dt.name: code for code, dt in CODES.items()}  # numpy dtype name -> code
 
 
@@ -43,12 +47,15 @@ class SafetensorsFile:
             with open(self.path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
                 if n > size - 8:
-                    raise SafetensorsError(f"{self.path}: header of {n} bytes in a file of "
-                                           f"{size}: truncated or not safetensors")
+                    raise SafetensorsError(
+                        f"{self.path}: header of {n} bytes in a file of "
+                        f"{size}: truncated or not safetensors"
+                    )
                 header = json.loads(f.read(n))
         except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise SafetensorsError(f"{self.path} is not a readable safetensors file "
-                                   f"({type(e).__name__})") from None
+            raise SafetensorsError(
+                f"{self.path} is not a readable safetensors file ({type(e).__name__})"
+            ) from None
         if not isinstance(header, dict):
             raise SafetensorsError(f"{self.path}: the header is not a JSON object")
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
@@ -56,12 +63,16 @@ class SafetensorsFile:
         self._start, data = 8 + n, size - 8 - n
         end = max((h["data_offsets"][1] for h in header.values()), default=0)
         if end > data:
-            raise SafetensorsError(f"{self.path} is truncated: its header needs {end} bytes of "
-                                   f"data, the file holds {data}")
+            raise SafetensorsError(
+                f"{self.path} is truncated: its header needs {end} bytes of "
+                f"data, the file holds {data}"
+            )
         for name, h in header.items():
             if h.get("dtype") not in CODES:
-                raise SafetensorsError(f"{self.path}: tensor {name} has dtype {h.get('dtype')}; "
-                                       f"jaxzero reads {sorted(CODES)}")
+                raise SafetensorsError(
+                    f"{self.path}: tensor {name} has dtype {h.get('dtype')}; "
+                    f"jaxzero reads {sorted(CODES)}"
+                )
 
     def names(self) -> list[str]:
         return list(self.header)
@@ -80,30 +91,40 @@ class SafetensorsFile:
         begin, end = h["data_offsets"]
         dtype, shape = CODES[h["dtype"]], tuple(h["shape"])
         if end - begin != math.prod(shape) * dtype.itemsize:
-            raise SafetensorsError(f"{self.path}: tensor {name} has {end - begin} bytes for "
-                                   f"shape {shape} of {dtype.name}")
+            raise SafetensorsError(
+                f"{self.path}: tensor {name} has {end - begin} bytes for "
+                f"shape {shape} of {dtype.name}"
+            )
         if not math.prod(shape):
             return np.zeros(shape, dtype)
         return np.memmap(self.path, dtype, "r", offset=self._start + begin, shape=shape)
 
 
-def header_bytes(entries: Iterable[tuple[str, np.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> bytes:
+def header_bytes(
+    entries: Iterable[tuple[str, np.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> bytes:
     """Length prefix + JSON header for tensors written back to back in ``entries`` order."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, dtype, shape in entries:
         n = math.prod(shape) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": NAMES[np.dtype(dtype).name], "shape": list(shape),
-                        "data_offsets": [offset, offset + n]}
+        header[name] = {
+            "dtype": NAMES[np.dtype(dtype).name],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as safetensors does
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write(path: Path, entries: list[tuple[str, np.dtype, tuple[int, ...]]],
-          arrays: Iterator[np.ndarray], metadata: dict[str, str] | None = None) -> int:
+def write(
+    path: Path,
+    entries: list[tuple[str, np.dtype, tuple[int, ...]]],
+    arrays: Iterator[np.ndarray],
+    metadata: dict[str, str] | None = None,
+) -> int:
     """Streams ``arrays`` (one per entry, in order) into ``path`` atomically; returns bytes."""
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -111,8 +132,9 @@ def write(path: Path, entries: list[tuple[str, np.dtype, tuple[int, ...]]],
             f.write(header_bytes(entries, metadata))
             for (name, dtype, shape), x in zip(entries, arrays, strict=True):
                 if x.dtype != dtype or x.shape != tuple(shape):
-                    raise ValueError(f"{name}: got {x.dtype}{x.shape}, header says "
-                                     f"{dtype}{tuple(shape)}")
+                    raise ValueError(
+                        f"{name}: got {x.dtype}{x.shape}, header says {dtype}{tuple(shape)}"
+                    )
                 f.write(memoryview(np.ascontiguousarray(x).reshape(-1).view(np.uint8)))
                 del x
         os.replace(tmp, path)

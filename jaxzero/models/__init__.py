@@ -32,8 +32,14 @@ def from_fields(fields: dict[str, Any]) -> Any:
         from jaxzero.models.llama import Llama
 
         raw = read_json(Path(fields["hf_config"]).expanduser())
-        model = Llama(llama_config(raw, seq_len=get("seq_len", 128), remat=get("remat", "none"),
-                                   attention=get("attention", "auto")))
+        model = Llama(
+            llama_config(
+                raw,
+                seq_len=get("seq_len", 128),
+                remat=get("remat", "none"),
+                attention=get("attention", "auto"),
+            )
+        )
         model.hf_config = raw  # hf.save / export --format hf write this architecture
         return model
     if arch == "gpt":
@@ -42,20 +48,37 @@ def from_fields(fields: dict[str, Any]) -> Any:
         extra = [k for k in LLAMA_ONLY if fields.get(k) is not None and k != "rope_theta"]
         if extra:
             raise ValueError(f"model.{extra[0]} applies to arch: llama only")
-        names = ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
-                 "tie_embeddings", "remat", "attention")
+        names = (
+            "vocab_size",
+            "seq_len",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "d_ff",
+            "tie_embeddings",
+            "remat",
+            "attention",
+        )
         return GPT(GPTConfig(**{k: fields[k] for k in names if fields.get(k) is not None}))
     if arch == "llama":
         from jaxzero.models.llama import Llama, LlamaConfig
 
         d = get("d_model", 128)
-        return Llama(LlamaConfig(
-            vocab_size=fields["vocab_size"], hidden_size=d,
-            intermediate_size=get("d_ff", llama_ff(d)),
-            num_hidden_layers=get("n_layers", 4), num_attention_heads=get("n_heads", 4),
-            num_key_value_heads=get("n_kv_heads"), head_dim=get("head_dim"),
-            rope_theta=float(get("rope_theta", 10000.0)),
-            tie_word_embeddings=get("tie_embeddings", True),
-            seq_len=get("seq_len", 128), max_position_embeddings=max(get("seq_len", 128), 2048),
-            remat=get("remat", "none"), attention=get("attention", "auto")))
+        return Llama(
+            LlamaConfig(
+                vocab_size=fields["vocab_size"],
+                hidden_size=d,
+                intermediate_size=get("d_ff", llama_ff(d)),
+                num_hidden_layers=get("n_layers", 4),
+                num_attention_heads=get("n_heads", 4),
+                num_key_value_heads=get("n_kv_heads"),
+                head_dim=get("head_dim"),
+                rope_theta=float(get("rope_theta", 10000.0)),
+                tie_word_embeddings=get("tie_embeddings", True),
+                seq_len=get("seq_len", 128),
+                max_position_embeddings=max(get("seq_len", 128), 2048),
+                remat=get("remat", "none"),
+                attention=get("attention", "auto"),
+            )
+        )
     raise ValueError(f"unknown model.arch {arch!r}: use one of {ARCHS}")

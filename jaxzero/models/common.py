@@ -29,9 +29,13 @@ def attention_impl(choice: str, dtype: Any, backend: str | None = None) -> str:
     return "cudnn" if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 else "xla"
 
 
-def causal_attention(q_BxSxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array,
-                     choice: str = "auto", segment_ids_BxS: jax.Array | None = None
-                     ) -> jax.Array:
+def causal_attention(
+    q_BxSxHxK: jax.Array,
+    k_BxSxHxK: jax.Array,
+    v_BxSxHxK: jax.Array,
+    choice: str = "auto",
+    segment_ids_BxS: jax.Array | None = None,
+) -> jax.Array:
     """Causal multi-head attention with the implementation ``choice`` resolves to.
 
     With ``segment_ids`` (packed documents), a token attends only to earlier tokens of
@@ -43,9 +47,9 @@ def causal_attention(q_BxSxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.
     mask = None
     if segment_ids_BxS is not None:
         mask = segment_ids_BxS[:, None, :, None] == segment_ids_BxS[:, None, None, :]
-    attend = lambda i: jax.nn.dot_product_attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK,
-                                                    mask=mask, is_causal=True,
-                                                    implementation=i)
+    attend = lambda i: jax.nn.dot_product_attention(
+        q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, mask=mask, is_causal=True, implementation=i
+    )
     if impl == "cudnn" and choice == "auto":
         try:
             return attend("cudnn")
@@ -61,8 +65,9 @@ def positions(tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None) -
     index = jnp.broadcast_to(jnp.arange(s), (b, s))
     if segment_ids_BxS is None:
         return index
-    starts = jnp.concatenate([jnp.ones((b, 1), bool),
-                              segment_ids_BxS[:, 1:] != segment_ids_BxS[:, :-1]], axis=1)
+    starts = jnp.concatenate(
+        [jnp.ones((b, 1), bool), segment_ids_BxS[:, 1:] != segment_ids_BxS[:, :-1]], axis=1
+    )
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
@@ -79,9 +84,16 @@ def token_loss(logits_BxSxV: jax.Array, batch: dict[str, jax.Array]) -> Any:
     return Weighted(jnp.sum(ce * mask), jnp.sum(mask))
 
 
-def generate(apply: Callable[[Any, jax.Array], jax.Array], window: int, params: Any,
-             prompt: np.ndarray, max_new_tokens: int, rng: jax.Array,
-             temperature: float = 0.8, top_k: int | None = None) -> np.ndarray:
+def generate(
+    apply: Callable[[Any, jax.Array], jax.Array],
+    window: int,
+    params: Any,
+    prompt: np.ndarray,
+    max_new_tokens: int,
+    rng: jax.Array,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+) -> np.ndarray:
     """Sample ``max_new_tokens`` after ``prompt`` (int array ``[1, P]``) with
     ``apply(params, tokens_1xS) -> logits``, the context a sliding ``window`` of tokens.
 

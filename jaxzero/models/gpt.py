@@ -48,9 +48,7 @@ class GPTConfig:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer")
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}"
-            )
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat {self.remat!r}: use one of {list(REMAT_POLICIES)}")
         if self.attention not in ATTENTION:
@@ -67,8 +65,7 @@ class Block(nn.Module):
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, x_BxSxD: jax.Array, segment_ids_BxS: jax.Array | None = None
-                 ) -> jax.Array:
+    def __call__(self, x_BxSxD: jax.Array, segment_ids_BxS: jax.Array | None = None) -> jax.Array:
         cfg, dt = self.cfg, x_BxSxD.dtype
         b, s, d = x_BxSxD.shape
         h, dh = cfg.n_heads, d // cfg.n_heads
@@ -80,7 +77,8 @@ class Block(nn.Module):
         q, k, v = jnp.split(qkv_BxSx3D.reshape(b, s, 3 * h, dh), 3, axis=2)
         att_BxSxHxK = causal_attention(q, k, v, cfg.attention, segment_ids_BxS)
         x_BxSxD = x_BxSxD + nn.Dense(d, dtype=dt, kernel_init=out_init, name="proj")(
-            att_BxSxHxK.reshape(b, s, d))
+            att_BxSxHxK.reshape(b, s, d)
+        )
         y = nn.LayerNorm(dtype=dt, name="ln2")(x_BxSxD)
         y_BxSxF = nn.gelu(nn.Dense(cfg.ff, dtype=dt, kernel_init=init, name="fc")(y))
         return x_BxSxD + nn.Dense(d, dtype=dt, kernel_init=out_init, name="out")(y_BxSxF)
@@ -114,7 +112,8 @@ class GPT:
         k_tok, k_pos, k_blocks, k_head = jax.random.split(rng, 4)
         x = jnp.zeros((1, c.seq_len, c.d_model), jnp.float32)
         blocks = jax.vmap(lambda k: self.block.init(k, x)["params"])(
-            jax.random.split(k_blocks, c.n_layers))
+            jax.random.split(k_blocks, c.n_layers)
+        )
         params = {
             "wte": 0.02 * jax.random.normal(k_tok, (c.vocab_size, c.d_model)),
             "wpe": 0.01 * jax.random.normal(k_pos, (c.seq_len, c.d_model)),
@@ -122,12 +121,15 @@ class GPT:
             "ln_f": {"scale": jnp.ones(c.d_model), "bias": jnp.zeros(c.d_model)},
         }
         if not c.tie_embeddings:
-            params["head"] = {"kernel": 0.02 * jax.random.normal(k_head, (c.d_model,
-                                                                          c.vocab_size))}
+            params["head"] = {"kernel": 0.02 * jax.random.normal(k_head, (c.d_model, c.vocab_size))}
         return params
 
-    def apply(self, params: dict[str, Any], tokens_BxS: jax.Array,
-              segment_ids_BxS: jax.Array | None = None) -> jax.Array:
+    def apply(
+        self,
+        params: dict[str, Any],
+        tokens_BxS: jax.Array,
+        segment_ids_BxS: jax.Array | None = None,
+    ) -> jax.Array:
         """Logits (fp32) for every position. With ``segment_ids`` (packed documents)
         positions restart at each document and attention stays inside it."""
         c = self.config
@@ -171,11 +173,19 @@ class GPT:
             num_params = self.num_params(jax.eval_shape(self.init, jax.random.key(0)))
         return 6.0 * num_params + 12.0 * c.n_layers * c.d_model * c.seq_len
 
-    def generate(self, params: Any, prompt: np.ndarray, max_new_tokens: int, rng: jax.Array,
-                 temperature: float = 0.8, top_k: int | None = None) -> np.ndarray:
+    def generate(
+        self,
+        params: Any,
+        prompt: np.ndarray,
+        max_new_tokens: int,
+        rng: jax.Array,
+        temperature: float = 0.8,
+        top_k: int | None = None,
+    ) -> np.ndarray:
         """Sample ``max_new_tokens`` after ``prompt`` (int array ``[1, P]``), sliding window.
 
         ``top_k`` keeps only the k likeliest tokens of each step (None: all).
         """
-        return generate(self.apply, self.config.seq_len, params, prompt, max_new_tokens, rng,
-                        temperature, top_k)
+        return generate(
+            self.apply, self.config.seq_len, params, prompt, max_new_tokens, rng, temperature, top_k
+        )

@@ -71,26 +71,40 @@ class LlamaConfig:
     attention: str = "auto"  # auto (cuDNN's fused kernel on GPUs in bf16) | xla | cudnn
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "max_position_embeddings", "seq_len"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "max_position_embeddings",
+            "seq_len",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {v!r}")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
-                             f"num_attention_heads {self.num_attention_heads}: give head_dim")
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}: give head_dim"
+            )
         if self.num_attention_heads % self.kv_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple "
-                             f"of num_key_value_heads {self.kv_heads}")
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple "
+                f"of num_key_value_heads {self.kv_heads}"
+            )
         if self.head_size % 2:
             raise ValueError(f"head_dim {self.head_size} must be even for rotary embeddings")
         if self.seq_len > self.max_position_embeddings:
-            raise ValueError(f"seq_len {self.seq_len} exceeds max_position_embeddings "
-                             f"{self.max_position_embeddings}")
+            raise ValueError(
+                f"seq_len {self.seq_len} exceeds max_position_embeddings "
+                f"{self.max_position_embeddings}"
+            )
         rope = (self.rope_scaling or {}).get("rope_type", "default")
         if rope not in ROPE_TYPES:
-            raise ValueError(f"rope_scaling type {rope!r} is not supported: use one of "
-                             f"{ROPE_TYPES}")
+            raise ValueError(
+                f"rope_scaling type {rope!r} is not supported: use one of {ROPE_TYPES}"
+            )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat {self.remat!r}: use one of {list(REMAT_POLICIES)}")
         if self.attention not in ATTENTION:
@@ -179,8 +193,13 @@ class Attention(nnx.Module):
         self.o_proj = Linear(h * k, d, cfg.o_bias, std, rngs)
         self.heads, self.kv_heads, self.head_dim, self.impl = h, kv, k, cfg.attention
 
-    def __call__(self, x_BxSxD: jax.Array, cos: jax.Array, sin: jax.Array,
-                 segment_ids_BxS: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        x_BxSxD: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        segment_ids_BxS: jax.Array | None = None,
+    ) -> jax.Array:
         b, s, _ = x_BxSxD.shape
         q = self.q_proj(x_BxSxD).reshape(b, s, self.heads, self.head_dim)
         k = self.k_proj(x_BxSxD).reshape(b, s, self.kv_heads, self.head_dim)
@@ -211,8 +230,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 segment_ids_BxS: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids_BxS: jax.Array | None = None
+    ) -> jax.Array:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids_BxS)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -238,11 +258,15 @@ class LlamaModule(nnx.Module):
 
         self.layers = make_layers(rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = (None if cfg.tie_word_embeddings
-                        else Embedding(cfg.vocab_size, cfg.hidden_size, std, rngs))
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Embedding(cfg.vocab_size, cfg.hidden_size, std, rngs)
+        )
 
-    def __call__(self, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None
-                 ) -> jax.Array:
+    def __call__(
+        self, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None
+    ) -> jax.Array:
         """Logits (fp32) of every position; positions count from 0 in each row, or in
         each document of packed rows (``segment_ids``, whose attention stays inside
         each document). The activations take the params' dtype (bf16 in mixed
@@ -262,8 +286,9 @@ class LlamaModule(nnx.Module):
         x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, stacked)
         x_BxSxD = use(self.norm)(x_BxSxD)
         head_VxD = embed if self.lm_head is None else use(self.lm_head).weight[...]
-        return jnp.einsum("bsd,vd->bsv", x_BxSxD, head_VxD.astype(x_BxSxD.dtype)
-                          ).astype(jnp.float32)
+        return jnp.einsum("bsd,vd->bsv", x_BxSxD, head_VxD.astype(x_BxSxD.dtype)).astype(
+            jnp.float32
+        )
 
 
 # --------------------------------------------------------------------------- protocol
@@ -305,13 +330,19 @@ class Llama:
         """Fresh fp32 params (pure: ``Engine.init_from`` runs it sharded from birth)."""
         return split(LlamaModule(self.config, nnx.Rngs(rng)))[1]
 
-    def apply(self, params: dict[str, Any], tokens_BxS: jax.Array,
-              segment_ids_BxS: jax.Array | None = None) -> jax.Array:
+    def apply(
+        self,
+        params: dict[str, Any],
+        tokens_BxS: jax.Array,
+        segment_ids_BxS: jax.Array | None = None,
+    ) -> jax.Array:
         """Logits (fp32) for every position, computed in the params' dtype."""
         s = tokens_BxS.shape[1]
         if s > self.config.max_position_embeddings:
-            raise ValueError(f"sequence of {s} tokens is longer than max_position_embeddings "
-                             f"{self.config.max_position_embeddings}")
+            raise ValueError(
+                f"sequence of {s} tokens is longer than max_position_embeddings "
+                f"{self.config.max_position_embeddings}"
+            )
         return self.module(params)(tokens_BxS, segment_ids_BxS)
 
     def loss_fn(self, params: dict[str, Any], batch: dict[str, jax.Array]) -> Any:
@@ -346,10 +377,17 @@ class Llama:
         attn = 12.0 * c.num_hidden_layers * c.seq_len * c.num_attention_heads * c.head_size
         return 6.0 * (num_params - lookup) + attn
 
-    def generate(self, params: Any, prompt: np.ndarray, max_new_tokens: int, rng: jax.Array,
-                 temperature: float = 0.8, top_k: int | None = None) -> np.ndarray:
+    def generate(
+        self,
+        params: Any,
+        prompt: np.ndarray,
+        max_new_tokens: int,
+        rng: jax.Array,
+        temperature: float = 0.8,
+        top_k: int | None = None,
+    ) -> np.ndarray:
         """Sample ``max_new_tokens`` after ``prompt`` (int array ``[1, P]``), with a sliding
         window of ``seq_len`` tokens. ``top_k`` keeps the k likeliest tokens (None: all)."""
-        return generate(self.apply, self.config.seq_len, params, prompt, max_new_tokens, rng,
-                        temperature, top_k)
-
+        return generate(
+            self.apply, self.config.seq_len, params, prompt, max_new_tokens, rng, temperature, top_k
+        )

@@ -50,12 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (_, type_, help_) in SHORTCUTS.items():
         metavar = "N" if type_ is int else flag.upper()
         p.add_argument("--" + flag.replace("_", "-"), type=type_, metavar=metavar, help=help_)
-    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
-                   help="continue RUN_DIR (or --name NAME) from its latest checkpoint")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="RUN_DIR",
+        help="continue RUN_DIR (or --name NAME) from its latest checkpoint",
+    )
     p.add_argument("--print-config", action="store_true", help="print the config and exit")
-    p.add_argument("--init-timeout", type=float, default=None, metavar="SECONDS",
-                   help="multi-process: how long to wait for every process to connect "
-                   "(default 60 on CPU; JAXZERO_INIT_TIMEOUT)")
+    p.add_argument(
+        "--init-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="multi-process: how long to wait for every process to connect "
+        "(default 60 on CPU; JAXZERO_INIT_TIMEOUT)",
+    )
     return p
 
 
@@ -68,6 +79,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     named ``NAME-TIMESTAMP`` instead, so rerunning a saved config just works. A
     name given on the command line is used as given.
     """
+
     def apply(cfg: Config) -> Config:
         for flag, (key, _, _) in SHORTCUTS.items():
             value = getattr(args, flag)

@@ -407,8 +407,9 @@ def validate(config: Config) -> Config:
         if getattr(m, key) is not None and getattr(m, key) < 1:
             raise ConfigError(f"model.{key}: must be positive or null, got {getattr(m, key)}")
     if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} is not a multiple of "
-                          f"model.n_kv_heads={m.n_kv_heads}")
+        raise ConfigError(
+            f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}"
+        )
     if m.rope_theta <= 0:
         raise ConfigError(f"model.rope_theta: must be positive, got {m.rope_theta}")
     if m.d_model % m.n_heads and not (m.arch == "llama" and m.head_dim):
@@ -416,8 +417,9 @@ def validate(config: Config) -> Config:
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}"
         )
     if not config.data.packing and config.data.tokenizer is None and config.train.init_from is None:
-        raise ConfigError("data.packing=false needs documents: give data.tokenizer (or "
-                          "train.init_from)")
+        raise ConfigError(
+            "data.packing=false needs documents: give data.tokenizer (or train.init_from)"
+        )
     if not 0.0 < config.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {config.data.val_fraction}")
     if o.lr <= 0 or not 0.0 <= o.min_lr_ratio <= 1.0:
@@ -431,16 +433,18 @@ def validate(config: Config) -> Config:
             f"train.batch_size={t.batch_size} is not divisible by "
             f"parallel.micro_batches={p.micro_batches}"
         )
-    if lg.name is not None and (lg.name in ("", ".", "..") or "/" in lg.name
-                                or "\\" in lg.name):
-        raise ConfigError(f"logging.name={lg.name!r}: a run name is one directory name inside "
-                          "logging.root (no '/' or '..'); set logging.root for another place")
+    if lg.name is not None and (lg.name in ("", ".", "..") or "/" in lg.name or "\\" in lg.name):
+        raise ConfigError(
+            f"logging.name={lg.name!r}: a run name is one directory name inside "
+            "logging.root (no '/' or '..'); set logging.root for another place"
+        )
     if lg.sample_tokens < 0 or config.checkpoint.every < 0:
         raise ConfigError("logging.sample_tokens and checkpoint.every must be >= 0")
     ck = config.checkpoint
     if ck.keep_last < 1 or (ck.keep_every is not None and ck.keep_every < 1):
-        raise ConfigError("checkpoint.keep_last must be >= 1 and checkpoint.keep_every >= 1 "
-                          "or null")
+        raise ConfigError(
+            "checkpoint.keep_last must be >= 1 and checkpoint.keep_every >= 1 or null"
+        )
     return config
 
 

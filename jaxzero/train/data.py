@@ -228,9 +228,11 @@ def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
     if path.is_dir():
         if kind == "uint16":
             if not (path / "train.bin").is_file():
-                raise DataError(f"data.format=uint16 reads a directory's train.bin (and "
-                                f"val.bin), and {str(path)!r} has none: drop data.format to "
-                                "train on its text files as bytes")
+                raise DataError(
+                    f"data.format=uint16 reads a directory's train.bin (and "
+                    f"val.bin), and {str(path)!r} has none: drop data.format to "
+                    "train on its text files as bytes"
+                )
             train = read_tokens(path / "train.bin")
             val_path = path / "val.bin"
             if val_path.is_file():
@@ -269,8 +271,10 @@ def _tokenized_corpus(cfg: DataConfig, vocab_size: int | None) -> Corpus:
     except (TokenizerError, store_lib.StoreError) as e:
         raise DataError(str(e)) from None
     if vocab_size is not None and tok.vocab_size > vocab_size:
-        raise DataError(f"the tokenizer's vocabulary ({tok.vocab_size}) is larger than "
-                        f"model.vocab_size={vocab_size}: its ids would index past the embedding")
+        raise DataError(
+            f"the tokenizer's vocabulary ({tok.vocab_size}) is larger than "
+            f"model.vocab_size={vocab_size}: its ids would index past the embedding"
+        )
     lengths = np.load(store.path / "lengths.npy")
     ends = np.cumsum(lengths)
     docs = np.stack([ends - lengths, ends], axis=1)
@@ -283,9 +287,19 @@ def _tokenized_corpus(cfg: DataConfig, vocab_size: int | None) -> Corpus:
     train_docs = val_docs = None
     if not cfg.packing:
         train_docs, val_docs = docs[:-n_val], docs[-n_val:] - cut
-    return Corpus(store.tokens[:cut], store.tokens[cut:], "tokenizer", vocab_size or tok.vocab_size,
-                  source, None if mask is None else mask[:cut],
-                  None if mask is None else mask[cut:], tok.eos_id, tok, train_docs, val_docs)
+    return Corpus(
+        store.tokens[:cut],
+        store.tokens[cut:],
+        "tokenizer",
+        vocab_size or tok.vocab_size,
+        source,
+        None if mask is None else mask[:cut],
+        None if mask is None else mask[cut:],
+        tok.eos_id,
+        tok,
+        train_docs,
+        val_docs,
+    )
 
 
 def truncated(docs: np.ndarray | None, seq_len: int) -> int:
@@ -357,17 +371,24 @@ def offsets(num_tokens: int, seq_len: int, batch_size: int, seed: int, step: int
     return rng.integers(0, num_tokens - seq_len, size=batch_size, dtype=np.int64)
 
 
-def read_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int,
-                 mask: np.ndarray | None = None, eos: int | None = None
-                 ) -> dict[str, np.ndarray]:
+def read_windows(
+    tokens: np.ndarray,
+    starts: np.ndarray,
+    seq_len: int,
+    mask: np.ndarray | None = None,
+    eos: int | None = None,
+) -> dict[str, np.ndarray]:
     """``{"inputs", "targets"}`` int32 ``[len(starts), seq_len]``: windows and their shift.
 
     With ``eos`` (packed documents) also ``segment_ids``: a document's tokens share one,
     its EOS included, so attention stays inside it and positions restart after it. With
     ``mask`` also ``loss_mask``: 1 where the target token carries a loss.
     """
-    take = lambda a: (np.stack([np.asarray(a[s : s + seq_len + 1]) for s in starts])
-                      if len(starts) else np.zeros((0, seq_len + 1), a.dtype))
+    take = lambda a: (
+        np.stack([np.asarray(a[s : s + seq_len + 1]) for s in starts])
+        if len(starts)
+        else np.zeros((0, seq_len + 1), a.dtype)
+    )
     rows = take(tokens).astype(np.int32)
     out = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
     if eos is not None:
@@ -378,8 +399,9 @@ def read_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int,
     return out
 
 
-def read_documents(tokens: np.ndarray, docs: np.ndarray, seq_len: int,
-                   mask: np.ndarray | None, eos: int) -> dict[str, np.ndarray]:
+def read_documents(
+    tokens: np.ndarray, docs: np.ndarray, seq_len: int, mask: np.ndarray | None, eos: int
+) -> dict[str, np.ndarray]:
     """One document a row (packing off): cut at ``seq_len + 1`` tokens, padded with EOS.
     The padding carries no loss and a segment of its own."""
     rows = np.full((len(docs), seq_len + 1), eos, np.int32)
@@ -390,8 +412,12 @@ def read_documents(tokens: np.ndarray, docs: np.ndarray, seq_len: int,
         rows[i, :n] = tokens[start : start + n]
         loss[i, :n] = 1 if mask is None else mask[start : start + n]
         pad[i, :n] = 0
-    return {"inputs": rows[:, :-1], "targets": rows[:, 1:], "segment_ids": pad[:, :-1],
-            "loss_mask": loss[:, 1:]}
+    return {
+        "inputs": rows[:, :-1],
+        "targets": rows[:, 1:],
+        "segment_ids": pad[:, :-1],
+        "loss_mask": loss[:, 1:],
+    }
 
 
 def process_rows(device_rows: Mapping[Any, Any], batch_size: int) -> dict[int, slice]:
@@ -459,8 +485,7 @@ class Loader:
         if self.docs is not None:  # packing off: documents drawn at random, a row each
             rng = np.random.default_rng((self.seed, step))
             picked = rng.integers(0, len(self.docs), size=self.batch_size)[self.rows]
-            return read_documents(self.tokens, self.docs[picked], self.seq_len, self.mask,
-                                  self.eos)
+            return read_documents(self.tokens, self.docs[picked], self.seq_len, self.mask, self.eos)
         starts = offsets(len(self.tokens), self.seq_len, self.batch_size, self.seed, step)
         return read_windows(self.tokens, starts[self.rows], self.seq_len, self.mask, self.eos)
 
@@ -501,15 +526,23 @@ def eval_starts(num_tokens: int, seq_len: int, batch_size: int, num_batches: int
 
 
 def eval_batches(
-    tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int, rows: slice = slice(None),
-    mask: np.ndarray | None = None, eos: int | None = None, docs: np.ndarray | None = None,
+    tokens: np.ndarray,
+    seq_len: int,
+    batch_size: int,
+    num_batches: int,
+    rows: slice = slice(None),
+    mask: np.ndarray | None = None,
+    eos: int | None = None,
+    docs: np.ndarray | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """This process's rows of the fixed validation batches (packing off: documents spread
     evenly over the split, a row each)."""
     if docs is not None:
         picks = np.linspace(0, len(docs) - 1, num_batches * batch_size).astype(np.int64)
-        return [read_documents(tokens, docs[p[rows]], seq_len, mask, eos)
-                for p in picks.reshape(num_batches, batch_size)]
+        return [
+            read_documents(tokens, docs[p[rows]], seq_len, mask, eos)
+            for p in picks.reshape(num_batches, batch_size)
+        ]
     check_length(tokens, seq_len, "validation")
     starts = eval_starts(len(tokens), seq_len, batch_size, num_batches)
     return [read_windows(tokens, s[rows], seq_len, mask, eos) for s in starts]

@@ -38,8 +38,21 @@ from jaxzero.train.data import data_kind
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 RUN_CONFIG = "config.yaml"  # jaxzero.train.args.RESOLVED_CONFIG (not imported: it pulls in JAX)
-MODEL_FIELDS = ("arch", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
-                "tie_embeddings", "remat", "n_kv_heads", "head_dim", "rope_theta", "hf_config")
+MODEL_FIELDS = (
+    "arch",
+    "vocab_size",
+    "seq_len",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "d_ff",
+    "tie_embeddings",
+    "remat",
+    "n_kv_heads",
+    "head_dim",
+    "rope_theta",
+    "hf_config",
+)
 FORMATS = ("jaxzero", "hf")
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -93,8 +106,10 @@ def find_step_dir(path: str | Path, step: int | None = None) -> Path:
     ckpts = _run_checkpoints(path) if (path / RUN_CONFIG).is_file() else path
     steps = steps_in(ckpts)
     if not steps:
-        raise ExportError(f"{path} is not a jaxzero run, checkpoint or export directory "
-                          f"(no {RUN_CONFIG}, checkpoint steps, meta/ or {WEIGHTS} in it)")
+        raise ExportError(
+            f"{path} is not a jaxzero run, checkpoint or export directory "
+            f"(no {RUN_CONFIG}, checkpoint steps, meta/ or {WEIGHTS} in it)"
+        )
     if step is None:
         return ckpts / str(steps[-1])
     if step not in steps:
@@ -110,8 +125,10 @@ def read_meta(step_dir: Path) -> dict[str, Any]:
         meta["param_tree"], meta["leaves"]  # noqa: B018 - both must be there
         return meta
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {step_dir} has no readable metadata "
-                              f"({type(e).__name__}); it is damaged or not jaxzero's") from None
+        raise CheckpointError(
+            f"checkpoint {step_dir} has no readable metadata "
+            f"({type(e).__name__}); it is damaged or not jaxzero's"
+        ) from None
 
 
 def run_config(step_dir: Path) -> dict[str, Any]:
@@ -124,8 +141,10 @@ def run_config(step_dir: Path) -> dict[str, Any]:
     if not isinstance(config, dict) and (run / RUN_CONFIG).is_file():
         config = _run_config(run)
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
-        raise ExportError(f"checkpoint {step_dir} records no model config (extra.config.model) "
-                          f"and has no run {RUN_CONFIG} beside it")
+        raise ExportError(
+            f"checkpoint {step_dir} records no model config (extra.config.model) "
+            f"and has no run {RUN_CONFIG} beside it"
+        )
     return config
 
 
@@ -143,9 +162,11 @@ def model_fields(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]
     """The GPT fields of a run config; a ``vocab_size`` taken from the data comes from wte."""
     model = {k: config["model"][k] for k in MODEL_FIELDS if k in config["model"]}
     if model.get("vocab_size") is None:
-        embedding = (["embed_tokens", "weight"] if model.get("arch") == "llama" else ["wte"])
-        model["vocab_size"] = next((e["shape"][0] for e in meta["param_tree"]
-                                    if [k for _, k in e["path"]] == embedding), None)
+        embedding = ["embed_tokens", "weight"] if model.get("arch") == "llama" else ["wte"]
+        model["vocab_size"] = next(
+            (e["shape"][0] for e in meta["param_tree"] if [k for _, k in e["path"]] == embedding),
+            None,
+        )
     return model
 
 
@@ -174,25 +195,36 @@ class LeafReader:
         import tensorstore as ts
 
         self._ts, self.dir = ts, (step_dir / "state").absolute()
-        self._sums = {name: entry.get("fingerprint")
-                      for name, entry in read_meta(step_dir)["leaves"].items()}
+        self._sums = {
+            name: entry.get("fingerprint") for name, entry in read_meta(step_dir)["leaves"].items()
+        }
         try:
             info = json.loads((self.dir / "_METADATA").read_text())
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"checkpoint {step_dir} has no readable state/_METADATA "
-                                  f"({type(e).__name__}); it is damaged or incomplete") from None
+            raise CheckpointError(
+                f"checkpoint {step_dir} has no readable state/_METADATA "
+                f"({type(e).__name__}); it is damaged or incomplete"
+            ) from None
         self._zarr3, self._ocdbt = info.get("use_zarr3", False), info.get("use_ocdbt", True)
         self._ctx = ts.Context({"cache_pool": {"total_bytes_limit": 0}})  # no cached chunks
 
     def _spec(self, leaf: str) -> dict[str, Any]:
         key = leaf.replace("/", ".")  # orbax names an array by its tree keys joined by "."
-        kv = ({"driver": "ocdbt", "base": f"file://{self.dir}/", "path": key} if self._ocdbt
-              else {"driver": "file", "path": f"{self.dir}/{key}"})
-        return {"driver": "zarr3" if self._zarr3 else "zarr", "kvstore": kv,
-                "recheck_cached_data": False, "recheck_cached_metadata": False}
+        kv = (
+            {"driver": "ocdbt", "base": f"file://{self.dir}/", "path": key}
+            if self._ocdbt
+            else {"driver": "file", "path": f"{self.dir}/{key}"}
+        )
+        return {
+            "driver": "zarr3" if self._zarr3 else "zarr",
+            "kvstore": kv,
+            "recheck_cached_data": False,
+            "recheck_cached_metadata": False,
+        }
 
-    def read(self, leaf: str, shape: tuple[int, ...], dtype: np.dtype,
-             buffer: np.ndarray | None = None) -> np.ndarray:
+    def read(
+        self, leaf: str, shape: tuple[int, ...], dtype: np.dtype, buffer: np.ndarray | None = None
+    ) -> np.ndarray:
         """The ``shape`` corner of ``leaf`` as a C-contiguous ``dtype`` array, verified.
 
         With ``buffer`` (bytes, reused across leaves, at least the leaf in its stored
@@ -205,14 +237,18 @@ class LeafReader:
         ts = self._ts
         try:
             store = ts.open(self._spec(leaf), open=True, context=self._ctx).result()
-            if len(store.shape) != len(shape) or any(a < b for a, b in zip(store.shape, shape,
-                                                                          strict=True)):
+            if len(store.shape) != len(shape) or any(
+                a < b for a, b in zip(store.shape, shape, strict=True)
+            ):
                 raise ValueError(f"stored shape {tuple(store.shape)} cannot hold {shape}")
             src = store[tuple(slice(0, n) for n in shape)]
             stored = np.dtype(src.dtype.numpy_dtype)
             nbytes = math.prod(shape) * stored.itemsize
-            raw = (np.empty(shape, stored) if buffer is None or buffer.nbytes < nbytes
-                   else buffer[:nbytes].view(stored).reshape(shape))
+            raw = (
+                np.empty(shape, stored)
+                if buffer is None or buffer.nbytes < nbytes
+                else buffer[:nbytes].view(stored).reshape(shape)
+            )
             ts.array(raw, copy=False, write=True, context=self._ctx).write(src).result()
         except Exception as e:  # tensorstore raises ValueError/RuntimeError/... for bad files
             msg = (str(e).strip().splitlines() or [""])[0][:200]
@@ -226,7 +262,8 @@ class LeafReader:
             raise CheckpointError(
                 f"checkpoint {self.dir.parent} is damaged: {leaf} no longer matches the "
                 "fingerprint written when it was saved. Older checkpoints: "
-                f"{older_steps(self.dir.parent.parent, _step(self.dir))}")
+                f"{older_steps(self.dir.parent.parent, _step(self.dir))}"
+            )
         return raw if stored == dtype else raw.astype(dtype)
 
 
@@ -247,10 +284,18 @@ def export_params(step_dir: Path, out_file: Path, dtype: str = "fp32") -> dict[s
     # room for any leaf as stored (at most 4 bytes an element: fp32 master or params)
     buffer = np.empty(max((math.prod(s) * 4 for *_, s in entries), default=0), np.uint8)
     arrays = (reader.read(leaf, shape, dt, buffer) for _, leaf, shape in entries)
-    size = safetensors.write(out_file, [(n, dt, s) for n, _, s in entries], arrays,
-                             {"format": "jaxzero", "step": str(meta.get("step"))})
-    return {"step": meta.get("step"), "params": len(entries), "bytes": size,
-            "largest_leaf_bytes": max(math.prod(s) * dt.itemsize for *_, s in entries)}
+    size = safetensors.write(
+        out_file,
+        [(n, dt, s) for n, _, s in entries],
+        arrays,
+        {"format": "jaxzero", "step": str(meta.get("step"))},
+    )
+    return {
+        "step": meta.get("step"),
+        "params": len(entries),
+        "bytes": size,
+        "largest_leaf_bytes": max(math.prod(s) * dt.itemsize for *_, s in entries),
+    }
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -269,38 +314,53 @@ def copy_tokenizer(run: dict[str, Any], out: Path) -> None:
     if src.is_file() and src not in files:
         files.insert(0, src)
     if not files:
-        raise ExportError(f"the run's tokenizer {src} is gone: export needs it beside the "
-                          "weights (put it back, or export from a copy of the run config)")
+        raise ExportError(
+            f"the run's tokenizer {src} is gone: export needs it beside the "
+            "weights (put it back, or export from a copy of the run config)"
+        )
     for f in files:
         shutil.copyfile(f, out / ("tokenizer.json" if f == src else f.name))
 
 
-def export_hf(step_dir: Path, run: dict[str, Any], meta: dict[str, Any], out: Path,
-              dtype: str) -> Path:
+def export_hf(
+    step_dir: Path, run: dict[str, Any], meta: dict[str, Any], out: Path, dtype: str
+) -> Path:
     """A Hugging Face model directory (``transformers`` loads it) from a Llama run."""
     from jaxzero import hf
     from jaxzero.models import from_fields
 
     fields = model_fields(run, meta)
     if fields.get("arch") != "llama":
-        raise ExportError(f"--format hf needs a model.arch=llama run; {step_dir} trained "
-                          f"{fields.get('arch') or 'gpt'} (export it with --format jaxzero)")
+        raise ExportError(
+            f"--format hf needs a model.arch=llama run; {step_dir} trained "
+            f"{fields.get('arch') or 'gpt'} (export it with --format jaxzero)"
+        )
     entries = param_entries(meta)
     reader = LeafReader(step_dir)
     arrays = (reader.read(leaf, shape, DTYPES["fp32"]) for _, leaf, shape in entries)
     overwrite = out.is_dir() and (out / hf.CONFIG).is_file()  # an earlier export
     try:
-        out = hf.write_model(out, from_fields(fields), [(n, s) for n, _, s in entries], arrays,
-                             {"fp32": "float32", "bf16": "bfloat16"}[dtype],
-                             overwrite=overwrite)
+        out = hf.write_model(
+            out,
+            from_fields(fields),
+            [(n, s) for n, _, s in entries],
+            arrays,
+            {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+            overwrite=overwrite,
+        )
     except hf.HFError as e:
         raise ExportError(str(e)) from None
     copy_tokenizer(run, out)
     return out
 
 
-def export(path: str | Path, out: str | Path, dtype: str = "fp32",
-           step: int | None = None, format: str = "jaxzero") -> Path:
+def export(
+    path: str | Path,
+    out: str | Path,
+    dtype: str = "fp32",
+    step: int | None = None,
+    format: str = "jaxzero",
+) -> Path:
     """``out/model.safetensors`` + ``out/config.json`` from a run, checkpoints dir or step;
     ``format="hf"``: a Hugging Face directory (Llama runs)."""
     if format not in FORMATS:
@@ -329,11 +389,19 @@ def export(path: str | Path, out: str | Path, dtype: str = "fp32",
             out.rmdir()  # leave no empty directory behind; an older export stays whole
         raise
     fields = model_fields(run, meta)
-    config = {**fields, "model_type": f"jaxzero-{fields.get('arch') or 'gpt'}",
-              "dtype": DTYPES[dtype].name, "tokens": token_kind(run),
-              "source": {"checkpoint": str(step_dir.absolute()), "step": info["step"],
-                         "stage": meta.get("stage"), "num_shards": meta.get("num_shards"),
-                         "precision": meta.get("precision")}}
+    config = {
+        **fields,
+        "model_type": f"jaxzero-{fields.get('arch') or 'gpt'}",
+        "dtype": DTYPES[dtype].name,
+        "tokens": token_kind(run),
+        "source": {
+            "checkpoint": str(step_dir.absolute()),
+            "step": info["step"],
+            "stage": meta.get("stage"),
+            "num_shards": meta.get("num_shards"),
+            "precision": meta.get("precision"),
+        },
+    }
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     copy_tokenizer(run, out)
     return out
@@ -347,13 +415,21 @@ def describe_source(path: str | Path, step: int | None = None) -> str:
     metrics = step_dir.parent.parent / "metrics.jsonl"
     if step is None and metrics.is_file():
         try:
-            logged = max((json.loads(x).get("step", 0) for x in metrics.read_text().splitlines()
-                          if x.strip()), default=0)
+            logged = max(
+                (
+                    json.loads(x).get("step", 0)
+                    for x in metrics.read_text().splitlines()
+                    if x.strip()
+                ),
+                default=0,
+            )
         except ValueError:
             logged = 0
         if step_dir.name.isdigit() and logged > int(step_dir.name):
-            line += (f"; warning: the run logged step {logged}, after its latest checkpoint "
-                     "(it was stopped before saving; resume it to save the rest)")
+            line += (
+                f"; warning: the run logged step {logged}, after its latest checkpoint "
+                "(it was stopped before saving; resume it to save the rest)"
+            )
     return line
 
 
@@ -364,8 +440,7 @@ def run_cli(prog: str, body: Callable[[], None]) -> int:
     """Runs a subcommand's body; user mistakes become one line on stderr and exit 2."""
     try:
         body()
-    except (ArgError, ExportError, CheckpointError, safetensors.SafetensorsError,
-            HFError) as e:
+    except (ArgError, ExportError, CheckpointError, safetensors.SafetensorsError, HFError) as e:
         print(f"jaxzero {prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help
@@ -377,26 +452,38 @@ def run_cli(prog: str, body: Callable[[], None]) -> int:
 
 
 def _export_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="jaxzero export", description="Write a checkpoint's consolidated params "
-               f"as {WEIGHTS} + {CONFIG}, streaming one leaf at a time.")
-    p.add_argument("path", metavar="RUN_OR_CHECKPOINT",
-                   help="run dir, its checkpoints dir, or one step dir")
+    p = Parser(
+        prog="jaxzero export",
+        description="Write a checkpoint's consolidated params "
+        f"as {WEIGHTS} + {CONFIG}, streaming one leaf at a time.",
+    )
+    p.add_argument(
+        "path", metavar="RUN_OR_CHECKPOINT", help="run dir, its checkpoints dir, or one step dir"
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="export directory")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="default fp32")
     p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
-    p.add_argument("--format", choices=FORMATS, default="jaxzero",
-                   help="jaxzero: one safetensors file + config.json (default); hf: a Hugging "
-                   "Face model directory transformers loads (model.arch=llama runs)")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="jaxzero",
+        help="jaxzero: one safetensors file + config.json (default); hf: a Hugging "
+        "Face model directory transformers loads (model.arch=llama runs)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """``jaxzero export``."""
+
     def body():
         args = _export_parser().parse_args(sys.argv[1:] if argv is None else argv)
         out = export(args.path, args.out, args.dtype, args.step, args.format)
-        print(f"exported {out} (Hugging Face format)" if args.format == "hf" else
-              f"exported {out / WEIGHTS} and {out / CONFIG}")
+        print(
+            f"exported {out} (Hugging Face format)"
+            if args.format == "hf"
+            else f"exported {out / WEIGHTS} and {out / CONFIG}"
+        )
         print(describe_source(args.path, args.step), file=sys.stderr)
 
     return run_cli("export", body)

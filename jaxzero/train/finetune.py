@@ -25,8 +25,7 @@ def source(cfg: Config) -> Path | None:
     if spec is None:
         return None
     if not spec.startswith("hf:") or len(spec) == 3:
-        raise ConfigError(f"train.init_from={spec!r}: use hf:PATH (a Hugging Face model "
-                          "directory)")
+        raise ConfigError(f"train.init_from={spec!r}: use hf:PATH (a Hugging Face model directory)")
     return Path(spec[3:]).expanduser()
 
 
@@ -36,26 +35,38 @@ def resolve(cfg: Config) -> tuple[Config, Any]:
 
     path = source(cfg)
     try:
-        model = hf.model(path, seq_len=cfg.model.seq_len, remat=cfg.model.remat,
-                         attention=cfg.model.attention)
+        model = hf.model(
+            path, seq_len=cfg.model.seq_len, remat=cfg.model.remat, attention=cfg.model.attention
+        )
     except (hf.HFError, hf.SafetensorsError) as e:
         raise ConfigError(f"train.init_from: {e}") from None
     c = model.config
-    theirs = {"arch": "llama", "vocab_size": c.vocab_size, "d_model": c.hidden_size,
-              "n_layers": c.num_hidden_layers, "n_heads": c.num_attention_heads,
-              "n_kv_heads": c.kv_heads, "head_dim": c.head_size, "d_ff": c.intermediate_size,
-              "tie_embeddings": c.tie_word_embeddings, "rope_theta": c.rope_theta}
+    theirs = {
+        "arch": "llama",
+        "vocab_size": c.vocab_size,
+        "d_model": c.hidden_size,
+        "n_layers": c.num_hidden_layers,
+        "n_heads": c.num_attention_heads,
+        "n_kv_heads": c.kv_heads,
+        "head_dim": c.head_size,
+        "d_ff": c.intermediate_size,
+        "tie_embeddings": c.tie_word_embeddings,
+        "rope_theta": c.rope_theta,
+    }
     default = ModelConfig()
     for key, value in theirs.items():
         mine = getattr(cfg.model, key)
         if key != "arch" and mine != getattr(default, key) and mine != value:
-            raise ConfigError(f"model.{key}={mine} contradicts the checkpoint's {value} "
-                              f"(train.init_from={cfg.train.init_from}): drop the override")
+            raise ConfigError(
+                f"model.{key}={mine} contradicts the checkpoint's {value} "
+                f"(train.init_from={cfg.train.init_from}): drop the override"
+            )
     data = cfg.data
     if data.tokenizer is None and (path / "tokenizer.json").is_file():
         data = dataclasses.replace(data, tokenizer=str(path))
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **theirs),
-                               data=data), model
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, **theirs), data=data
+    ), model
 
 
 def pin_architecture(cfg: Config, model: Any, run_dir: Path, is_main: bool) -> Config:
@@ -67,5 +78,6 @@ def pin_architecture(cfg: Config, model: Any, run_dir: Path, is_main: bool) -> C
     if is_main:
         raw = hf_config(model.config, "float32", model.hf_config)
         out.write_text(json.dumps(raw, indent=2) + "\n")
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
-                                                              hf_config=str(out.absolute())))
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, hf_config=str(out.absolute()))
+    )

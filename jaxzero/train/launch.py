@@ -73,21 +73,50 @@ def build_parser() -> argparse.ArgumentParser:
         "train ...' or 'python my_script.py ...') with rank, local rank, world size and the "
         "coordinator's host and port set (JAXZERO_* and torchrun variables).",
     )
-    p.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
-                   help="processes on this node: one per GPU, or 1 owning all of them")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="K",
+        help="processes on this node: one per GPU, or 1 owning all of them",
+    )
     p.add_argument("--nnodes", type=int, default=1, metavar="M", help="nodes in the job")
     p.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node, 0..M-1")
-    p.add_argument("--master-addr", default=None, metavar="HOST",
-                   help="the host: address of node 0, where rank 0 runs the coordinator "
-                   "(default 127.0.0.1 on one node)")
-    p.add_argument("--master-port", type=int, default=None, metavar="PORT",
-                   help="the coordinator's port (default: a free one on one node, else 29500)")
-    p.add_argument("--simulate-devices", type=int, default=None, metavar="D",
-                   help="CPU: devices each process simulates (JAXZERO_SIMULATE_DEVICES)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
-                   help="restart the whole group up to R times after a failure")
-    p.add_argument("--init-timeout", type=float, default=None, metavar="SECONDS",
-                   help="how long processes wait for each other to connect (CPU default 60)")
+    p.add_argument(
+        "--master-addr",
+        default=None,
+        metavar="HOST",
+        help="the host: address of node 0, where rank 0 runs the coordinator "
+        "(default 127.0.0.1 on one node)",
+    )
+    p.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="the coordinator's port (default: a free one on one node, else 29500)",
+    )
+    p.add_argument(
+        "--simulate-devices",
+        type=int,
+        default=None,
+        metavar="D",
+        help="CPU: devices each process simulates (JAXZERO_SIMULATE_DEVICES)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="restart the whole group up to R times after a failure",
+    )
+    p.add_argument(
+        "--init-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long processes wait for each other to connect (CPU default 60)",
+    )
     return p
 
 
@@ -117,39 +146,61 @@ def parse(argv: Sequence[str]) -> Plan:
     """Options before ``--``, the command after; raises UsageError with one line."""
     argv = list(argv)
     if "--" not in argv:
-        raise UsageError("give the command after '--', e.g. jaxzero launch --nproc-per-node 2 "
-                         "-- jaxzero train")
+        raise UsageError(
+            "give the command after '--', e.g. jaxzero launch --nproc-per-node 2 -- jaxzero train"
+        )
     cut = argv.index("--")
     try:
         args = build_parser().parse_args(argv[:cut])
     except ArgError as e:
         raise UsageError(str(e)) from None
-    command = tuple(argv[cut + 1:])
+    command = tuple(argv[cut + 1 :])
     checks = [
-        (args.nproc_per_node >= 1, f"--nproc-per-node must be at least 1, got "
-                                   f"{args.nproc_per_node}"),
+        (
+            args.nproc_per_node >= 1,
+            f"--nproc-per-node must be at least 1, got {args.nproc_per_node}",
+        ),
         (args.nnodes >= 1, f"--nnodes must be at least 1, got {args.nnodes}"),
-        (0 <= args.node_rank < max(args.nnodes, 1),
-         f"--node-rank must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes}), got "
-         f"{args.node_rank}"),
-        (args.master_port is None or 1 <= args.master_port <= 65535,
-         f"--master-port must be in 1..65535, got {args.master_port}"),
-        (args.nnodes == 1 or args.master_addr, "--master-addr is required with --nnodes > 1: "
-                                               "the address of node 0, reachable from every node"),
-        (args.simulate_devices is None or args.simulate_devices >= 1,
-         f"--simulate-devices must be at least 1, got {args.simulate_devices}"),
+        (
+            0 <= args.node_rank < max(args.nnodes, 1),
+            f"--node-rank must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes}), got "
+            f"{args.node_rank}",
+        ),
+        (
+            args.master_port is None or 1 <= args.master_port <= 65535,
+            f"--master-port must be in 1..65535, got {args.master_port}",
+        ),
+        (
+            args.nnodes == 1 or args.master_addr,
+            "--master-addr is required with --nnodes > 1: "
+            "the address of node 0, reachable from every node",
+        ),
+        (
+            args.simulate_devices is None or args.simulate_devices >= 1,
+            f"--simulate-devices must be at least 1, got {args.simulate_devices}",
+        ),
         (args.max_restarts >= 0, f"--max-restarts must be >= 0, got {args.max_restarts}"),
-        (args.init_timeout is None or args.init_timeout > 0,
-         f"--init-timeout must be positive, got {args.init_timeout}"),
+        (
+            args.init_timeout is None or args.init_timeout > 0,
+            f"--init-timeout must be positive, got {args.init_timeout}",
+        ),
         (bool(command), "no command after '--'"),
     ]
     for ok, message in checks:
         if not ok:
             raise UsageError(message)
     port = args.master_port if args.master_port or args.nnodes == 1 else 29500
-    return Plan(args.nproc_per_node, args.nnodes, args.node_rank,
-                args.master_addr or "127.0.0.1", port, args.simulate_devices, args.max_restarts,
-                args.init_timeout, command)
+    return Plan(
+        args.nproc_per_node,
+        args.nnodes,
+        args.node_rank,
+        args.master_addr or "127.0.0.1",
+        port,
+        args.simulate_devices,
+        args.max_restarts,
+        args.init_timeout,
+        command,
+    )
 
 
 def resolve_command(command: Sequence[str]) -> list[str]:
@@ -161,25 +212,37 @@ def resolve_command(command: Sequence[str]) -> list[str]:
     return list(command)
 
 
-def child_env(plan: Plan, local_rank: int, port: int, restart: int,
-              base: Mapping[str, str]) -> dict[str, str]:
+def child_env(
+    plan: Plan, local_rank: int, port: int, restart: int, base: Mapping[str, str]
+) -> dict[str, str]:
     """The environment of one process: both variable families, and the CPU settings."""
     rank = plan.rank(local_rank)
     env = dict(base)
-    shared = {"ADDR": plan.host, "PORT": str(port), "RANK": str(rank),
-              "WORLD_SIZE": str(plan.world_size), "LOCAL_RANK": str(local_rank),
-              "LOCAL_WORLD_SIZE": str(plan.nproc)}
+    shared = {
+        "ADDR": plan.host,
+        "PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(plan.world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(plan.nproc),
+    }
     for key, value in shared.items():
         ours = {"ADDR": "JAXZERO_HOST", "PORT": "JAXZERO_PORT"}.get(key, "JAXZERO_" + key)
         env[ours] = value
         env[{"ADDR": "MASTER_ADDR", "PORT": "MASTER_PORT"}.get(key, key)] = value
-    env.update(GROUP_RANK=str(plan.node_rank), JAXZERO_NODE_RANK=str(plan.node_rank),
-               JAXZERO_RESTART_COUNT=str(restart), TORCHELASTIC_RESTART_COUNT=str(restart),
-               JAXZERO_MAX_RESTARTS=str(plan.max_restarts), PYTHONUNBUFFERED="1")
+    env.update(
+        GROUP_RANK=str(plan.node_rank),
+        JAXZERO_NODE_RANK=str(plan.node_rank),
+        JAXZERO_RESTART_COUNT=str(restart),
+        TORCHELASTIC_RESTART_COUNT=str(restart),
+        JAXZERO_MAX_RESTARTS=str(plan.max_restarts),
+        PYTHONUNBUFFERED="1",
+    )
     if plan.simulate_devices is not None:
         env["JAXZERO_SIMULATE_DEVICES"] = str(plan.simulate_devices)
-        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                       env.get("XLA_FLAGS", "")).strip()
+        flags = re.sub(
+            r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")
+        ).strip()
         if flags:
             env["XLA_FLAGS"] = flags
         else:
@@ -221,8 +284,11 @@ class Group:
             env = child_env(plan, local, port, restart, os.environ)
             env[LAUNCH_EVENTS] = str(self.events)
             proc = subprocess.Popen(
-                [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *command], env=env,
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *command],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 start_new_session=True,  # its own process group: killed as a whole
             )
             self.procs.append(proc)
@@ -231,9 +297,11 @@ class Group:
                 t = threading.Thread(target=self._pump, args=(pipe, out, prefix), daemon=True)
                 t.start()
                 self.pumps.append(t)
-        say(f"started {plan.nproc} process(es), ranks {plan.rank(0)}..{plan.rank(plan.nproc - 1)}"
+        say(
+            f"started {plan.nproc} process(es), ranks {plan.rank(0)}..{plan.rank(plan.nproc - 1)}"
             f" of {plan.world_size}, coordinator {plan.host}:{port}, pids "
-            + " ".join(str(p.pid) for p in self.procs))
+            + " ".join(str(p.pid) for p in self.procs)
+        )
 
     def _pump(self, pipe: BinaryIO, out, prefix: bytes) -> None:
         """Copies a child's lines with its rank in front; keeps draining if ``out`` breaks,
@@ -241,8 +309,9 @@ class Group:
         for line in iter(pipe.readline, b""):
             with self._lock:
                 try:
-                    out.buffer.write(prefix + line if line.endswith(b"\n") else
-                                     prefix + line + b"\n")
+                    out.buffer.write(
+                        prefix + line if line.endswith(b"\n") else prefix + line + b"\n"
+                    )
                     out.flush()
                 except (OSError, ValueError):  # our reader went away: discard
                     pass
@@ -336,15 +405,19 @@ def run(plan: Plan) -> int:
             group = Group(plan, command, port, restart)
             status = _watch(group, received)
             if status is None:
-                say(f"all {plan.nproc} process(es) exited 0 "
-                    f"({time.monotonic() - group.started:.1f} s)")
+                say(
+                    f"all {plan.nproc} process(es) exited 0 "
+                    f"({time.monotonic() - group.started:.1f} s)"
+                )
                 return 0
             if received:
                 return 128 + received[0]
             local, code = status
             if restart < plan.max_restarts:
-                say(f"restarting all {plan.nproc} process(es) after rank {plan.rank(local)} "
-                    f"{describe_exit(code)} (restart {restart + 1} of {plan.max_restarts})")
+                say(
+                    f"restarting all {plan.nproc} process(es) after rank {plan.rank(local)} "
+                    f"{describe_exit(code)} (restart {restart + 1} of {plan.max_restarts})"
+                )
                 continue
             say(f"failed: rank {plan.rank(local)} {describe_exit(code)}")
             return EXIT_FAILED
@@ -368,21 +441,25 @@ def _watch(group: Group, received: list[int]) -> tuple[int, int] | None:
         if failure is not None:
             local, code = failure
             others = sum(p.poll() is None for p in group.procs)
-            say(f"rank {group.plan.rank(local)} (local rank {local}, pid "
+            say(
+                f"rank {group.plan.rank(local)} (local rank {local}, pid "
                 f"{group.procs[local].pid}) {describe_exit(code)} after "
                 f"{time.monotonic() - group.started:.1f} s; stopping the other {others} "
-                "process(es)")
+                "process(es)"
+            )
             group.stop()
             for i, p in enumerate(group.procs):
                 if i != local:
                     say(f"rank {group.plan.rank(i)} (pid {p.pid}) {describe_exit(p.returncode)}")
             return failure
         for local, others in group.ended_early():
-            say(f"rank {group.plan.rank(local)} (pid {group.procs[local].pid}) ended its program "
+            say(
+                f"rank {group.plan.rank(local)} (pid {group.procs[local].pid}) ended its program "
                 f"after {time.monotonic() - group.started:.1f} s while {others} other "
                 "process(es) run on; JAX holds it until every process ends (its exit status "
                 "is known then). If the others wait for it in a collective they stall: stop "
-                "the job with Ctrl-C")
+                "the job with Ctrl-C"
+            )
         time.sleep(POLL_SECONDS)
     group.close()
     failure = group.failed()

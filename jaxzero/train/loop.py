@@ -78,8 +78,9 @@ def devices_to_simulate(parallel: config_lib.ParallelConfig) -> int | None:
     return parallel.devices or DEFAULT_SIMULATED_DEVICES
 
 
-def setup_devices(parallel: config_lib.ParallelConfig, job: Any = None,
-                  group_size: int | str | None = None) -> tuple[Any, int | None]:
+def setup_devices(
+    parallel: config_lib.ParallelConfig, job: Any = None, group_size: int | str | None = None
+) -> tuple[Any, int | None]:
     """Simulates CPU devices if asked (before any computation) and builds the mesh.
 
     In a multi-process ``job`` the devices were set up by ``distributed.initialize``
@@ -178,8 +179,12 @@ def build(cfg: Config, mesh: Any) -> tuple[Any, Any, Any]:
     return model, engine, schedule
 
 
-def train(cfg: Config, started: float | None = None, resume: list[str] | None = None,
-          init_timeout: float | None = None) -> dict[str, Any]:
+def train(
+    cfg: Config,
+    started: float | None = None,
+    resume: list[str] | None = None,
+    init_timeout: float | None = None,
+) -> dict[str, Any]:
     """Runs the whole training job described by ``cfg`` and returns its summary.
 
     SIGINT/SIGTERM before the first step is done abort at once and undo what the run
@@ -202,28 +207,39 @@ def train(cfg: Config, started: float | None = None, resume: list[str] | None = 
                 step()
             except OSError:
                 pass
-        print(f"jaxzero train: interrupted by {signal.Signals(signum).name} during start-up; "
-              "stopped at once" + (", nothing kept" if undo else ""), file=sys.stderr,
-              flush=True)
+        print(
+            f"jaxzero train: interrupted by {signal.Signals(signum).name} during start-up; "
+            "stopped at once" + (", nothing kept" if undo else ""),
+            file=sys.stderr,
+            flush=True,
+        )
 
     with resume_lib.StopSignals(abort) as stop:
         return _train(cfg, started, resume, init_timeout, stop, undo)
 
 
-def _train(cfg: Config, started: float | None, resume: list[str] | None,
-           init_timeout: float | None, stop: resume_lib.StopSignals,
-           undo: list[Callable[[], Any]]) -> dict[str, Any]:
+def _train(
+    cfg: Config,
+    started: float | None,
+    resume: list[str] | None,
+    init_timeout: float | None,
+    stop: resume_lib.StopSignals,
+    undo: list[Callable[[], Any]],
+) -> dict[str, Any]:
     watch = metrics_lib.Stopwatch(started)
     if resume is not None:
         run = Path(cfg.logging.root) / str(cfg.logging.name)
         if resume_lib.finished(run, cfg.train.steps) is not None:
-            print(f"jaxzero train: {run} finished at step {cfg.train.steps}; nothing to resume "
-                  "(give --steps N to train it further)")
+            print(
+                f"jaxzero train: {run} finished at step {cfg.train.steps}; nothing to resume "
+                "(give --steps N to train it further)"
+            )
             return json.loads((run / metrics_lib.SUMMARY_FILE).read_text())
     # Joins the job when launched as one of several processes (a no-op otherwise): first,
     # so that a wrong RANK or an absent coordinator fails before any data is read.
-    job = distributed.initialize(simulate_devices=cfg.parallel.simulate_devices,
-                                 init_timeout=init_timeout)
+    job = distributed.initialize(
+        simulate_devices=cfg.parallel.simulate_devices, init_timeout=init_timeout
+    )
     pretrained = None
     if resume is None and finetune.source(cfg) is not None:
         cfg, pretrained = finetune.resolve(cfg)  # its model fields and tokenizer
@@ -234,9 +250,12 @@ def _train(cfg: Config, started: float | None, resume: list[str] | None,
         data_lib.check_length(corpus.val, seq, "validation")
     else:  # packing off: say how many documents a row cuts
         cut = data_lib.truncated(corpus.train_docs, seq)
-        corpus = dataclasses.replace(corpus, source=f"{corpus.source}, packing off: {cut:,} of "
-                                     f"{len(corpus.train_docs):,} train documents cut at "
-                                     f"{seq + 1} tokens")
+        corpus = dataclasses.replace(
+            corpus,
+            source=f"{corpus.source}, packing off: {cut:,} of "
+            f"{len(corpus.train_docs):,} train documents cut at "
+            f"{seq + 1} tokens",
+        )
     vocab = cfg.model.vocab_size or corpus.vocab_size
     if vocab < corpus.vocab_size:
         raise ConfigError(
@@ -268,11 +287,15 @@ def _train(cfg: Config, started: float | None, resume: list[str] | None,
             aside = resume_lib.set_aside(ckpt_dir)
             if aside is not None:
                 undo.append(lambda: aside.rename(ckpt_dir))
-                print(f"jaxzero train: {ckpt_dir} held another run's checkpoints (an aborted "
-                      f"or overwritten run); moved them to {aside}")
+                print(
+                    f"jaxzero train: {ckpt_dir} held another run's checkpoints (an aborted "
+                    f"or overwritten run); moved them to {aside}"
+                )
         elif ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
-            raise ConfigError(f"checkpoint.dir {str(ckpt_dir)!r} already holds checkpoints of "
-                              "another run: give an empty directory, or --resume that run")
+            raise ConfigError(
+                f"checkpoint.dir {str(ckpt_dir)!r} already holds checkpoints of "
+                "another run: give an empty directory, or --resume that run"
+            )
     ckpt = CheckpointManager(ckpt_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
     if pretrained is not None:
         cfg = finetune.pin_architecture(cfg, pretrained, run_dir, is_main)
@@ -296,13 +319,31 @@ def _train(cfg: Config, started: float | None, resume: list[str] | None,
             elif resume is None:
                 state = engine.init_from(model.init, jax.random.key(cfg.train.seed))
             per_run = None if job.multi else simulated  # multi-process: the mesh line says it
-            progress.print(metrics_lib.banner(cfg, corpus, engine.num_params, per_run, run_dir)
-                           + "\n  mesh   " + _mesh_line(job, mesh))
+            progress.print(
+                metrics_lib.banner(cfg, corpus, engine.num_params, per_run, run_dir)
+                + "\n  mesh   "
+                + _mesh_line(job, mesh)
+            )
             if resume is not None:
-                progress.print(f"  resume from {ckpt.directory / str(int(state.step))} (step "
-                               f"{int(state.step)})" + "".join(f"\n  changed {c}" for c in resume))
-            summary = _loop(cfg, engine, state, model, corpus, schedule, writer, progress, watch,
-                            ckpt, extra.get("loader"), run_dir, stop)
+                progress.print(
+                    f"  resume from {ckpt.directory / str(int(state.step))} (step "
+                    f"{int(state.step)})" + "".join(f"\n  changed {c}" for c in resume)
+                )
+            summary = _loop(
+                cfg,
+                engine,
+                state,
+                model,
+                corpus,
+                schedule,
+                writer,
+                progress,
+                watch,
+                ckpt,
+                extra.get("loader"),
+                run_dir,
+                stop,
+            )
             if is_main:
                 metrics_lib.write_json(run_dir / metrics_lib.SUMMARY_FILE, summary)
             return summary
@@ -311,9 +352,13 @@ def _train(cfg: Config, started: float | None, resume: list[str] | None,
     except CheckpointWriteError as e:
         raise resume_lib.WriteFailed(str(e), e.latest is not None, run_dir) from None
     except OSError as e:  # metrics, TensorBoard, the summary: the disk is full or gone
-        raise resume_lib.WriteFailed(f"cannot write {e.filename!r}: {e.strerror or e}"
-                                     if e.filename else f"a write failed: {e.strerror or e}",
-                                     _has_checkpoint(ckpt), run_dir) from None
+        raise resume_lib.WriteFailed(
+            f"cannot write {e.filename!r}: {e.strerror or e}"
+            if e.filename
+            else f"a write failed: {e.strerror or e}",
+            _has_checkpoint(ckpt),
+            run_dir,
+        ) from None
 
 
 def _close(*things: Any) -> None:
@@ -343,16 +388,29 @@ def _mesh_line(job: Any, mesh: Any) -> str:
     return f"{procs}, {distributed.describe_mesh(mesh)}"
 
 
-def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress, watch,
-          ckpt: CheckpointManager, position: dict | None, run_dir,
-          stop: resume_lib.StopSignals) -> dict:
+def _loop(
+    cfg: Config,
+    engine,
+    state,
+    model,
+    corpus,
+    schedule,
+    writer,
+    progress,
+    watch,
+    ckpt: CheckpointManager,
+    position: dict | None,
+    run_dir,
+    stop: resume_lib.StopSignals,
+) -> dict:
     import jax
 
     b, seq, steps, lg = cfg.train.batch_size, cfg.model.seq_len, cfg.train.steps, cfg.logging
     rows = data_lib.process_rows(engine.batch_sharding.devices_indices_map((b, seq)), b)
     rows = rows[jax.process_index()]
-    loader = data_lib.Loader(corpus.train, seq, b, cfg.train.seed, rows, corpus.train_mask,
-                             corpus.eos, corpus.train_docs)
+    loader = data_lib.Loader(
+        corpus.train, seq, b, cfg.train.seed, rows, corpus.train_mask, corpus.eos, corpus.train_docs
+    )
     first = int(state.step) + 1
     loader.load_state_dict(position or {"step": first - 1, "seed": cfg.train.seed})
 
@@ -361,17 +419,34 @@ def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress,
         begin = time.perf_counter()
         ckpt.save(engine, state, extra=extra, force=force)
         step = int(state.step)
-        progress.print(f"checkpoint step {step} -> {ckpt.directory / str(step)} "
-                       f"({time.perf_counter() - begin:.1f}s to the host; written in the "
-                       "background)")
+        progress.print(
+            f"checkpoint step {step} -> {ckpt.directory / str(step)} "
+            f"({time.perf_counter() - begin:.1f}s to the host; written in the "
+            "background)"
+        )
 
     val = [
         engine.shard_batch(x)
-        for x in data_lib.eval_batches(corpus.val, seq, b, lg.eval_batches, rows,
-                                       corpus.val_mask, corpus.eos, corpus.val_docs)
+        for x in data_lib.eval_batches(
+            corpus.val, seq, b, lg.eval_batches, rows, corpus.val_mask, corpus.eos, corpus.val_docs
+        )
     ]
-    state, loss, val_loss = _steps(cfg, engine, state, loader, val, schedule, writer,
-                                   progress, watch, first, save, stop, ckpt, run_dir)
+    state, loss, val_loss = _steps(
+        cfg,
+        engine,
+        state,
+        loader,
+        val,
+        schedule,
+        writer,
+        progress,
+        watch,
+        first,
+        save,
+        stop,
+        ckpt,
+        run_dir,
+    )
     every = cfg.checkpoint.every
     if (every and steps % every) or (not every and cfg.checkpoint.final):
         save(state)  # the end (a multiple of every was saved in the loop)
@@ -386,8 +461,22 @@ def _loop(cfg: Config, engine, state, model, corpus, schedule, writer, progress,
     return summary
 
 
-def _steps(cfg: Config, engine, state, loader, val, schedule, writer, progress, watch, first,
-           save, stop, ckpt, run_dir):
+def _steps(
+    cfg: Config,
+    engine,
+    state,
+    loader,
+    val,
+    schedule,
+    writer,
+    progress,
+    watch,
+    first,
+    save,
+    stop,
+    ckpt,
+    run_dir,
+):
     """The training steps ``first..steps``: step, check, log, evaluate, checkpoint.
 
     A non-finite loss stops training, or with ``checkpoint.on_nan=rollback`` restores
@@ -425,10 +514,11 @@ def _steps(cfg: Config, engine, state, loader, val, schedule, writer, progress, 
             state, extra = ckpt.restore(engine)
             loader.load_state_dict(extra["loader"])
             if jax.process_index() == 0:
-                resume_lib.drop_records_after(run_dir / metrics_lib.METRICS_FILE,
-                                              int(state.step))
-            progress.print(f"step {step}: loss {loss}, grad norm {grad_norm}: rolled back to "
-                           f"step {int(state.step)}, skipping batch {max(skip)}")
+                resume_lib.drop_records_after(run_dir / metrics_lib.METRICS_FILE, int(state.step))
+            progress.print(
+                f"step {step}: loss {loss}, grad norm {grad_norm}: rolled back to "
+                f"step {int(state.step)}, skipping batch {max(skip)}"
+            )
             step = int(state.step)
             continue
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
@@ -491,10 +581,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(printable_config(cfg), end="")
             return 0
-        train(cfg, started, getattr(args, "resume_changes", None) if args.resume else None,
-              args.init_timeout)
-    except (ArgError, ConfigError, DataError, CheckpointError,
-            distributed.DistributedError) as e:
+        train(
+            cfg,
+            started,
+            getattr(args, "resume_changes", None) if args.resume else None,
+            args.init_timeout,
+        )
+    except (ArgError, ConfigError, DataError, CheckpointError, distributed.DistributedError) as e:
         return _leave(f"jaxzero train: error: {e}", 2)
     except resume_lib.Stopped as e:
         return _leave(f"jaxzero train: {e}", 128 + e.signum)

@@ -128,8 +128,14 @@ class EventFile:
 
         data = event.SerializeToString()
         header = struct.pack("<Q", len(data))
-        _write_all(self._file, self.path, header + struct.pack("<I", masked_crc32c(header))
-                   + data + struct.pack("<I", masked_crc32c(data)))
+        _write_all(
+            self._file,
+            self.path,
+            header
+            + struct.pack("<I", masked_crc32c(header))
+            + data
+            + struct.pack("<I", masked_crc32c(data)),
+        )
 
     def close(self) -> None:
         self._file.close()
@@ -141,7 +147,7 @@ def _write_all(file: BinaryIO, path: Path, data: bytes) -> None:
     view = memoryview(data)
     with _naming(path):
         while view:
-            view = view[file.write(view):]
+            view = view[file.write(view) :]
 
 
 @contextlib.contextmanager
@@ -346,8 +352,10 @@ def _flops_formula(model: Any, num_params: int, seq: int) -> str:
     c = model.config
     if hasattr(c, "num_key_value_heads"):  # the Llama: the untied input embedding is a lookup
         lookup = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
-        return (f"6*(N - lookup) + 12*L*S*H*K = 6*({num_params} - {lookup}) + "
-                f"12*{c.num_hidden_layers}*{seq}*{c.num_attention_heads}*{c.head_size}")
+        return (
+            f"6*(N - lookup) + 12*L*S*H*K = 6*({num_params} - {lookup}) + "
+            f"12*{c.num_hidden_layers}*{seq}*{c.num_attention_heads}*{c.head_size}"
+        )
     return f"6*N + 12*L*D*S = 6*{num_params} + 12*{c.n_layers}*{c.d_model}*{seq}"
 
 

@@ -43,8 +43,11 @@ def decay_mask(params: Any) -> Any:
         keys = [getattr(k, "key", None) for k in path]
         if keys[-1:] == ["kernel"]:
             return True
-        return keys[-1:] == ["weight"] and len(keys) > 1 and (
-            str(keys[-2]).endswith("_proj") or keys[-2] == "lm_head")
+        return (
+            keys[-1:] == ["weight"]
+            and len(keys) > 1
+            and (str(keys[-2]).endswith("_proj") or keys[-2] == "lm_head")
+        )
 
     return jax.tree_util.tree_map_with_path(is_kernel, params)
 

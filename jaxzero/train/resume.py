@@ -30,8 +30,14 @@ from jaxzero.train.config import Config, ConfigError
 
 CHECKPOINTS = "checkpoints"
 # fields a resumed run may change; anything under model.* may not
-CHANGEABLE = ("parallel.", "precision.", "logging.", "checkpoint.", "train.steps",
-              "train.peak_flops_per_device")
+CHANGEABLE = (
+    "parallel.",
+    "precision.",
+    "logging.",
+    "checkpoint.",
+    "train.steps",
+    "train.peak_flops_per_device",
+)
 
 
 def checkpoint_dir(cfg: Config, run_dir: Path) -> Path:
@@ -49,7 +55,8 @@ def run_dir_to_resume(resume: str | bool, cfg: Config) -> Path:
     if not (run / "config.yaml").is_file():
         raise ConfigError(
             f"nothing to resume in {str(run)!r}: no config.yaml there (is it a run directory "
-            "written by jaxzero train?)")
+            "written by jaxzero train?)"
+        )
     return run
 
 
@@ -74,7 +81,8 @@ def check_changes(diff: dict[str, tuple[Any, Any]]) -> list[str]:
             raise ConfigError(
                 f"cannot resume with {key}={new!r}: the run was trained with {old!r}, and a "
                 f"checkpoint continues only the same {key.split('.')[0]}. Start a new run "
-                "(--name) to change it.")
+                "(--name) to change it."
+            )
     return [f"{k}: {old!r} -> {new!r}" for k, (old, new) in diff.items()]
 
 
@@ -86,15 +94,19 @@ def resumed_config(run: Path, apply: Any) -> tuple[Config, list[str]]:
     rate never jumps back up at the resume step.
     """
     saved = config_lib.load_file(run / "config.yaml")
-    saved = dataclasses.replace(saved, logging=dataclasses.replace(
-        saved.logging, root=str(run.parent), name=run.name))
+    saved = dataclasses.replace(
+        saved, logging=dataclasses.replace(saved.logging, root=str(run.parent), name=run.name)
+    )
     new = apply(saved)
     said = check_changes(changes(saved, new))
     if new.train.steps != saved.train.steps and saved.optimizer.decay_steps is None:
-        new = dataclasses.replace(new, optimizer=dataclasses.replace(
-            new.optimizer, decay_steps=saved.train.steps))
-        said.append(f"optimizer.decay_steps: None -> {saved.train.steps} (the learning-rate "
-                    "schedule keeps its horizon; --set optimizer.decay_steps=N to change it)")
+        new = dataclasses.replace(
+            new, optimizer=dataclasses.replace(new.optimizer, decay_steps=saved.train.steps)
+        )
+        said.append(
+            f"optimizer.decay_steps: None -> {saved.train.steps} (the learning-rate "
+            "schedule keeps its horizon; --set optimizer.decay_steps=N to change it)"
+        )
     return new, said
 
 
@@ -116,9 +128,10 @@ def check_writable(directory: Path) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"cannot write checkpoints to {str(directory)!r}: "
-                          f"{e.strerror or e}; set checkpoint.dir to a writable directory"
-                          ) from None
+        raise ConfigError(
+            f"cannot write checkpoints to {str(directory)!r}: "
+            f"{e.strerror or e}; set checkpoint.dir to a writable directory"
+        ) from None
 
 
 def set_aside(directory: Path) -> Path | None:
@@ -175,7 +188,8 @@ class Stopped(Exception):
         name = signal.Signals(signum).name
         super().__init__(
             f"stopped by {name} after step {step}; checkpoint saved in {where}. "
-            f"Resume with: jaxzero train --resume {run_dir}")
+            f"Resume with: jaxzero train --resume {run_dir}"
+        )
 
 
 class WriteFailed(Exception):
@@ -183,8 +197,11 @@ class WriteFailed(Exception):
     what to do, and how to resume when a checkpoint is left."""
 
     def __init__(self, what: str, resumable: bool, run_dir: Path):
-        then = (f"once fixed, resume with: jaxzero train --resume {run_dir}" if resumable
-                else "once fixed, start the run again")
+        then = (
+            f"once fixed, resume with: jaxzero train --resume {run_dir}"
+            if resumable
+            else "once fixed, start the run again"
+        )
         super().__init__(f"{what}; {then}")
 
 
@@ -231,8 +248,9 @@ class StopSignals:
             write.setblocking(False)
             previous = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
             self._wakeup = (read, write, previous)
-            threading.Thread(target=self._watch, args=(read,), daemon=True,
-                             name="jaxzero-start-up-signals").start()
+            threading.Thread(
+                target=self._watch, args=(read,), daemon=True, name="jaxzero-start-up-signals"
+            ).start()
         return self
 
     def _watch(self, read: socket.socket) -> None:

@@ -54,8 +54,9 @@ def load_model(path: str | Path, step: int | None = None) -> tuple[Any, dict[str
         try:
             config = json.loads((path / CONFIG).read_text())
         except (OSError, ValueError) as e:
-            raise ExportError(f"export {path} has no readable {CONFIG} ({type(e).__name__})"
-                              ) from None
+            raise ExportError(
+                f"export {path} has no readable {CONFIG} ({type(e).__name__})"
+            ) from None
         flat = {k: v.astype(np.float32) for k, v in safetensors.read_all(path / WEIGHTS).items()}
         source = str(path / CONFIG)
     else:
@@ -63,8 +64,10 @@ def load_model(path: str | Path, step: int | None = None) -> tuple[Any, dict[str
         run, meta = run_config(step_dir), read_meta(step_dir)
         config = {**model_fields(run, meta), "tokens": token_kind(run)}
         reader = LeafReader(step_dir)
-        flat = {name: reader.read(leaf, shape, DTYPES["fp32"])
-                for name, leaf, shape in param_entries(meta)}
+        flat = {
+            name: reader.read(leaf, shape, DTYPES["fp32"])
+            for name, leaf, shape in param_entries(meta)
+        }
         source = str(step_dir)
     fields = {k: config[k] for k in MODEL_FIELDS if config.get(k) is not None}
     try:
@@ -92,13 +95,19 @@ def _check_shapes(model: Any, flat: dict[str, np.ndarray], source: str) -> None:
 
     from jaxzero.partition import path_str
 
-    want = {path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(
-        jax.eval_shape(model.init, jax.random.key(0)))}
+    want = {
+        path_str(p): tuple(x.shape)
+        for p, x in jax.tree_util.tree_leaves_with_path(
+            jax.eval_shape(model.init, jax.random.key(0))
+        )
+    }
     for name in sorted(set(want) | set(flat)):
         got = tuple(flat[name].shape) if name in flat else "absent"
         if want.get(name, "absent") != got:
-            raise ExportError(f"{source}: param {name!r} is {got} but the model config "
-                              f"implies {want.get(name, 'absent')}")
+            raise ExportError(
+                f"{source}: param {name!r} is {got} but the model config "
+                f"implies {want.get(name, 'absent')}"
+            )
 
 
 def encode_prompt(prompt: str, kind: str) -> np.ndarray:
@@ -109,8 +118,9 @@ def encode_prompt(prompt: str, kind: str) -> np.ndarray:
     try:
         return np.asarray([int(t) for t in prompt.split()], np.int32)
     except ValueError:
-        raise ExportError("this model reads token ids: give --prompt as ids, e.g. '12 7 40'"
-                          ) from None
+        raise ExportError(
+            "this model reads token ids: give --prompt as ids, e.g. '12 7 40'"
+        ) from None
 
 
 def find_tokenizer(path: str | Path, step: int | None = None) -> Path | None:
@@ -125,10 +135,16 @@ def find_tokenizer(path: str | Path, step: int | None = None) -> Path | None:
     return Path(name).expanduser() if name else None
 
 
-def sample(path: str | Path, prompt: str = "def ", tokens: int = 200,
-           temperature: float = 0.8, top_k: int | None = None, seed: int = 0,
-           step: int | None = None, tokenizer: str | Path | None = None
-           ) -> tuple[np.ndarray, str]:
+def sample(
+    path: str | Path,
+    prompt: str = "def ",
+    tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+    seed: int = 0,
+    step: int | None = None,
+    tokenizer: str | Path | None = None,
+) -> tuple[np.ndarray, str]:
     """``(generated token ids, prompt + generated text)``; deterministic given ``seed``.
 
     Text goes through ``tokenizer`` (default: the model's own, :func:`find_tokenizer`);
@@ -142,25 +158,30 @@ def sample(path: str | Path, prompt: str = "def ", tokens: int = 200,
     model, params, kind = load_model(path, step)
     tokenizer = tokenizer or find_tokenizer(path, step)
     if tokenizer is None and kind == "tokenizer":
-        raise ExportError(f"{path} was trained with a tokenizer that is not recorded: "
-                          "give --tokenizer")
+        raise ExportError(
+            f"{path} was trained with a tokenizer that is not recorded: give --tokenizer"
+        )
     try:
         tok = Tokenizer.load(tokenizer) if tokenizer is not None else None
     except TokenizerError as e:
         raise ExportError(str(e)) from None
-    ids = (np.asarray(tok.encode(prompt), np.int32) if tok is not None
-           else encode_prompt(prompt, kind))
+    ids = (
+        np.asarray(tok.encode(prompt), np.int32) if tok is not None else encode_prompt(prompt, kind)
+    )
     if ids.size and int(ids.max()) >= model.config.vocab_size:
-        raise ExportError(f"prompt token {int(ids.max())} is outside the model's vocabulary "
-                          f"of {model.config.vocab_size}")
+        raise ExportError(
+            f"prompt token {int(ids.max())} is outside the model's vocabulary "
+            f"of {model.config.vocab_size}"
+        )
     if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
         raise ExportError(f"--top-k must be in 1..{model.config.vocab_size}, got {top_k}")
     device = jax.devices()[0]  # one device: sampling needs no sharding
     params = jax.device_put(params, device)
     with jax.default_device(device):
-        out = model.generate(params, ids[None], tokens, jax.random.key(seed),
-                             temperature=temperature, top_k=top_k)[0]
-    new = out[len(out) - tokens:] if tokens else out[:0]
+        out = model.generate(
+            params, ids[None], tokens, jax.random.key(seed), temperature=temperature, top_k=top_k
+        )[0]
+    new = out[len(out) - tokens :] if tokens else out[:0]
     return new, decode(out if ids.size else new, kind, tok)
 
 
@@ -168,34 +189,50 @@ def sample(path: str | Path, prompt: str = "def ", tokens: int = 200,
 
 
 def _sample_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="jaxzero sample", description="Generate text with a run's model (GPT or "
-               "Llama) from a run, checkpoint, export or Hugging Face model directory "
-               "(text through its tokenizer, else bytes or token ids), on one device.")
-    p.add_argument("path", metavar="RUN_OR_EXPORT",
-                   help="run, checkpoint, export or Hugging Face model dir")
+    p = Parser(
+        prog="jaxzero sample",
+        description="Generate text with a run's model (GPT or "
+        "Llama) from a run, checkpoint, export or Hugging Face model directory "
+        "(text through its tokenizer, else bytes or token ids), on one device.",
+    )
+    p.add_argument(
+        "path", metavar="RUN_OR_EXPORT", help="run, checkpoint, export or Hugging Face model dir"
+    )
     p.add_argument("--prompt", default="def ")
     p.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
-    p.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or a directory holding "
-                   "one (default: the model's own; without one, bytes or token ids)")
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="tokenizer.json or a directory holding "
+        "one (default: the model's own; without one, bytes or token ids)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """``jaxzero sample``: prints the prompt and the generated text."""
+
     def body():
         args = _sample_parser().parse_args(sys.argv[1:] if argv is None else argv)
         if args.tokens < 0 or args.temperature < 0:
             raise ArgError("--tokens and --temperature must be >= 0")
-        _, text = sample(args.path, args.prompt, args.tokens, args.temperature, args.top_k,
-                         args.seed, args.step, args.tokenizer)
+        _, text = sample(
+            args.path,
+            args.prompt,
+            args.tokens,
+            args.temperature,
+            args.top_k,
+            args.seed,
+            args.step,
+            args.tokenizer,
+        )
         print(text)
         path = Path(args.path)
         if not (path / CONFIG).is_file():  # a run or checkpoint, not an export or HF dir
             print(describe_source(path, args.step), file=sys.stderr)
 
     return run_cli("sample", body)
-
