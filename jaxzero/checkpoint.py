@@ -601,14 +601,14 @@ def _master_specs(engine: Any) -> Any:
 def _check_same_params(engine: Any, meta: dict[str, Any]) -> None:
     """Refuse a checkpoint of another model, naming the first leaf that differs."""
     mine = {
-        "/".join(str(k) for _, k in p): lay.shape
+        path_str([k for _, k in p]): lay.shape
         for p, lay in zip(
             _param_paths(engine.layouts),
             jax.tree.leaves(engine.layouts, is_leaf=is_layout),
             strict=True,
         )
     }
-    theirs = {"/".join(str(k) for _, k in e["path"]): tuple(e["shape"]) for e in meta["param_tree"]}
+    theirs = {path_str([k for _, k in e["path"]]): tuple(e["shape"]) for e in meta["param_tree"]}
     for name in sorted(set(mine) | set(theirs)):
         if mine.get(name) != theirs.get(name):
             raise CheckpointError(

@@ -44,6 +44,7 @@ from flax import nnx
 from jaxzero.engine import Engine
 from jaxzero.hooks import use_params
 from jaxzero.loss import takes_rng
+from jaxzero.partition import path_str
 from jaxzero.state import TrainState
 
 
@@ -53,7 +54,7 @@ def split(module: nnx.Module) -> tuple[Any, dict[str, Any], nnx.State]:
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     stats = [k for k, _ in nnx.to_flat_state(nnx.state(module, nnx.BatchStat))]
     if stats:
-        names = ", ".join("/".join(map(str, k)) for k in stats[:3])
+        names = ", ".join(path_str(k) for k in stats[:3])
         raise ValueError(
             f"the module keeps batch statistics ({names}{' ...' if len(stats) > 3 else ''}): "
             "the engine's step is a pure function of the params, so their updates would be "

@@ -77,7 +77,18 @@ class LeafLayout:
 
 
 def path_str(path: Sequence[Any]) -> str:
-    """``('blocks', 'attn', 'kernel')``-style key paths as ``blocks/attn/kernel``."""
+    """A leaf's name: its key path joined by ``/`` (``blocks/0/attn/kernel``).
+
+    The one naming of leaves: layouts, rules, messages, checkpoint leaves and the
+    exported safetensors all use it, so a name read in one place finds the leaf in
+    another. ``path`` holds JAX key entries (``DictKey``, ``SequenceKey``,
+    ``GetAttrKey``, ...) or plain keys (``"blocks"``, ``0``), as a checkpoint's
+    metadata and ``nnx`` flat states record them.
+
+    Example:
+      >>> path_str(["blocks", 0, "kernel"])
+      'blocks/0/kernel'
+    """
     parts = []
     for k in path:
         for attr in ("key", "name", "idx"):

@@ -272,6 +272,30 @@ def test_weight_decay_only_on_kernels():
         assert flat[key] is False
 
 
+def test_weight_decay_on_llama_projections_and_head_only():
+    import jax
+
+    from jaxzero.models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        qkv_bias=True,
+        tie_word_embeddings=False,
+    )
+    mask = optimizer.decay_mask(jax.eval_shape(Llama(cfg).init, jax.random.key(0)))
+    flat = {jax.tree_util.keystr(p, simple=True, separator="/"): v
+            for p, v in jax.tree_util.tree_leaves_with_path(mask)}  # fmt: skip
+    assert sorted(k for k, v in flat.items() if v) == [
+        "layers/mlp/down_proj/weight", "layers/mlp/gate_proj/weight", "layers/mlp/up_proj/weight",
+        "layers/self_attn/k_proj/weight", "layers/self_attn/o_proj/weight",
+        "layers/self_attn/q_proj/weight", "layers/self_attn/v_proj/weight", "lm_head/weight",
+    ]  # fmt: skip
+
+
 def test_devices_to_simulate(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")

@@ -143,9 +143,8 @@ def _sources(m: Llama, weights: Weights, layouts: list[LeafLayout]) -> dict[str,
     cfg = m.config
     out = {}
     for lay in layouts:
-        path = tuple(lay.path.split("/"))
-        names = hf_names(path, cfg.num_hidden_layers)
-        want = lay.shape[1:] if path[0] == "layers" else lay.shape
+        names = hf_names(lay.path, cfg.num_hidden_layers)
+        want = lay.shape[1:] if lay.path.startswith("layers/") else lay.shape
         for name in names:
             shape = weights.shape(name)
             if shape != want:
@@ -259,7 +258,7 @@ def write_model(
     entries = []
     for leaf, shape in leaves:
         stacked = leaf.startswith("layers/")
-        for name in hf_names(tuple(leaf.split("/")), layers):
+        for name in hf_names(leaf, layers):
             entries.append((name, np_dtype, tuple(shape[1:] if stacked else shape)))
 
     def tensors() -> Iterator[np.ndarray]:

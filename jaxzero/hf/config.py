@@ -159,9 +159,20 @@ def hf_config(cfg: LlamaConfig, dtype: str, source: dict[str, Any] | None = None
 # --------------------------------------------------------------------------- weight names
 
 
-def hf_names(path: tuple[str, ...], num_layers: int) -> list[str]:
-    """The checkpoint tensors of one jaxzero param: one per layer for the stacked
-    ``layers/...`` params (``model.layers.{i}.``), else one."""
+def hf_names(name: str, num_layers: int) -> list[str]:
+    """The checkpoint tensors of the jaxzero param ``name`` (``partition.path_str``'s
+    ``a/b/c``): one per layer for the stacked ``layers/...`` params
+    (``model.layers.{i}.``), else one.
+
+    A mapping between two persisted formats, not a second naming of leaves: Hugging
+    Face names a tensor by its module path joined by ``.``, under ``model.``, and
+    has one tensor per layer where jaxzero stacks them.
+
+    Example:
+      >>> hf_names("layers/mlp/up_proj/weight", 2)
+      ['model.layers.0.mlp.up_proj.weight', 'model.layers.1.mlp.up_proj.weight']
+    """
+    path = name.split("/")
     if path[0] == "layers":
         rest = ".".join(path[1:])
         return [f"model.layers.{i}.{rest}" for i in range(num_layers)]

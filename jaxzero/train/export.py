@@ -32,6 +32,7 @@ from jaxzero.checkpoint import CheckpointError, host_fingerprint, older_steps
 from jaxzero.cli import ArgError, Parser
 from jaxzero.hf import safetensors
 from jaxzero.hf.config import HFError
+from jaxzero.partition import path_str
 from jaxzero.train.config import DataConfig
 from jaxzero.train.data import data_kind
 
@@ -178,7 +179,7 @@ def param_entries(meta: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...]]
     source = "master" if any(n.startswith("master/") for n in meta["leaves"]) else "params"
     out = []
     for entry in meta["param_tree"]:
-        name = "/".join(str(k) for _, k in entry["path"])
+        name = path_str([k for _, k in entry["path"]])
         leaf = f"{source}/{name}"
         if leaf not in meta["leaves"]:
             raise CheckpointError(f"checkpoint metadata lists param {name!r} but no {leaf!r}")

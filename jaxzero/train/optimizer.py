@@ -8,9 +8,15 @@ is not part of this optax chain: it is the engine's ``max_grad_norm``.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from jaxzero.partition import path_str
 from jaxzero.train import config as config_lib
+
+# The params that decay, by name: GPT's ``.../kernel``, the Llama's ``..._proj/weight`` and
+# ``lm_head/weight``.
+DECAYED = re.compile(r"(^|/)kernel$|_proj/weight$|(^|/)lm_head/weight$")
 
 
 def lr_schedule(opt: config_lib.OptimizerConfig, steps: int):
@@ -40,14 +46,7 @@ def decay_mask(params: Any) -> Any:
     import jax
 
     def is_kernel(path, _):
-        keys = [getattr(k, "key", None) for k in path]
-        if keys[-1:] == ["kernel"]:
-            return True
-        return (
-            keys[-1:] == ["weight"]
-            and len(keys) > 1
-            and (str(keys[-2]).endswith("_proj") or keys[-2] == "lm_head")
-        )
+        return DECAYED.search(path_str(path)) is not None
 
     return jax.tree_util.tree_map_with_path(is_kernel, params)
 
