@@ -195,7 +195,7 @@ class Engine:
         for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
                 raise TypeError(
-                    f"param {jax.tree_util.keystr(path)} has dtype {leaf.dtype}; jaxzero trains "
+                    f"param {path_str(path)!r} has dtype {leaf.dtype}; jaxzero trains "
                     "floating-point params only (keep constants out of the params tree)"
                 )
             if leaf.dtype not in (jnp.float32, self.compute_dtype):
@@ -414,7 +414,7 @@ class Engine:
                 "Every step must receive the same pytree of arrays."
             )
         sizes = {
-            jax.tree_util.keystr(p): (np.shape(x)[0] if np.ndim(x) else None)
+            path_str(p): (np.shape(x)[0] if np.ndim(x) else None)
             for p, x in jax.tree_util.tree_leaves_with_path(batch)
         }
         if len(set(sizes.values())) != 1 or None in sizes.values():
