@@ -35,9 +35,8 @@ def gather(x: jax.Array, layout: LeafLayout, offset: int = 0) -> jax.Array:
     """
     if layout.dim is None:
         return x
-    dim = layout.dim - offset
-    full = jax.lax.all_gather(x, DATA, axis=dim, tiled=True)
-    return jax.lax.slice_in_dim(full, 0, layout.shape[layout.dim], axis=dim)
+    full = jax.lax.all_gather(x, DATA, axis=layout.dim - offset, tiled=True)
+    return unpad(full, layout, offset)
 
 
 def reduce_scatter(
@@ -50,11 +49,9 @@ def reduce_scatter(
     """
     if layout.dim is None:
         return all_reduce(g, extra_axes)
-    dim = layout.dim - offset
-    widths = [(0, 0)] * g.ndim
-    widths[dim] = (0, layout.padded_shape[layout.dim] - layout.shape[layout.dim])
-    g = jnp.pad(g, widths) if widths[dim][1] else g
-    g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
+    g = jax.lax.psum_scatter(
+        pad(g, layout, offset), DATA, scatter_dimension=layout.dim - offset, tiled=True
+    )
     return jax.lax.psum(g, tuple(extra_axes)) if extra_axes else g
 
 
@@ -128,10 +125,7 @@ def reduce_scatter_packed(
     """:func:`reduce_scatter` of several full gradients with one reduce-scatter."""
     rows, shapes = [], []
     for g, lay, o in zip(grads, layouts, offsets, strict=True):
-        d = _local_dim(lay, o)
-        widths = [(0, 0)] * g.ndim
-        widths[d] = (0, lay.padded_shape[lay.dim] - lay.shape[lay.dim])
-        moved = jnp.moveaxis(jnp.pad(g, widths) if widths[d][1] else g, d, 0)
+        moved = jnp.moveaxis(pad(g, lay, o), _local_dim(lay, o), 0)
         shapes.append((moved.shape[0] // lay.num_shards, *moved.shape[1:]))
         rows.append(moved.reshape(lay.num_shards, -1))
     packed = jax.lax.psum_scatter(
@@ -238,18 +232,24 @@ def reduce_scatter_buckets(
 
 
 # --- references: lists of per-device numpy arrays in, lists out -----------------------
+#
+# They pad and unpad with their own numpy indexing, on purpose not with partition.pad and
+# unpad, which the code above uses: a reference that shared them would share their bugs.
 
 
 def reference_gather(slices: Sequence[np.ndarray], layout: LeafLayout) -> list[np.ndarray]:
     full = np.concatenate(slices, axis=layout.dim) if layout.dim is not None else slices[0]
-    return [np.asarray(unpad(full, layout)) for _ in slices]
+    logical = full[tuple(slice(0, n) for n in layout.shape)]
+    return [np.array(logical) for _ in slices]
 
 
 def reference_reduce_scatter(grads: Sequence[np.ndarray], layout: LeafLayout) -> list[np.ndarray]:
     total = np.sum(np.stack(grads), axis=0)
     if layout.dim is None:
         return [total for _ in grads]
-    return np.split(pad(total, layout), layout.num_shards, axis=layout.dim)
+    padded = np.zeros(layout.padded_shape, total.dtype)
+    padded[tuple(slice(0, n) for n in layout.shape)] = total
+    return np.split(padded, layout.num_shards, axis=layout.dim)
 
 
 def reference_all_reduce(grads: Sequence[np.ndarray]) -> list[np.ndarray]:

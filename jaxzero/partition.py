@@ -197,19 +197,26 @@ def is_layout(x: Any) -> bool:
     return isinstance(x, LeafLayout)
 
 
-def pad(x: Any, layout: LeafLayout) -> Any:
-    """Zero-pad a logical leaf to its stored shape (numpy stays numpy, jax stays jax)."""
+def pad(x: Any, layout: LeafLayout, offset: int = 0) -> Any:
+    """Zero-pad a logical leaf to its stored shape (numpy stays numpy, jax stays jax).
+
+    The one padding of leaves: the engine, the step and the collectives all pad here.
+    ``offset`` counts leading dims already indexed away (a scan over stacked layers):
+    ``x`` is then ``layout.shape[offset:]``.
+    """
     if layout.padded_shape == layout.shape:
         return x
-    widths = [(0, p - s) for s, p in zip(layout.shape, layout.padded_shape, strict=True)]
+    widths = [
+        (0, p - s) for s, p in zip(layout.shape[offset:], layout.padded_shape[offset:], strict=True)
+    ]
     return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)
 
 
-def unpad(x: Any, layout: LeafLayout) -> Any:
-    """The logical leaf inside a stored (padded) one."""
+def unpad(x: Any, layout: LeafLayout, offset: int = 0) -> Any:
+    """The logical leaf inside a stored (padded) one; ``offset`` as in :func:`pad`."""
     if layout.padded_shape == layout.shape:
         return x
-    return x[tuple(slice(0, s) for s in layout.shape)]
+    return x[tuple(slice(0, s) for s in layout.shape[offset:])]
 
 
 def balance(layouts: Any) -> float:

@@ -1,5 +1,7 @@
 """Each collective inside shard_map equals its plain numpy reference."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +42,22 @@ def test_gather_and_reduce_scatter_match_references(shape):
 
     gathered = _per_device(lambda s: collectives.gather(s, lay), want, (), ())
     for got, ref in zip(gathered, collectives.reference_gather(want, lay), strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-6)
+
+
+def test_one_layer_of_a_stacked_leaf_pads_and_unpads_its_own_dims():
+    """``offset=1``: the scan has indexed the layer dim away; the sharded dim moves left."""
+    lay = leaf_layout("w", (3, 13, 5), N, stacked="w", min_shard_size=1)
+    one = dataclasses.replace(lay, shape=lay.shape[1:], dim=lay.dim - 1)  # a layer's own layout
+    assert lay.dim == 1 and lay.padded_shape == (3, 16, 5)
+    rng = np.random.default_rng(4)
+    grads = [rng.standard_normal(one.shape).astype(np.float32) for _ in range(N)]
+    scattered = _per_device(lambda g: collectives.reduce_scatter(g, lay, offset=1), grads, (), ())
+    want = collectives.reference_reduce_scatter(grads, one)
+    for got, ref in zip(scattered, want, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    gathered = _per_device(lambda s: collectives.gather(s, lay, offset=1), want, (), ())
+    for got, ref in zip(gathered, collectives.reference_gather(want, one), strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-6)
 
 
