@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero.mesh import DATA
+from jaxzero.mesh import DATA  # the state's axis, named where no mesh is at hand
 from jaxzero.partition import LeafLayout, pad, unpad
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxzero import mesh as mesh_lib
 from jaxzero.job import EXIT_SETUP, LAUNCH_EVENTS, VARIABLES, DistributedError, Job, resolve
 
 __all__ = [
@@ -162,8 +163,6 @@ def initialize(
     """
     global _JOB
     import jax
-
-    from jaxzero import mesh as mesh_lib
 
     if jax.distributed.is_initialized():  # already joined (by us, or by a direct JAX call)
         return _JOB or _current_job()
@@ -377,10 +376,8 @@ def describe_processes(job: Job, local_devices: int, devices: int) -> str:
 def describe_mesh(mesh: Any) -> str:
     """``"(replica=2, data=4): state sharded over 4, replicated over 2 groups"``."""
     axes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items())
-    from jaxzero.mesh import DATA
-
-    text = f"mesh ({axes}): state sharded over {mesh.shape[DATA]} device(s)"
-    replicas = mesh.size // mesh.shape[DATA]
+    text = f"mesh ({axes}): state sharded over {mesh_lib.num_shards(mesh)} device(s)"
+    replicas = mesh.size // mesh_lib.num_shards(mesh)
     if replicas > 1:
         text += f", replicated over {replicas} groups (hybrid)"
     return text

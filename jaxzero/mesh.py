@@ -3,9 +3,11 @@
 jaxzero's mesh has a ``"data"`` axis that both splits the batch and shards the
 ZeRO state. Hybrid sharding (shard within a node, replicate across nodes) adds a
 leading ``"replica"`` axis: the batch is split over both axes, the state is
-sharded over ``"data"`` only. Callers ask :func:`batch_axes` and
-:func:`shard_axis` instead of spelling axis names, so adding the second axis
-changes nothing for them.
+sharded over ``"data"`` only. Code that holds a mesh asks :func:`batch_axes` and
+:func:`num_shards`, so adding the second axis changed nothing for it. Code that
+names the state's axis where no mesh is at hand (the layouts' ``PartitionSpec``,
+the collectives and the step inside ``shard_map``) imports :data:`DATA` from here:
+that name is the same on every mesh, only the batch axes vary.
 """
 
 from __future__ import annotations
@@ -123,11 +125,6 @@ def replicas_for(group_size: int | str | None, num_devices: int, node_devices: i
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
     """Mesh axes the global batch is split over (all of them)."""
     return tuple(mesh.axis_names)
-
-
-def shard_axis(mesh: Mesh) -> str:
-    """The mesh axis that shards ZeRO state."""
-    return DATA
 
 
 def num_shards(mesh: Mesh) -> int:

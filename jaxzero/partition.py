@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.mesh import DATA
+from jaxzero.mesh import DATA  # the state's axis, named where no mesh is at hand
 
 REPLICATE = "replicate"
 Rule = tuple[str, "int | P | str"]  # (regex on the leaf path, dim | spec | "replicate")

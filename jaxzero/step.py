@@ -40,7 +40,7 @@ from jaxzero import collectives
 from jaxzero import loss as loss_lib
 from jaxzero.hook_check import check_uses
 from jaxzero.hooks import Stored, UseOp, use_params
-from jaxzero.mesh import DATA
+from jaxzero.mesh import DATA  # the state's axis, named where no mesh is at hand
 from jaxzero.partition import LeafLayout, is_layout, pad, unpad
 from jaxzero.state import TrainState, master_sharded, master_specs
 

@@ -1,4 +1,4 @@
-"""Who is who in a job (pure rules), and `jaxzero launch` on plain commands (no JAX, fast)."""
+"""Who is who in a job (pure rules), and `jaxzero launch` on plain commands (no devices, fast)."""
 
 import os
 import re
@@ -310,6 +310,17 @@ def test_train_builds_the_hybrid_mesh_from_group_size():
     assert dict(mesh.shape) == {"data": 8}
     with pytest.raises(C.ConfigError, match="mesh.group_size=3 must divide the 8 devices"):
         train.setup_devices(C.ParallelConfig(devices=8), None, 3)
+
+
+def test_the_banner_says_over_how_many_devices_the_state_is_sharded():
+    from jaxzero.distributed import describe_mesh
+    from jaxzero.mesh import make_mesh
+
+    assert describe_mesh(make_mesh(8)) == "mesh (data=8): state sharded over 8 device(s)"
+    assert describe_mesh(make_mesh(8, replicas=2)) == (
+        "mesh (replica=2, data=4): state sharded over 4 device(s), replicated over 2 groups "
+        "(hybrid)"
+    )
 
 
 def test_under_torchrun_the_coordinator_moves_off_the_stores_port():
