@@ -28,6 +28,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+from jax.experimental import multihost_utils
+
 from jaxzero import mesh as mesh_lib
 from jaxzero.job import EXIT_SETUP, LAUNCH_EVENTS, VARIABLES, DistributedError, Job, resolve
 
@@ -181,9 +184,7 @@ def initialize(
     )
     if not job.multi:
         return job
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    if mesh_lib.backend_started():
         raise DistributedError(
             "JAX already started its backend: call "
             "jaxzero.distributed.initialize() before any JAX computation"
@@ -247,28 +248,29 @@ _JOB: Job | None = None  # the job this process joined
 def lost_ranks(wait: float) -> list[int] | None:
     """Ranks JAX's coordination service no longer sees alive; None if it cannot tell in time.
 
-    ``get_live_nodes`` answers once every live process asks or a silent one has
-    missed its heartbeats, so a survivor learns who died within the heartbeat
-    timeout. (The client has no public accessor in JAX 0.10.2.)
+    ``multihost_utils.live_devices`` (public in JAX 0.10 and 0.12, marked unstable) asks
+    the service, which answers once every live process asks or a silent one has missed
+    its heartbeats, so a survivor learns who died within the heartbeat timeout. It asks
+    again as its ``with`` ends; only the first answer is waited for.
     """
-    import jax
-    from jax._src import distributed as jax_distributed
-
-    client = getattr(jax_distributed.global_state, "client", None)
-    if client is None:
+    if not jax.distributed.is_initialized():
         return None
-    everyone, answer = list(range(jax.process_count())), {}
+    everyone: set[int] = set(range(jax.process_count()))
+    answer: dict[str, set[int]] = {}
+    answered = threading.Event()
 
     def ask() -> None:
         try:
-            answer["live"] = set(client.get_live_nodes(everyone))
+            with multihost_utils.live_devices(jax.devices()) as alive:
+                answer["live"] = {d.process_index for d in alive}
+                answered.set()
         except Exception:  # noqa: BLE001 - the service itself is gone: rank 0 hosts it
-            answer["live"] = set(everyone) - {0}
+            answer.setdefault("live", everyone - {0})
+        answered.set()
 
-    thread = threading.Thread(target=ask, daemon=True)
-    thread.start()
-    thread.join(wait)
-    return sorted(set(everyone) - answer["live"]) if "live" in answer else None
+    threading.Thread(target=ask, daemon=True).start()
+    answered.wait(wait)
+    return sorted(everyone - answer["live"]) if "live" in answer else None
 
 
 def leave(status: int, error: BaseException | None = None) -> None:

@@ -36,6 +36,20 @@ def accelerator_expected() -> bool:
     return any(pattern.match(d.metadata["Name"] or "") for d in importlib.metadata.distributions())
 
 
+def backend_started() -> bool:
+    """Whether JAX's backend exists, so that device settings (simulated CPU devices, the
+    distributed runtime) would come too late. Starts nothing.
+
+    JAX 0.10 and 0.12 have no public way to ask: ``jax.distributed.initialize`` and the
+    ``jax_num_cpu_devices`` option check it inside, with a private function read here
+    and nowhere else. Imported here, not at the top, so that if JAX renames it only this
+    fails (tests/test_mesh.py says so first), not ``import jaxzero``.
+    """
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
 def simulate_devices(n: int) -> None:
     """Make the CPU backend expose ``n`` devices. Call before any JAX computation.
 
@@ -44,9 +58,7 @@ def simulate_devices(n: int) -> None:
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"simulate_devices needs a positive integer, got {n!r}")
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    if backend_started():
         have = jax.local_device_count()  # per process: a multi-process job simulates per process
         if have == n and jax.default_backend() == "cpu":
             return

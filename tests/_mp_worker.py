@@ -17,6 +17,7 @@ import optax  # noqa: E402
 from _models import mlp_batches, mlp_loss, mlp_params  # noqa: E402
 
 import jaxzero  # noqa: E402
+from jaxzero import distributed  # noqa: E402
 
 engine = jaxzero.Engine(mlp_loss, optax.adamw(1e-3), mesh=jaxzero.make_mesh(4), stage=stage)
 state = engine.init(mlp_params())
@@ -27,7 +28,8 @@ for batch in mlp_batches(5):
     state, metrics = engine.step(state, engine.shard_batch(local))
     losses.append(float(metrics["loss"]))
 final = engine.gather_params(state)
+lost = distributed.lost_ranks(60)  # both ask: the coordination service sees both alive
 if proc == 0:
     np.savez(out, **final)
-    print(json.dumps({"losses": losses}))
+    print(json.dumps({"losses": losses, "lost": lost}))
 jax.distributed.shutdown()

@@ -1,10 +1,11 @@
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import jaxzero
-from jaxzero.mesh import batch_axes, num_shards
+from jaxzero.mesh import backend_started, batch_axes, num_shards
 
 
 def test_mesh_over_first_devices():
@@ -22,6 +23,13 @@ def test_hybrid_mesh_shards_within_replicates_across():
 def test_bad_device_counts(n, match):
     with pytest.raises(ValueError, match=match):
         jaxzero.make_mesh(n)
+
+
+def test_backend_started_reads_a_private_jax_name_that_still_exists():
+    """JAX has no public "is the backend started?"; if it renames its private one, this
+    fails here first (the False case: simulate_devices below works in a fresh process)."""
+    jax.devices()
+    assert backend_started() is True
 
 
 def test_simulate_devices_fails_loudly_after_backend_start():
