@@ -2,7 +2,9 @@
 ``sample``.
 
 Each subcommand lives in its own module with a ``main(argv) -> int``; this file
-only dispatches, so ``jaxzero estimate`` never pays for importing the trainer.
+only dispatches, importing just the module asked for. Most of any command's start-up
+is ``import jaxzero`` itself (JAX, Flax, optax: 1.1-1.8 s, measured on 2 CPU cores);
+importing every subcommand's module here would add 0.1-0.16 s to each of them.
 """
 
 from __future__ import annotations

@@ -165,8 +165,6 @@ def initialize(
       in a multi-process job JAX's backend is started, to report the devices.
     """
     global _JOB
-    import jax
-
     if jax.distributed.is_initialized():  # already joined (by us, or by a direct JAX call)
         return _JOB or _current_job()
     job = resolve(
@@ -280,8 +278,6 @@ def leave(status: int, error: BaseException | None = None) -> None:
     collective waiting for this process. Leaving closes its connections, so they
     fail fast (or see its heartbeats stop). No-op outside a multi-process job.
     """
-    import jax
-
     if _JOB is None or not jax.distributed.is_initialized():
         return
     if error is not None and type(error).__name__ == "JaxRuntimeError":
@@ -321,8 +317,6 @@ def _program_ended() -> None:
     after an explicit :func:`shutdown`, outside ``jaxzero launch``, or if the file
     cannot be written.
     """
-    import jax
-
     folder = os.environ.get(LAUNCH_EVENTS)
     if not folder or _JOB is None or not jax.distributed.is_initialized():
         return
@@ -333,8 +327,6 @@ def _program_ended() -> None:
 
 
 def _current_job() -> Job:
-    import jax
-
     return Job(
         "explicit" if jax.process_count() > 1 else "single",
         jax.process_index(),
@@ -344,8 +336,6 @@ def _current_job() -> Job:
 
 def _announce(job: Job, devices: list[Any]) -> None:
     """One line per process; a summary on rank 0 (stderr: stdout is the program's)."""
-    import jax
-
     local = jax.local_devices()
     ids = ",".join(str(d.id) for d in local)
     print(
@@ -387,7 +377,5 @@ def describe_mesh(mesh: Any) -> str:
 
 def shutdown() -> None:
     """Leaves the job cleanly (every process waits for the others); no-op if not joined."""
-    import jax
-
     if jax.distributed.is_initialized():
         jax.distributed.shutdown()

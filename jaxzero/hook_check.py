@@ -32,6 +32,7 @@ from jax.extend.core import Jaxpr, Var, jaxprs_in_params
 from jax.extend.core import primitives as prim
 from jax.extend.source_info_util import summarize
 
+from jaxzero.hooks import Stored
 from jaxzero.partition import LeafLayout
 
 # views that select stacked layers: allowed while the sharded dim stays whole
@@ -200,8 +201,6 @@ def _is_predicate(sub: Jaxpr) -> bool:
 
 def misuses(fn: Callable, stored: Any, *args: Any) -> list[Misuse]:
     """Where ``fn(stored, *args)`` uses a ``Stored`` leaf other than through ``use_params``."""
-    from jaxzero.hooks import Stored
-
     is_stored = lambda x: isinstance(x, Stored)
     leaves, treedef = jax.tree.flatten(stored, is_leaf=is_stored)
     probes = [

@@ -1,13 +1,13 @@
 """What this process is in a multi-process job, decided from arguments and the environment.
 
-Pure functions only (no JAX, no network), so every rule about which variable
-wins and which combination is an error is testable in microseconds; the
-connecting happens in :mod:`jaxzero.distributed`. Each field is taken from the
-first place that sets it: an explicit argument, the ``JAXZERO_*`` variable, the
-torchrun variable (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``). With no rank and world size anywhere, a
-SLURM, Open MPI or Kubernetes job with several processes is left to JAX's own
-detection; otherwise this is a single process.
+Pure functions of their arguments and an environment mapping (no devices, no
+network), so every rule about which variable wins and which combination is an error
+is testable in microseconds; the connecting happens in :mod:`jaxzero.distributed`.
+Each field is taken from the first place that sets it: an explicit argument, the
+``JAXZERO_*`` variable, the torchrun variable (``MASTER_ADDR``, ``MASTER_PORT``,
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``). With no rank and
+world size anywhere, a SLURM, Open MPI or Kubernetes job with several processes is
+left to JAX's own detection; otherwise this is a single process.
 """
 
 from __future__ import annotations
@@ -212,7 +212,8 @@ def resolve(
 ) -> Job:
     """Decides the job from ``arguments`` (the fields of ``VARIABLES``) and ``environ``.
 
-    Pure: reads nothing but its inputs, so every rule is testable without JAX.
+    Pure: reads nothing but its inputs, so every rule is testable without devices or
+    processes.
     Raises :class:`DistributedError` naming the variable and its value.
 
     Example:

@@ -23,7 +23,11 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 
+import jax
+
 from jaxzero.cli import ArgError, Parser
+from jaxzero.models import from_fields
+from jaxzero.train import config as config_lib
 
 GB = 1e9
 STAGES = (0, 1, 2, 3)
@@ -537,20 +541,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _from_config(args: argparse.Namespace) -> Estimate:
     """The estimate of a train config: the params counted from the model itself
     (``jax.eval_shape``, nothing allocated); activations from its GPT-like dimensions."""
-    import dataclasses
-
-    import jax
-
-    from jaxzero.models import from_fields
-    from jaxzero.train import config as config_lib
-
     cfg = config_lib.resolve(args.config, [])
     m = cfg.model
     if m.vocab_size is None:
         raise ValueError(
             f"{args.config}: model.vocab_size is needed (it is otherwise taken from the data)"
         )
-    model = from_fields(dataclasses.asdict(m))
+    model = from_fields(asdict(m))
     psi = float(sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0)))))
     devices = cfg.parallel.devices or args.devices
     shape = GPTShape(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len)

@@ -28,6 +28,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxzero.accounting import estimate as est
@@ -39,6 +40,7 @@ from jaxzero.accounting.comm import (
     traffic,
 )
 from jaxzero.accounting.hlo import Buffer
+from jaxzero.partition import is_layout
 
 # ----------------------------------------------------------------------------- memory
 
@@ -79,8 +81,6 @@ def device0_bytes(tree: Any, device: Any = None) -> int:
       device: the device to read; default the first shard of each array (device 0 of a
         mesh whose first device is addressable).
     """
-    import jax
-
     total = 0
     for leaf in jax.tree.leaves(tree):
         shards = getattr(leaf, "addressable_shards", None)
@@ -505,10 +505,6 @@ def report(
       scalar_elements: buffers with fewer elements count as scalars.
       compiled: an already compiled step, to skip compiling again.
     """
-    import jax
-
-    from jaxzero.partition import is_layout
-
     dev0 = engine.mesh.devices.flat[0]
     persistent = {
         "params": device0_bytes(state.params, dev0),

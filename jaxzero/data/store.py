@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from jaxzero.data.tokenizer import Tokenizer
 
@@ -78,9 +79,23 @@ def sources_of(path: Path) -> list[Path]:
     """The files of a data path: itself, or a directory's ``.jsonl``/text files, sorted."""
     if path.is_file():
         return [path]
-    from jaxzero.train.data import text_files
-
     return sorted(text_files(path))
+
+
+def text_files(directory: Path) -> list[Path]:
+    """Non-hidden regular files under ``directory`` that look like text, sorted."""
+    files = []
+    for p in sorted(directory.rglob("*")):
+        rel = p.relative_to(directory).parts
+        if p.is_file() and not any(part.startswith(".") for part in rel) and is_text(p):
+            files.append(p)
+    return files
+
+
+def is_text(path: Path) -> bool:
+    """Binary files (a NUL byte in the first 8 KiB) are skipped, like ``grep -I``."""
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(8192)
 
 
 def _is_jsonl(path: Path) -> bool:
@@ -103,7 +118,7 @@ def _render_chat(tok: Tokenizer, messages: Any, where: str) -> Document:
             f"{where}: 'messages' must be a list of {{role, content}} ending with "
             "an assistant turn (the completion)"
         )
-    try:
+    try:  # here: 0.08 s to import (measured beside `import jaxzero`), for chat data only
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
@@ -227,8 +242,6 @@ def _abandoned(name: str) -> bool:
 
 
 def _write(files: list[Path], tok: Tokenizer, out: Path, progress: bool) -> None:
-    from tqdm import tqdm
-
     total = sum(f.stat().st_size for f in files)
     bar = tqdm(
         total=total,

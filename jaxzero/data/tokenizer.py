@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer as Raw
 
 FILE = "tokenizer.json"
 EOS_SPELLINGS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_end|>", "<eos>", "<|eot_id|>")
@@ -70,8 +71,6 @@ class Tokenizer:
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
         """From ``tokenizer.json`` or a directory holding it (and its config files)."""
-        from tokenizers import Tokenizer as Raw
-
         path = Path(path).expanduser()
         file = path / FILE if path.is_dir() else path
         if not file.is_file():

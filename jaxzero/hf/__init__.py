@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxzero.hf.config import (
     CONFIG,
@@ -246,8 +248,6 @@ def write_model(
     is built beside ``path`` and moved into place whole. ``writer=False`` consumes
     ``arrays`` (collective gathers on other processes) and writes nothing.
     """
-    import ml_dtypes
-
     if dtype not in SAVE_DTYPES:
         raise HFError(f"dtype {dtype!r}: use one of {sorted(SAVE_DTYPES)}")
     np_dtype = SAVE_DTYPES[dtype] or np.dtype(ml_dtypes.bfloat16)
@@ -330,8 +330,6 @@ def save(
         path, m, leaves, arrays, dtype, max_shard_size, overwrite, writer=jax.process_index() == 0
     )
     if jax.process_count() > 1:  # the others return once the directory is in place
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(f"jaxzero.hf.save {out}")
     return out
 

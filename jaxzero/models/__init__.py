@@ -9,7 +9,11 @@ checkpoints (:mod:`jaxzero.hf`). Both take the same shape fields; the Llama read
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
+
+from jaxzero.models.gpt import GPT, GPTConfig
+from jaxzero.models.llama import Llama, LlamaConfig
 
 ARCHS = ("gpt", "llama")
 LLAMA_ONLY = ("n_kv_heads", "head_dim", "rope_theta")
@@ -26,10 +30,8 @@ def from_fields(fields: dict[str, Any]) -> Any:
     arch = fields.get("arch") or "gpt"
     get = lambda k, default=None: default if fields.get(k) is None else fields[k]
     if fields.get("hf_config"):  # the exact architecture of a fine-tuned checkpoint
-        from pathlib import Path
-
+        # here, not at the top: jaxzero.hf.config imports jaxzero.models.llama (a cycle)
         from jaxzero.hf.config import llama_config, read_json
-        from jaxzero.models.llama import Llama
 
         raw = read_json(Path(fields["hf_config"]).expanduser())
         model = Llama(
@@ -43,8 +45,6 @@ def from_fields(fields: dict[str, Any]) -> Any:
         model.hf_config = raw  # hf.save / export --format hf write this architecture
         return model
     if arch == "gpt":
-        from jaxzero.models.gpt import GPT, GPTConfig
-
         extra = [k for k in LLAMA_ONLY if fields.get(k) is not None and k != "rope_theta"]
         if extra:
             raise ValueError(f"model.{extra[0]} applies to arch: llama only")
@@ -61,8 +61,6 @@ def from_fields(fields: dict[str, Any]) -> Any:
         )
         return GPT(GPTConfig(**{k: fields[k] for k in names if fields.get(k) is not None}))
     if arch == "llama":
-        from jaxzero.models.llama import Llama, LlamaConfig
-
         d = get("d_model", 128)
         return Llama(
             LlamaConfig(

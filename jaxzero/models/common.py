@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxzero.loss import Weighted
+
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -75,8 +77,6 @@ def token_loss(logits_BxSxV: jax.Array, batch: dict[str, jax.Array]) -> Any:
     """Next-token cross-entropy: the mean over every token, or, when the batch has a
     ``loss_mask`` (prompt and padding 0), its sum over the unmasked tokens and their
     count (:class:`jaxzero.Weighted`), so the step's loss is exact over the global batch."""
-    from jaxzero.loss import Weighted
-
     ce = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["targets"])
     if "loss_mask" not in batch:
         return ce.mean()

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxzero.engine import Engine
 from jaxzero.hooks import remat_layer, use_params
 from jaxzero.models.common import (  # noqa: F401 - attention_impl: part of this API
     ATTENTION,
@@ -156,8 +157,6 @@ class GPT:
 
     def engine(self, optimizer: optax.GradientTransformation | None = None, **kwargs):
         """An :class:`jaxzero.Engine` for this model, with per-layer gathering."""
-        from jaxzero.engine import Engine
-
         kwargs.setdefault("per_layer", True)
         kwargs.setdefault("stacked", r"^blocks/")
         return Engine(self.loss_fn, optimizer, **kwargs)

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxzero.engine import Engine
 from jaxzero.hooks import remat_layer, use_params
 from jaxzero.models.common import (
     ATTENTION,
@@ -355,8 +356,6 @@ class Llama:
 
         ``engine.model`` is this model (what :func:`jaxzero.hf.save` writes out).
         """
-        from jaxzero.engine import Engine
-
         kwargs.setdefault("per_layer", True)
         kwargs.setdefault("stacked", r"^layers/")
         engine = Engine(self.loss_fn, optimizer, **kwargs)

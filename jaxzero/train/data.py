@@ -36,6 +36,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from jaxzero.data import store as store_lib
+from jaxzero.data.store import is_text, text_files
+from jaxzero.data.tokenizer import Tokenizer, TokenizerError
 from jaxzero.train.config import DataConfig
 
 TOKEN_SUFFIX = ".bin"  # nanoGPT's uint16 token files
@@ -105,22 +108,6 @@ def stdlib_files() -> list[Path]:
         files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
     key = lambda p: hashlib.sha256(p.relative_to(root).as_posix().encode()).hexdigest()
     return sorted(files, key=key)
-
-
-def text_files(directory: Path) -> list[Path]:
-    """Non-hidden regular files under ``directory`` that look like text, sorted."""
-    files = []
-    for p in sorted(directory.rglob("*")):
-        rel = p.relative_to(directory).parts
-        if p.is_file() and not any(part.startswith(".") for part in rel) and _is_text(p):
-            files.append(p)
-    return files
-
-
-def _is_text(path: Path) -> bool:
-    """Binary files (a NUL byte in the first 8 KiB) are skipped, like ``grep -I``."""
-    with open(path, "rb") as f:
-        return b"\0" not in f.read(8192)
 
 
 def read_files(files: list[Path], max_bytes: int) -> list[bytes]:
@@ -247,7 +234,7 @@ def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
         )
     if kind == "uint16":
         return _token_corpus(*split(read_tokens(path), cfg.val_fraction), vocab_size, str(path))
-    if cfg.format == "auto" and not _is_text(path):
+    if cfg.format == "auto" and not is_text(path):
         raise DataError(
             f"data file {str(path)!r} looks binary (a NUL byte in its first 8 KiB), like the "
             "files a data directory skips: give a text file, a uint16 token file (.bin), "
@@ -260,9 +247,6 @@ def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
 def _tokenized_corpus(cfg: DataConfig, vocab_size: int | None) -> Corpus:
     """Text or JSONL through a tokenizer, from the cached token store; the validation
     split is the tail of the document stream."""
-    from jaxzero.data import store as store_lib
-    from jaxzero.data.tokenizer import Tokenizer, TokenizerError
-
     if cfg.path is None:
         raise DataError("data.tokenizer needs data.path (text files or JSONL)")
     try:

@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxzero import hf
+from jaxzero.hf.config import hf_config
 from jaxzero.train.config import Config, ConfigError, ModelConfig
 
 HF_CONFIG = "hf_config.json"
@@ -31,8 +33,6 @@ def source(cfg: Config) -> Path | None:
 
 def resolve(cfg: Config) -> tuple[Config, Any]:
     """The config with the checkpoint's model fields (and tokenizer), and its model."""
-    from jaxzero import hf
-
     path = source(cfg)
     try:
         model = hf.model(
@@ -72,8 +72,6 @@ def resolve(cfg: Config) -> tuple[Config, Any]:
 def pin_architecture(cfg: Config, model: Any, run_dir: Path, is_main: bool) -> Config:
     """Copies the checkpoint's effective ``config.json`` into the run and names it in
     ``model.hf_config``."""
-    from jaxzero.hf.config import hf_config
-
     out = run_dir / HF_CONFIG
     if is_main:
         raw = hf_config(model.config, "float32", model.hf_config)

@@ -11,6 +11,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import optax
+
 from jaxzero.partition import path_str
 from jaxzero.train import config as config_lib
 
@@ -25,8 +29,6 @@ def lr_schedule(opt: config_lib.OptimizerConfig, steps: int):
     Warmup starts above zero (unlike ``optax.warmup_cosine_decay_schedule``) so
     that no step of a short run is wasted on a zero learning rate.
     """
-    import jax.numpy as jnp
-
     warmup, floor = min(opt.warmup_steps, steps), opt.lr * opt.min_lr_ratio
 
     def schedule(count):
@@ -43,7 +45,6 @@ def decay_mask(params: Any) -> Any:
     """True for matrices: the GPT's ``.../kernel``, the Llama's projections
     (``..._proj/weight``, ``lm_head/weight``); no weight decay on norms, biases and
     embeddings."""
-    import jax
 
     def is_kernel(path, _):
         return DECAYED.search(path_str(path)) is not None
@@ -53,8 +54,6 @@ def decay_mask(params: Any) -> Any:
 
 def make_optimizer(opt: config_lib.OptimizerConfig, steps: int):
     """AdamW with the schedule and mask above; clipping is the engine's ``max_grad_norm``."""
-    import optax
-
     schedule = lr_schedule(opt, opt.decay_steps or steps)
     tx = optax.adamw(
         schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay, mask=decay_mask

@@ -14,11 +14,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
+from jaxzero import hf
 from jaxzero.checkpoint import nest
 from jaxzero.cli import ArgError, Parser
+from jaxzero.data.tokenizer import Tokenizer, TokenizerError
 from jaxzero.hf import safetensors
+from jaxzero.models import from_fields
+from jaxzero.partition import path_str
+from jaxzero.train.data import decode
 from jaxzero.train.export import (
     CONFIG,
     DTYPES,
@@ -40,9 +46,6 @@ from jaxzero.train.export import (
 def load_model(path: str | Path, step: int | None = None) -> tuple[Any, dict[str, Any], str]:
     """``(model, fp32 params, token kind)`` from a Hugging Face model directory (token
     ids in and out), an export dir or any checkpoint location."""
-    from jaxzero import hf
-    from jaxzero.models import from_fields
-
     path = Path(path)
     if path.is_dir() and (path / CONFIG).is_file() and "architectures" in _json(path / CONFIG):
         try:
@@ -91,10 +94,6 @@ def _json(path: Path) -> dict[str, Any]:
 
 def _check_shapes(model: Any, flat: dict[str, np.ndarray], source: str) -> None:
     """Refuse params that the config's model would not build, naming the first mismatch."""
-    import jax
-
-    from jaxzero.partition import path_str
-
     want = {
         path_str(p): tuple(x.shape)
         for p, x in jax.tree_util.tree_leaves_with_path(
@@ -150,11 +149,6 @@ def sample(
     Text goes through ``tokenizer`` (default: the model's own, :func:`find_tokenizer`);
     without one, byte models read bytes and token models ids.
     """
-    import jax
-
-    from jaxzero.data.tokenizer import Tokenizer, TokenizerError
-    from jaxzero.train.data import decode
-
     model, params, kind = load_model(path, step)
     tokenizer = tokenizer or find_tokenizer(path, step)
     if tokenizer is None and kind == "tokenizer":
