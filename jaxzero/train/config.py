@@ -16,7 +16,6 @@ typo in a sweep costs a day of compute.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import types
 import typing
@@ -457,8 +456,3 @@ def resolve(config_file: str | None, assignments: list[str]) -> Config:
 def dump_yaml(config: Config) -> str:
     """The resolved config as YAML, in field order, readable by :func:`load_file`."""
     return yaml.safe_dump(to_dict(config), sort_keys=False)
-
-
-def dump_json(config: Config) -> str:
-    """The resolved config as indented JSON."""
-    return json.dumps(to_dict(config), indent=2)

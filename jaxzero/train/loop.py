@@ -592,8 +592,7 @@ def _leave(message: str, status: int) -> int:
     hang. (Uncaught exceptions leave through the hook ``initialize`` installs.)
     """
     print(message, file=sys.stderr, flush=True)
-    if "jax" in sys.modules:  # not imported yet: certainly a single process
-        distributed.leave(status, sys.exc_info()[1])
+    distributed.leave(status, sys.exc_info()[1])
     return status
 
 
