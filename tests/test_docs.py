@@ -132,21 +132,33 @@ def _check_stage_table(rows, memory, comm):
         assert peak == f"{float(memory[s][5]):.1f}"
 
 
+def _bench_table(model: str) -> str:
+    """What ``experiments/bench_step.py --table`` prints for the results CSV of ``model``
+    (the script's own command, run as a reader would: no import of the script here)."""
+    import subprocess
+
+    csv = ROOT / "experiments" / "results" / f"bench_step_{model}.csv"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "bench_step.py"), "--table", str(csv)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.rstrip("\n")
+
+
 @pytest.mark.parametrize("model", ["plain", "gpt"])
 def test_performance_page_speed_tables_quote_the_benchmark_results(model):
     """The speed tables are what experiments/bench_step.py --csv wrote, not typed."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    from bench_step import readme_table
-
-    table = readme_table(ROOT / "experiments" / "results" / f"bench_step_{model}.csv")
+    table = _bench_table(model)
+    assert table.startswith("| stage | jaxzero ms |"), table
     assert table in PAGES["performance.md"], f"{model}: table differs from the CSV:\n{table}"
 
 
 def test_models_page_speed_table_quotes_the_benchmark_results():
-    sys.path.insert(0, str(ROOT / "experiments"))
-    from bench_step import readme_table
-
-    table = readme_table(ROOT / "experiments" / "results" / "bench_step_llama.csv")
+    table = _bench_table("llama")
+    assert table.startswith("| stage | jaxzero ms |"), table
     assert table in (ROOT / "docs" / "models.md").read_text(), table
 
 
