@@ -16,6 +16,7 @@ from jaxzero import backend
 from jaxzero.models.gpt import GPT, GPTConfig, attention_impl
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(backend.GPU_OPTIONS))
 def test_gpu_preset_options_exist_in_this_xla(name):
     """XLA rejects an unknown option at compile time; the GPU plugin ships the same XLA
@@ -30,6 +31,7 @@ def _gpu_here(monkeypatch):
     monkeypatch.setattr(backend, "_known", lambda plat, k, v: known("cpu", k, v))
 
 
+@pytest.mark.unit
 def test_renamed_pipelining_options_take_this_xlas_spelling(monkeypatch):
     """jaxlib 0.10 knows only xla_gpu_enable_pipelined_* (bool), 0.12 only
     xla_gpu_pipeline_* (mode): the preset keeps pipelining on either, dropping nothing."""
@@ -59,6 +61,7 @@ def test_renamed_pipelining_options_take_this_xlas_spelling(monkeypatch):
         assert not any("reduce_scatter" in k and "pipelin" in k for k in got)
 
 
+@pytest.mark.unit
 def test_options_per_platform_and_overrides(monkeypatch):
     mesh = jaxzero.make_mesh(2)
     assert backend.platform(mesh) == "cpu"
@@ -82,6 +85,7 @@ def test_options_per_platform_and_overrides(monkeypatch):
     assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True
 
 
+@pytest.mark.unit
 def test_preset_option_unknown_to_this_xla_is_dropped_with_a_warning(monkeypatch):
     monkeypatch.setitem(
         backend.PRESETS, "cpu", {"xla_gpu_no_such_pass": True, "xla_cpu_enable_fast_math": False}
@@ -91,6 +95,7 @@ def test_preset_option_unknown_to_this_xla_is_dropped_with_a_warning(monkeypatch
     assert opts == {"xla_cpu_enable_fast_math": False}
 
 
+@pytest.mark.unit
 def test_bad_user_option_is_a_clear_error():
     with pytest.raises(ValueError, match="xla_no_such_option.*not an option"):
         jaxzero.Engine(

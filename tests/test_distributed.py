@@ -183,6 +183,7 @@ def _launch(*argv, env=None, timeout=60):
     )
 
 
+@pytest.mark.system
 def test_output_is_prefixed_by_rank():
     out = _launch(
         "--nproc-per-node",
@@ -199,6 +200,7 @@ def test_output_is_prefixed_by_rank():
     assert "[rank 0] err" in out.stderr and "[rank 1] err" in out.stderr
 
 
+@pytest.mark.system
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
 def test_a_failing_process_stops_the_others_and_leaves_nothing():
     marker = f"JAXZERO_TEST_{uuid.uuid4().hex}"
@@ -213,6 +215,7 @@ def test_a_failing_process_stops_the_others_and_leaves_nothing():
     assert alive_with(marker) == []  # the background sleeps of both ranks are gone too
 
 
+@pytest.mark.system
 def test_restarts_the_group_then_succeeds():
     out = _launch(
         "--nproc-per-node",
@@ -275,6 +278,7 @@ def test_the_failure_named_is_a_killed_process_then_the_lowest_rank():
         assert group.failed() == named, codes
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signals_are_forwarded_to_every_process(sig):
     child = (

@@ -74,6 +74,7 @@ def test_readme_library_example_trains_then_the_gpt_snippet_steps(capsys):
     assert math.isfinite(loss) and abs(loss - math.log(256)) < 0.1  # an untrained model
 
 
+@pytest.mark.unit
 def test_readme_install_extras_exist_and_tensorboard_is_one():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
@@ -86,6 +87,7 @@ def test_readme_install_extras_exist_and_tensorboard_is_one():
     assert not any(r.startswith("tensorboard") for r in extras["test"])  # CI stays lean
 
 
+@pytest.mark.unit
 def test_readme_plot_commands_write_under_runs():
     """runs/ is ignored by git; a plot written in the repository root would not be."""
     commands = re.findall(r"^\s*jaxzero plot [^\n#]*", "\n".join([README, *PAGES.values()]), re.M)
@@ -105,6 +107,7 @@ def _md_rows(text: str) -> list[list[str]]:
     return [r for r in rows if not set(r[0]) <= {"-", " "}][1:]
 
 
+@pytest.mark.unit
 def test_accounting_tables_quote_the_experiment_results():
     """README's and the accounting page's stage tables are copied from what
     experiments/zero_*.py wrote, not typed."""
@@ -194,6 +197,7 @@ def test_readme_library_example_runs_as_written_on_one_cpu_device():
     assert _losses(proc.stdout) == _losses(printed)
 
 
+@pytest.mark.unit
 def test_docs_links_point_at_pages_that_exist():
     """README's links into docs/, and the pages' links to each other."""
     for name, text in [("README.md", README), *PAGES.items()]:

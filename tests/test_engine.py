@@ -117,6 +117,7 @@ def test_init_from_creates_sharded_state():
     assert rel_diff(engine.gather_params(state), ref) < 1e-6
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -215,6 +215,7 @@ def _as_loss(case):
     return loss
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize(
     "name", ["jit", "scan", "scan_carry", "fori_loop", "cond", "remat", "custom_jvp", "custom_vjp"]
 )

@@ -24,6 +24,7 @@ def test_bad_device_counts(n, match):
         jaxzero.make_mesh(n)
 
 
+@pytest.mark.system
 def test_simulate_devices_fails_loudly_after_backend_start():
     code = "import jax, jaxzero; jax.devices(); jaxzero.simulate_devices(3)"
     out = subprocess.run(

@@ -186,6 +186,7 @@ def test_bad_lines_are_named_by_file_and_line(tokenizer_dir, tmp_path, line, mat
     ), "no partial store left behind"
 
 
+@pytest.mark.system
 def test_train_on_jsonl_with_a_tokenizer_and_sample_with_it(tokenizer_dir, tmp_path, capsys):
     rng = np.random.default_rng(2)
     rows = [{"text": sentence(rng, int(rng.integers(5, 30)))} for _ in range(150)]
@@ -239,6 +240,7 @@ def test_packing_off_gives_each_document_a_padded_row():
     assert data_lib.truncated(docs, 4) == 1  # the second document is cut at 5 tokens
 
 
+@pytest.mark.system
 def test_packing_off_trains_and_says_what_it_cut(tokenizer_dir, tmp_path, capsys):
     rng = np.random.default_rng(3)
     rows = [
