@@ -95,8 +95,13 @@ def dot_barrier(g: jax.Array) -> jax.Array:
 # or reduce-scatter per layer instead of one per leaf.
 
 
+def _dim(lay: LeafLayout) -> int:
+    assert lay.dim is not None, f"{lay.path}: the packed collectives move sharded leaves only"
+    return lay.dim
+
+
 def _local_dim(lay: LeafLayout, offset: int) -> int:
-    return lay.dim - offset
+    return _dim(lay) - offset
 
 
 def gather_packed(
@@ -113,7 +118,7 @@ def gather_packed(
         d, width = _local_dim(lay, o), v.size
         moved = jnp.moveaxis(v, d, 0).shape
         block = full[:, start : start + width].reshape(-1, *moved[1:])
-        block = jax.lax.slice_in_dim(block, 0, lay.shape[lay.dim], axis=0)
+        block = jax.lax.slice_in_dim(block, 0, lay.shape[_dim(lay)], axis=0)
         out.append(jnp.moveaxis(block, 0, d))
         start += width
     return out
@@ -130,7 +135,7 @@ def reduce_scatter_packed(
     for g, lay, o in zip(grads, layouts, offsets, strict=True):
         d = _local_dim(lay, o)
         widths = [(0, 0)] * g.ndim
-        widths[d] = (0, lay.padded_shape[lay.dim] - lay.shape[lay.dim])
+        widths[d] = (0, lay.padded_shape[_dim(lay)] - lay.shape[_dim(lay)])
         moved = jnp.moveaxis(jnp.pad(g, widths) if widths[d][1] else g, d, 0)
         shapes.append((moved.shape[0] // lay.num_shards, *moved.shape[1:]))
         rows.append(moved.reshape(lay.num_shards, -1))

@@ -112,7 +112,7 @@ class Engine:
 
     def __init__(
         self,
-        loss_fn: Callable[[Any, Any], jax.Array],
+        loss_fn: Callable[..., Any],
         optimizer: optax.GradientTransformation | None = None,
         *,
         mesh: Mesh | None = None,
@@ -161,6 +161,7 @@ class Engine:
         self.batch_devices = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))
         self.batch_sharding = NamedSharding(self.mesh, P(batch_axes(self.mesh)))
         self.layouts: Any = None  # set by init
+        self.model: Any = None  # the model object, when one built this engine (Llama.engine)
         self._batch_treedef = None
 
     # --- static structure ------------------------------------------------------------
@@ -327,7 +328,8 @@ class Engine:
             # each distinct one is read once; together they are at most this one leaf
             cache: dict[tuple, np.ndarray] = {}
 
-            def callback(index: tuple[slice, ...]) -> np.ndarray:
+            def callback(index: tuple[slice, ...] | None) -> np.ndarray:
+                assert index is not None  # JAX passes every shard's index (typed optional)
                 span = tuple(s.indices(n)[:2] for s, n in zip(index, stored, strict=True))
                 if span not in cache:
                     inside = tuple(

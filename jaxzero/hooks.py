@@ -62,7 +62,7 @@ class Stored:
         return (self.value, self.slot), self.op
 
     @classmethod
-    def tree_unflatten(cls, op, children):
+    def tree_unflatten(cls, op: UseOp, children: tuple[Any, Any]) -> Stored:
         return cls(*children, op)
 
     def _misuse(self, *_, **__):

@@ -44,7 +44,7 @@ from jaxzero.mesh import DATA
 from jaxzero.partition import LeafLayout, is_layout, pad, unpad
 from jaxzero.state import TrainState, master_sharded, master_specs
 
-LossFn = Callable[[Any, Any], jax.Array]
+LossFn = Callable[..., Any]  # (params, batch[, rng]) -> a scalar or a jaxzero.loss form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +193,7 @@ def reduce_gradients(cfg: StepConfig, layouts: Any, grads: Any) -> Any:
         gs = [collectives.all_reduce(g, cfg.extra_axes) for g in gs]
     else:
         gs = collectives.reduce_scatter_buckets(gs, lays, cfg.bucket_bytes, cfg.extra_axes)
-    return treedef.unflatten([g.astype(jnp.float32) for g in gs])
+    return jax.tree.unflatten(treedef, [g.astype(jnp.float32) for g in gs])
 
 
 def global_norm(cfg: StepConfig, layouts: Any, grads: Any) -> jax.Array:
@@ -256,7 +256,7 @@ def gather_params(cfg: StepConfig, layouts: Any, params: Any) -> Any:
     """Per device: all-gather the updated working params (stages 1–2), in buckets."""
     values, treedef = jax.tree.flatten(params)
     lays = jax.tree.leaves(layouts, is_leaf=is_layout)
-    return treedef.unflatten(collectives.gather_buckets(values, lays, cfg.bucket_bytes))
+    return jax.tree.unflatten(treedef, collectives.gather_buckets(values, lays, cfg.bucket_bytes))
 
 
 def _logical(layouts: Any, tree: Any) -> Any:

@@ -81,6 +81,7 @@ def test_arguments_beat_jaxzero_variables_beat_torchrun():
         ),
         ({**TORCH, "LOCAL_RANK": "2"}, "LOCAL_RANK=2 must be below LOCAL_WORLD_SIZE=2"),
         ({**TORCH, "JAXZERO_INIT_TIMEOUT": "-1"}, "JAXZERO_INIT_TIMEOUT=-1 is not a positive"),
+        ({"JAXZERO_HOST": "h:"}, "JAXZERO_HOST=h: gives no port after the ':'"),
     ],
 )
 def test_wrong_settings_name_the_variable_and_value(env, message):

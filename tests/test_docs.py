@@ -165,10 +165,66 @@ def test_models_page_speed_table_quotes_the_benchmark_results():
     assert table in (ROOT / "docs" / "models.md").read_text(), table
 
 
-@pytest.mark.parametrize(
-    "page, printed", [("models.md", ["(16, 1)", "loss "]), ("runs.md", ["restored step 0 first"])]
-)
-def test_docs_pages_code_runs(page, printed, monkeypatch, capsys):
+# pages whose python blocks run in order in this process, and what they must print
+IN_PROCESS = {"models.md": ["(16, 1)", "loss "], "runs.md": ["restored step 0 first"]}
+# every python block of these runs in a test below; any other page marks each block
+# ``<!-- not run: why -->`` on the line above it
+EXECUTED = {"README.md", "getting-started.md", *IN_PROCESS}
+NOT_RUN = re.compile(r"^<!-- not run: \S.* -->$")
+
+
+def _python_blocks_with_marks(text: str) -> list[tuple[bool, str]]:
+    """Each python block of ``text`` and whether the line above marks it not run."""
+    lines, found = text.splitlines(), []
+    for i, line in enumerate(lines):
+        if line.strip() == "```python":
+            found.append((i > 0 and bool(NOT_RUN.match(lines[i - 1].strip())), line))
+    return found
+
+
+@pytest.mark.unit
+def test_every_python_block_in_the_docs_runs_in_a_test_or_says_why_not():
+    for name, text in [("README.md", README), *PAGES.items()]:
+        for marked, _ in _python_blocks_with_marks(text):
+            if name in EXECUTED:
+                assert not marked, f"{name}: a test runs its blocks; drop the not-run mark"
+            else:
+                assert marked, (
+                    f"{name} has a python block no test runs: run the page in "
+                    "tests/test_docs.py or mark the block <!-- not run: why -->"
+                )
+    # README's runner executes the library section: no python block may sit elsewhere
+    assert len(_blocks(_section("The library in"), "python")) == len(_blocks(README, "python"))
+
+
+def test_getting_started_runs_in_a_fresh_python():
+    """The page's blocks, pasted in order into a fresh Python (it simulates its own 4 CPU
+    devices), print what the page shows."""
+    import subprocess
+
+    page = PAGES["getting-started.md"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", "\n".join(_blocks(page, "python"))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = "".join(_blocks(page, ""))
+    printed = proc.stdout
+    for line in shown.splitlines():  # every line shown but the losses, as printed
+        if "loss" not in line:
+            assert line in printed.splitlines(), f"{line!r} not in:\n{printed}"
+    assert _losses(shown) and len(_losses(printed)) == len(_losses(shown))
+    np.testing.assert_allclose(_losses(printed), _losses(shown), rtol=0.05, atol=5e-4)
+
+
+@pytest.mark.parametrize("page", sorted(IN_PROCESS))
+def test_docs_pages_code_runs(page, monkeypatch, capsys):
     """Every python block of a docs/ page, in order in one namespace, from the repo root."""
     monkeypatch.chdir(ROOT)
     blocks = _blocks((ROOT / "docs" / page).read_text(), "python")
@@ -177,7 +233,7 @@ def test_docs_pages_code_runs(page, printed, monkeypatch, capsys):
     for block in blocks:
         exec(compile(block, f"docs/{page}", "exec"), namespace)
     out = capsys.readouterr().out
-    assert all(p in out for p in printed), out
+    assert all(p in out for p in IN_PROCESS[page]), out
 
 
 def test_readme_library_example_runs_as_written_on_one_cpu_device():
