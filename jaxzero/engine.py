@@ -54,10 +54,10 @@ class Engine:
         form of :mod:`jaxzero.loss`: ``Weighted(total, weight)`` for masked or uneven
         token counts (exact over devices and micro-batches), ``(loss, aux)`` for extra
         metrics, a third ``rng`` parameter for per-row PRNG keys.
-      optimizer: any optax transformation (default AdamW). It sees logical shapes
-        and runs on the sharded state in the global view, so elementwise ones stay
-        local and the rest (clipping, LAMB, Adafactor, Muon) get the communication
-        they need. ``max_grad_norm`` clips inside the step at no extra cost.
+      optimizer: any optax transformation (required: e.g. ``optax.adamw(1e-3)``).
+        It sees logical shapes and runs on the sharded state in the global view, so
+        elementwise ones stay local and the rest (clipping, LAMB, Adafactor, Muon) get
+        the communication they need. ``max_grad_norm`` clips inside the step at no extra cost.
       mesh: from :func:`jaxzero.make_mesh` (default: all devices).
       stage: 0 (data parallel), 1, 2 or 3.
       precision: ``"fp32"``, or ``"bf16"`` (bf16 params, activations and gradient
@@ -113,7 +113,7 @@ class Engine:
     def __init__(
         self,
         loss_fn: Callable[[Any, Any], jax.Array],
-        optimizer: optax.GradientTransformation | None = None,
+        optimizer: optax.GradientTransformation,
         *,
         mesh: Mesh | None = None,
         stage: int = 3,
@@ -141,9 +141,15 @@ class Engine:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
             raise ValueError(f"bucket_mb must be a non-negative number of MiB, got {bucket_mb!r}")
-        optimizer = optax.adamw(1e-3) if optimizer is None else optimizer
+        if optimizer is None:
+            raise TypeError(
+                "optimizer is required: pass an optax transformation, e.g. optax.adamw(1e-3)"
+            )
         if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(f"optimizer must be an optax.GradientTransformation, got {optimizer!r}")
+            raise TypeError(
+                f"optimizer must be an optax transformation (e.g. optax.adamw(1e-3)), "
+                f"got {optimizer!r}"
+            )
         self.loss_fn, self.tx = loss_fn, optimizer
         self.mesh = make_mesh() if mesh is None else mesh
         self.stage, self.precision = stage, precision
