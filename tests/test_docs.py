@@ -165,6 +165,19 @@ def test_docs_pages_code_runs(page, printed, monkeypatch, capsys):
     assert all(p in out for p in printed), out
 
 
+def test_stages_page_own_loop_example_trains(capsys):
+    """The pure-step example of docs/stages.md (the page's other blocks are fragments)."""
+    section = re.search(r"^## Your own loop.*?(?=^## |\Z)", PAGES["stages.md"], re.S | re.M)
+    assert section, "docs/stages.md has no section '## Your own loop'"
+    (example,) = _blocks(section.group(0), "python")
+    namespace: dict = {}
+    exec(compile(example, "docs/stages.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    losses = _losses(out)
+    assert len(losses) == 2 and losses[1] < losses[0] and "step 20 loss" in out
+    assert namespace["ema"]["w1"].shape == (37, 53)
+
+
 def test_readme_library_example_runs_as_written_on_one_cpu_device():
     """Pasted into a fresh Python on a CPU-only machine (one device, nothing simulated), the
     example runs and prints the losses README shows."""
