@@ -94,7 +94,7 @@ class NNXEngine(Engine):
         :meth:`init_from` never allocates the whole model.
       loss_fn: ``loss_fn(model, batch) -> scalar``, the mean loss of a batch (or any
         form of :mod:`jaxzero.loss`, ``rng`` as a third parameter included).
-      optimizer: as for :class:`jaxzero.Engine`.
+      optimizer: as for :class:`jaxzero.Engine` (required, e.g. ``optax.adamw(1e-3)``).
       **kwargs: as for :class:`jaxzero.Engine` (``stage``, ``per_layer``,
         ``stacked``, ...). Param paths (for ``rules`` and ``stacked``) are the
         module's attribute names joined by ``/``, e.g. ``blocks/0/linear/kernel``.
@@ -104,7 +104,7 @@ class NNXEngine(Engine):
         self,
         model: nnx.Module,
         loss_fn: Callable[..., Any],
-        optimizer: optax.GradientTransformation | None = None,
+        optimizer: optax.GradientTransformation,
         **kwargs: Any,
     ):
         if not isinstance(model, nnx.Module):

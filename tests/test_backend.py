@@ -99,7 +99,10 @@ def test_preset_option_unknown_to_this_xla_is_dropped_with_a_warning(monkeypatch
 def test_bad_user_option_is_a_clear_error():
     with pytest.raises(ValueError, match="xla_no_such_option.*not an option"):
         jaxzero.Engine(
-            mlp_loss, mesh=jaxzero.make_mesh(1), compiler_options={"xla_no_such_option": True}
+            mlp_loss,
+            optax.sgd(0.1),
+            mesh=jaxzero.make_mesh(1),
+            compiler_options={"xla_no_such_option": True},
         )
 
 
@@ -132,10 +135,10 @@ def test_donation_switch():
             assert jax.tree.leaves(old.opt_state)[1].is_deleted() is donate
         finals[donate] = engine.gather_params(state)
     assert rel_diff(finals[True], finals[False]) == 0
-    default = jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1))
+    default = jaxzero.Engine(mlp_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(1))
     assert default.donate is backend.DONATE["cpu"]
     with pytest.raises(TypeError, match="donate must be True, False or None"):
-        jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1), donate="yes")
+        jaxzero.Engine(mlp_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(1), donate="yes")
 
 
 def _token_mlp_loss(p, batch):
@@ -196,9 +199,9 @@ def test_dot_barrier_switch(stage, micro_batches):
     assert rel_diff(finals[True], finals[False]) < 1e-5
     assert unfused == {True: _plain_jit_eigen_dots(params, batches[0], tx, mesh), False: 3}
     assert unfused[True] == 0
-    assert jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1)).dot_barrier is True  # CPU
+    assert jaxzero.Engine(mlp_loss, tx, mesh=jaxzero.make_mesh(1)).dot_barrier is True  # CPU
     with pytest.raises(TypeError, match="dot_barrier must be True, False or None"):
-        jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1), dot_barrier=1)
+        jaxzero.Engine(mlp_loss, tx, mesh=jaxzero.make_mesh(1), dot_barrier=1)
 
 
 def test_dot_barrier_reaches_scanned_layers():

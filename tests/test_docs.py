@@ -167,32 +167,35 @@ def test_models_page_speed_table_quotes_the_benchmark_results():
 
 # pages whose python blocks run in order in this process, and what they must print
 IN_PROCESS = {"models.md": ["(16, 1)", "loss "], "runs.md": ["restored step 0 first"]}
-# every python block of these runs in a test below; any other page marks each block
-# ``<!-- not run: why -->`` on the line above it
+# every python block of these runs in a test below; on any other page each block says on
+# the line above it that a named test of this module runs it, or why nothing does
 EXECUTED = {"README.md", "getting-started.md", *IN_PROCESS}
 NOT_RUN = re.compile(r"^<!-- not run: \S.* -->$")
+RUN_BY = re.compile(r"^<!-- run by tests/test_docs.py::(\w+) -->$")
 
 
-def _python_blocks_with_marks(text: str) -> list[tuple[bool, str]]:
-    """Each python block of ``text`` and whether the line above marks it not run."""
-    lines, found = text.splitlines(), []
-    for i, line in enumerate(lines):
-        if line.strip() == "```python":
-            found.append((i > 0 and bool(NOT_RUN.match(lines[i - 1].strip())), line))
-    return found
+def _python_block_marks(text: str) -> list[str]:
+    """The line above each python block of ``text``."""
+    lines = text.splitlines()
+    return [lines[i - 1].strip() if i else "" for i, x in enumerate(lines) if x == "```python"]
 
 
 @pytest.mark.unit
 def test_every_python_block_in_the_docs_runs_in_a_test_or_says_why_not():
     for name, text in [("README.md", README), *PAGES.items()]:
-        for marked, _ in _python_blocks_with_marks(text):
+        for mark in _python_block_marks(text):
+            marked = NOT_RUN.match(mark) or RUN_BY.match(mark)
             if name in EXECUTED:
-                assert not marked, f"{name}: a test runs its blocks; drop the not-run mark"
+                assert not marked, f"{name}: a test runs all its blocks; drop the mark {mark!r}"
             else:
                 assert marked, (
-                    f"{name} has a python block no test runs: run the page in "
-                    "tests/test_docs.py or mark the block <!-- not run: why -->"
+                    f"{name} has a python block no test runs: run it in tests/test_docs.py "
+                    "and say so above it (<!-- run by tests/test_docs.py::TEST -->), or "
+                    "mark it <!-- not run: why -->"
                 )
+            run_by = RUN_BY.match(mark)
+            if run_by:
+                assert callable(globals().get(run_by.group(1))), f"{name}: no test {mark!r}"
     # README's runner executes the library section: no python block may sit elsewhere
     assert len(_blocks(_section("The library in"), "python")) == len(_blocks(README, "python"))
 
@@ -234,6 +237,19 @@ def test_docs_pages_code_runs(page, monkeypatch, capsys):
         exec(compile(block, f"docs/{page}", "exec"), namespace)
     out = capsys.readouterr().out
     assert all(p in out for p in IN_PROCESS[page]), out
+
+
+def test_stages_page_own_loop_example_trains(capsys):
+    """The pure-step example of docs/stages.md (the page's other blocks are fragments)."""
+    section = re.search(r"^## Your own loop.*?(?=^## |\Z)", PAGES["stages.md"], re.S | re.M)
+    assert section, "docs/stages.md has no section '## Your own loop'"
+    (example,) = _blocks(section.group(0), "python")
+    namespace: dict = {}
+    exec(compile(example, "docs/stages.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    losses = _losses(out)
+    assert len(losses) == 2 and losses[1] < losses[0] and "step 20 loss" in out
+    assert namespace["ema"]["w1"].shape == (37, 53)
 
 
 def test_readme_library_example_runs_as_written_on_one_cpu_device():

@@ -357,7 +357,7 @@ class Llama:
         ``segment_ids`` and ``loss_mask`` as :func:`jaxzero.models.common.token_loss`."""
         return token_loss(self.apply(params, batch["inputs"], batch.get("segment_ids")), batch)
 
-    def engine(self, optimizer: optax.GradientTransformation | None = None, **kwargs):
+    def engine(self, optimizer: optax.GradientTransformation, **kwargs):
         """An :class:`jaxzero.Engine` for this model, gathering one layer at a time.
 
         ``engine.model`` is this model (what :func:`jaxzero.hf.save` writes out).
