@@ -179,7 +179,9 @@ class Engine:
         self.layouts: Any = None  # set by init
         self.model: Any = None  # the model object, when one built this engine (Llama.engine)
         self._state_shardings: Any = None
-        self._step_fn: Callable[[TrainState, Any], tuple[TrainState, dict]] | None = None
+        self._step_fn: (
+            Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]] | None
+        ) = None
         self._batch_treedef = None
 
     # --- static structure ------------------------------------------------------------
@@ -477,6 +479,7 @@ class Engine:
           (4, (4,))
         """
         self._require_init()
+        assert self._step_fn is not None  # built with the layouts (_build_jits)
         return self._step_fn
 
     def _check_batch(self, batch: Any) -> None:
