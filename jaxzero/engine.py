@@ -429,6 +429,8 @@ class Engine:
             compiler_options=self.compiler_options or None,
         )
         ev = functools.partial(step_lib.eval_loss, cfg, lays, self.loss_fn)
+        # check_vma=False as for the step (jaxzero.step's docstring says why): the loss runs
+        # as plain per-device JAX; P() holds because eval_loss ends in a pmean or psum.
         ev_sharded = jax.shard_map(
             ev, mesh=mesh, in_specs=(self.specs.params, bspec), out_specs=P(), check_vma=False
         )
