@@ -10,7 +10,7 @@ state, metrics = engine.step(state, batch)
 from jaxzero import hf, nnx
 from jaxzero.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError
 from jaxzero.engine import Engine
-from jaxzero.hooks import use_params
+from jaxzero.hooks import remat_layer, use_params
 from jaxzero.loss import Weighted
 from jaxzero.mesh import make_mesh, simulate_devices
 from jaxzero.nnx import NNXEngine
@@ -30,6 +30,7 @@ __all__ = [
     "layouts_for",
     "make_mesh",
     "nnx",
+    "remat_layer",
     "simulate_devices",
     "use_params",
 ]

@@ -282,7 +282,7 @@ def metadata(engine: Any, state: TrainState) -> dict[str, Any]:
     from jaxzero import __version__
 
     lays = leaf_names(TrainState(None, engine.layouts, None, engine.opt_layouts))
-    leaves = {}
+    leaves: dict[str, dict[str, Any]] = {}
     for name, x in leaf_names(state).items():
         field, _, rest = name.partition("/")
         lay = lays.get(f"params/{rest}" if field == "master" else name)
@@ -360,7 +360,7 @@ class CheckpointManager:
             enable_async_checkpointing=True,
         )
         self._options = options
-        self._manager = None
+        self._manager: Any = None  # orbax's CheckpointManager, once the directory exists
         self._in_flight: int | None = None  # the step of the save not yet known complete
         if self.directory.is_dir():
             self._open()
@@ -432,6 +432,7 @@ class CheckpointManager:
             if self._manager is not None and step is not None:
                 self._manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+            assert step is not None  # only the wait for a save in flight raises
             raise self._write_failed(step, e) from None
         finally:
             _SAVING.discard(self)  # after the wait: orbax logs the failure during it

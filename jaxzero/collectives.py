@@ -92,8 +92,13 @@ def dot_barrier(g: jax.Array) -> jax.Array:
 # or reduce-scatter per layer instead of one per leaf.
 
 
+def _dim(lay: LeafLayout) -> int:
+    assert lay.dim is not None, f"{lay.path}: the packed collectives move sharded leaves only"
+    return lay.dim
+
+
 def _local_dim(lay: LeafLayout, offset: int) -> int:
-    return lay.dim - offset
+    return _dim(lay) - offset
 
 
 def gather_packed(
@@ -110,7 +115,7 @@ def gather_packed(
         d, width = _local_dim(lay, o), v.size
         moved = jnp.moveaxis(v, d, 0).shape
         block = full[:, start : start + width].reshape(-1, *moved[1:])
-        block = jax.lax.slice_in_dim(block, 0, lay.shape[lay.dim], axis=0)
+        block = jax.lax.slice_in_dim(block, 0, lay.shape[_dim(lay)], axis=0)
         out.append(jnp.moveaxis(block, 0, d))
         start += width
     return out

@@ -198,6 +198,7 @@ def initialize(
     started = time.monotonic()
     deadline = started + job.init_timeout
     if job.mode == "explicit" and job.rank != 0:
+        assert job.host is not None and job.port is not None  # resolve: explicit needs both
         probe(job.host.value, job.port.value, job.init_timeout, job.named("host", "port"))
     if job.mode == "explicit" and job.rank == 0:
         check_port_free(job.port)
@@ -227,7 +228,12 @@ def initialize(
         dog.done()
     _JOB = job = dataclasses.replace(job, rank=jax.process_index(), world_size=jax.process_count())
     previous = sys.excepthook  # an uncaught exception leaves the job at once (see leave)
-    sys.excepthook = lambda kind, value, tb: (previous(kind, value, tb), leave(1, value))
+
+    def excepthook(kind, value, tb):
+        previous(kind, value, tb)
+        leave(1, value)
+
+    sys.excepthook = excepthook
     atexit.register(_program_ended)  # after JAX's exit hook, so it runs before it
     if job.mode == "explicit" and job.world_size != job.settings["world_size"].value:
         raise DistributedError(

@@ -55,10 +55,10 @@ class Engine:
         form of :mod:`jaxzero.loss`: ``Weighted(total, weight)`` for masked or uneven
         token counts (exact over devices and micro-batches), ``(loss, aux)`` for extra
         metrics, a third ``rng`` parameter for per-row PRNG keys.
-      optimizer: any optax transformation (default AdamW). It sees logical shapes
-        and runs on the sharded state in the global view, so elementwise ones stay
-        local and the rest (clipping, LAMB, Adafactor, Muon) get the communication
-        they need. ``max_grad_norm`` clips inside the step at no extra cost.
+      optimizer: any optax transformation (required: e.g. ``optax.adamw(1e-3)``).
+        It sees logical shapes and runs on the sharded state in the global view, so
+        elementwise ones stay local and the rest (clipping, LAMB, Adafactor, Muon) get
+        the communication they need. ``max_grad_norm`` clips inside the step at no extra cost.
       mesh: from :func:`jaxzero.make_mesh` (default: all devices).
       stage: 0 (data parallel), 1, 2 or 3.
       precision: ``"fp32"``, or ``"bf16"`` (bf16 params, activations and gradient
@@ -94,6 +94,16 @@ class Engine:
         and pipelined collectives that overlap gathers with compute); a value of
         None removes that option.
 
+    Attributes:
+      mesh: the device mesh.
+      batch_sharding: how a global batch lies on the mesh (its leading dim split over
+        the batch axes); :meth:`shard_batch` puts a batch there.
+      state_shardings: the train state's shardings (after init).
+      step_fn: the pure, un-jitted step (after init), for a loop of your own:
+        ``jax.jit`` it, ``lax.scan`` it, wrap it.
+      donate: whether :meth:`step` donates its input state.
+      compiler_options: the XLA options :meth:`step` is compiled with.
+
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxzero
       >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
@@ -113,8 +123,8 @@ class Engine:
 
     def __init__(
         self,
-        loss_fn: Callable[[Any, Any], jax.Array],
-        optimizer: optax.GradientTransformation | None = None,
+        loss_fn: Callable[..., Any],
+        optimizer: optax.GradientTransformation,
         *,
         mesh: Mesh | None = None,
         stage: int = 3,
@@ -142,9 +152,15 @@ class Engine:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
             raise ValueError(f"bucket_mb must be a non-negative number of MiB, got {bucket_mb!r}")
-        optimizer = optax.adamw(1e-3) if optimizer is None else optimizer
+        if optimizer is None:
+            raise TypeError(
+                "optimizer is required: pass an optax transformation, e.g. optax.adamw(1e-3)"
+            )
         if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(f"optimizer must be an optax.GradientTransformation, got {optimizer!r}")
+            raise TypeError(
+                f"optimizer must be an optax transformation (e.g. optax.adamw(1e-3)), "
+                f"got {optimizer!r}"
+            )
         self.loss_fn, self.tx = loss_fn, optimizer
         self.mesh = make_mesh() if mesh is None else mesh
         self.stage, self.precision = stage, precision
@@ -162,6 +178,11 @@ class Engine:
         self.batch_devices = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))
         self.batch_sharding = NamedSharding(self.mesh, P(batch_axes(self.mesh)))
         self.layouts: Any = None  # set by init
+        self.model: Any = None  # the model object, when one built this engine (Llama.engine)
+        self._state_shardings: Any = None
+        self._step_fn: (
+            Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]] | None
+        ) = None
         self._batch_treedef = None
 
     # --- static structure ------------------------------------------------------------
@@ -218,7 +239,7 @@ class Engine:
         )
         self.opt_layouts = opt_layouts(self.tx, self.layouts, self.min_shard_size)
         self.specs = state_specs(self.stage, self.layouts, self.opt_layouts, self.mixed)
-        self.state_shardings = jax.tree.map(
+        self._state_shardings = jax.tree.map(
             lambda s: NamedSharding(self.mesh, s), self.specs, is_leaf=lambda x: isinstance(x, P)
         )
         self._build_jits()
@@ -226,6 +247,14 @@ class Engine:
     def _require_init(self) -> None:
         if self.layouts is None:
             raise RuntimeError("call engine.init(params) or engine.init_from(...) first")
+
+    @property
+    def state_shardings(self) -> TrainState:
+        """The ``NamedSharding`` of every leaf of the train state (a ``TrainState`` of
+        shardings): the state's ``in_shardings`` and ``out_shardings`` when you jit
+        :attr:`step_fn` yourself. Known once the engine is initialised."""
+        self._require_init()
+        return self._state_shardings
 
     # --- state creation --------------------------------------------------------------
 
@@ -328,7 +357,8 @@ class Engine:
             # each distinct one is read once; together they are at most this one leaf
             cache: dict[tuple, np.ndarray] = {}
 
-            def callback(index: tuple[slice, ...]) -> np.ndarray:
+            def callback(index: tuple[slice, ...] | None) -> np.ndarray:
+                assert index is not None  # JAX passes every shard's index (typed optional)
                 span = tuple(s.indices(n)[:2] for s, n in zip(index, stored, strict=True))
                 if span not in cache:
                     inside = tuple(
@@ -389,21 +419,71 @@ class Engine:
     def _build_jits(self) -> None:
         cfg, lays, mesh = self._config(), self.layouts, self.mesh
         bspec = P(batch_axes(mesh))
-        step = step_lib.make_train_step(
+        self._step_fn = step_lib.make_train_step(
             cfg, mesh, lays, self.opt_layouts, self.specs, self.loss_fn, self.tx
         )
-        self._step = jax.jit(
-            step,
+        self._step = jax.jit(  # engine.step: the public step_fn, jitted
+            self._step_fn,
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, NamedSharding(mesh, P())),
             donate_argnums=0 if self.donate else (),
             compiler_options=self.compiler_options or None,
         )
         ev = functools.partial(step_lib.eval_loss, cfg, lays, self.loss_fn)
+        # check_vma=False as for the step (jaxzero.step's docstring says why): the loss runs
+        # as plain per-device JAX; P() holds because eval_loss ends in a pmean or psum.
         ev_sharded = jax.shard_map(
             ev, mesh=mesh, in_specs=(self.specs.params, bspec), out_specs=P(), check_vma=False
         )
         self._eval = jax.jit(ev_sharded, compiler_options=self.compiler_options or None)
+
+    @property
+    def step_fn(self) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+        """The pure train step ``(state, batch) -> (new_state, metrics)``, not jitted.
+
+        :meth:`step` is this function under ``jax.jit``; take it to build your own loop
+        around it: jit it yourself, ``jax.lax.scan`` it over several batches in one
+        program, or wrap it (an EMA of the params, extra metrics, a custom schedule of
+        evaluations). The state and metrics are as :meth:`step`'s.
+
+        Jit it with the engine's layouts, so each call's output is the next one's input
+        without a copy: ``in_shardings=(engine.state_shardings, engine.batch_sharding)``,
+        ``out_shardings=(engine.state_shardings, None)`` (the metrics are replicated
+        scalars), ``donate_argnums=0`` to reuse the state's buffers as :meth:`step` does
+        (:attr:`donate`), and ``compiler_options=engine.compiler_options or None`` for
+        the backend's preset (:mod:`jaxzero.backend`). ``batch`` must be the *global*
+        batch, laid out as :attr:`batch_sharding` (:meth:`shard_batch` places host
+        arrays), its leading dim a multiple of the batch devices times
+        ``micro_batches``: unlike :meth:`step`, the pure step checks nothing. Batches
+        stacked for a scan lie along the same axes one dim further in:
+        ``NamedSharding(engine.mesh, P(None, *engine.batch_sharding.spec))``.
+
+        Example (four steps in one program, an EMA of the params carried beside them):
+          >>> import jax, jax.numpy as jnp, optax, jaxzero
+          >>> from jax.sharding import NamedSharding, PartitionSpec as P
+          >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+          >>> engine = jaxzero.Engine(loss_fn, optax.sgd(0.1), mesh=jaxzero.make_mesh(1))
+          >>> state = engine.init({"w": jnp.zeros((4, 2))})
+          >>> def body(carry, batch):
+          ...     state, ema = carry
+          ...     state, metrics = engine.step_fn(state, batch)
+          ...     ema = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, ema, state.params)
+          ...     return (state, ema), metrics
+          >>> def four_steps(state, ema, batches):  # batches stacked on a leading axis
+          ...     return jax.lax.scan(body, (state, ema), batches)
+          >>> sh = engine.state_shardings
+          >>> stacked = NamedSharding(engine.mesh, P(None, *engine.batch_sharding.spec))
+          >>> run = jax.jit(four_steps, in_shardings=(sh, sh.params, stacked),
+          ...               out_shardings=((sh, sh.params), None), donate_argnums=(0, 1))
+          >>> x = jax.random.normal(jax.random.key(1), (4, 8, 4))
+          >>> ema = jax.tree.map(jnp.copy, state.params)
+          >>> (state, ema), metrics = run(state, ema, {"x": x, "y": x[..., :2]})
+          >>> int(state.step), metrics["loss"].shape
+          (4, (4,))
+        """
+        self._require_init()
+        assert self._step_fn is not None  # built with the layouts (_build_jits)
+        return self._step_fn
 
     def _check_batch(self, batch: Any) -> None:
         leaves, treedef = jax.tree.flatten(batch)

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.core import ShapedArray
 from jax.extend.core import Jaxpr, Var, jaxprs_in_params
 from jax.extend.core import primitives as prim
 from jax.extend.source_info_util import summarize
@@ -84,7 +85,8 @@ class _Walk:
     """Taint propagation through a jaxpr, collecting :class:`Misuse` records."""
 
     def __init__(self, lays: dict[str, LeafLayout]):
-        self.lays, self.found = lays, []
+        self.lays = lays
+        self.found: list[Misuse] = []
         self.site = ""  # the innermost user line seen on the way down
 
     def flag(self, eqn, paths, opaque: bool = False) -> None:
@@ -194,6 +196,7 @@ def _prefix(outer: Sequence, inner: Sequence, same_rank: bool) -> int:
 def _is_predicate(sub: Jaxpr) -> bool:
     return (
         len(sub.outvars) == 1
+        and isinstance(sub.outvars[0].aval, ShapedArray)  # not a token
         and sub.outvars[0].aval.shape == ()
         and sub.outvars[0].aval.dtype == bool
     )

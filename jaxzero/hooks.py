@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import primitives as prim
 
 from jaxzero import collectives
 from jaxzero.partition import LeafLayout
@@ -62,7 +63,7 @@ class Stored:
         return (self.value, self.slot), self.op
 
     @classmethod
-    def tree_unflatten(cls, op, children):
+    def tree_unflatten(cls, op: UseOp, children: tuple[Any, Any]) -> Stored:
         return cls(*children, op)
 
     def _misuse(self, *_, **__):
@@ -109,7 +110,12 @@ def _use_fwd(ops, values, slots):
 
 def _use_bwd(ops, _, cotangents):
     """Reduce the layer's gradients into the slots: packed reduce-scatters (at stages
-    0–1, only the dot barrier, the gradients going back to the values)."""
+    0–1, only the dot barrier, the gradients going back to the values).
+
+    The cotangents are this device's alone: the step's ``shard_map`` has
+    ``check_vma=False``, so JAX sums nothing across devices before they arrive (see
+    :mod:`jaxzero.step`), and this reduce-scatter is the only reduction.
+    """
     op = ops[0]
     gs = [collectives.dot_barrier(g) if op.dot_barrier else g for g in cotangents]
     if not op.reduce:  # stages 0-1: the step reduces after the backward pass
@@ -176,19 +182,22 @@ def use_params(tree: Any) -> Any:
 
 # The gather inlines into concatenate + all_gather + slices; views of it are cheap.
 # Not saving any of them leaves only the stored slice as the residual, so the backward
-# pass gathers again.
-_REGATHER = {
-    "all_gather",
-    "concatenate",
-    "slice",
-    "dynamic_slice",
-    "reshape",
-    "transpose",
-    "squeeze",
-    "broadcast_in_dim",
-    "convert_element_type",
-    "expand_dims",
-}
+# pass gathers again. Primitives are matched by identity (jax.extend), and the
+# checkpoint_name marker by JAX's own policy, so no primitive parameter is read here.
+_REGATHER = frozenset(
+    {
+        prim.all_gather_p,
+        prim.concatenate_p,
+        prim.slice_p,
+        prim.dynamic_slice_p,
+        prim.reshape_p,
+        prim.transpose_p,
+        prim.squeeze_p,
+        prim.broadcast_in_dim_p,
+        prim.convert_element_type_p,
+    }
+)
+_IS_GATHERED = jax.checkpoint_policies.save_only_these_names(GATHERED)  # True on it alone
 
 
 def regather_policy(base: Callable[..., bool] | None = None) -> Callable[..., bool]:
@@ -198,11 +207,10 @@ def regather_policy(base: Callable[..., bool] | None = None) -> Callable[..., bo
     are redone in the backward pass.
     """
 
-    def policy(prim, *args, **params) -> bool:
-        name = getattr(prim, "name", "")
-        if name in _REGATHER or name == "name" and params.get("name") == GATHERED:
+    def policy(p, /, *args, **params) -> bool:
+        if p in _REGATHER or _IS_GATHERED(p, *args, **params):
             return False
-        return True if base is None else base(prim, *args, **params)
+        return True if base is None else base(p, *args, **params)
 
     return policy
 

@@ -229,10 +229,13 @@ def resolve(
         raise TypeError(f"unknown argument(s) {sorted(unknown)}; use {sorted(VARIABLES)}")
     got = {f: s for f in VARIABLES if (s := _pick(f, arguments.get(f), environ)) is not None}
     if "host" in got and str(got["host"].value).count(":") == 1:  # "addr:port", as JAX has it
-        name, embedded = str(got["host"].value).split(":")
-        got["host"] = dataclasses.replace(got["host"], value=name)
+        given = got["host"]
+        name, embedded = str(given.value).split(":")
+        got["host"] = dataclasses.replace(given, value=name)
         if "port" not in got or _order(got["host"]) < _order(got["port"]):
             port = _pick("port", embedded, {})
+            if port is None:  # "addr:" with nothing after the colon
+                raise DistributedError(f"{given} gives no port after the ':': give host:port")
             got["port"] = dataclasses.replace(port, source=got["host"].source)
     if (
         "port" in got and got["port"].source == "MASTER_PORT" and TORCHRUN_MARKER in environ
@@ -241,7 +244,7 @@ def resolve(
             got["port"].value + TORCHRUN_PORT_OFFSET, f"MASTER_PORT+{TORCHRUN_PORT_OFFSET}", "port"
         )
     host, port = got.get("host"), got.get("port")
-    common = dict(
+    common: dict[str, Any] = dict(
         settings=got,
         simulate_devices=got["simulate_devices"].value if "simulate_devices" in got else None,
         local_device_ids=got["local_device_ids"].value if "local_device_ids" in got else None,

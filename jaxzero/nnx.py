@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import optax
@@ -47,11 +47,14 @@ from jaxzero.loss import takes_rng
 from jaxzero.partition import path_str
 from jaxzero.state import TrainState
 
+M = TypeVar("M", bound=nnx.Module)
 
-def split(module: nnx.Module) -> tuple[Any, dict[str, Any], nnx.State]:
+
+def split(module: M) -> tuple[nnx.GraphDef[M], dict[str, Any], nnx.State]:
     """``(graphdef, params, rest)``: the module's ``nnx.Param`` values as a plain nested
     dict (what the engine shards) and every other variable as an ``nnx.State``."""
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    # flax types split's result as variadic: two filters give exactly two states
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]
     stats = [k for k, _ in nnx.to_flat_state(nnx.state(module, nnx.BatchStat))]
     if stats:
         names = ", ".join(path_str(k) for k in stats[:3])
@@ -63,7 +66,7 @@ def split(module: nnx.Module) -> tuple[Any, dict[str, Any], nnx.State]:
     return graphdef, nnx.to_pure_dict(params), rest
 
 
-def bind(graphdef: Any, template: nnx.State, params: Any, rest: nnx.State) -> nnx.Module:
+def bind(graphdef: nnx.GraphDef[M], template: nnx.State, params: Any, rest: nnx.State) -> M:
     """A module from ``graphdef`` with ``params`` (a nested dict like :func:`split`'s)
     as its ``nnx.Param`` values; ``template`` is a ``Param`` state of the same structure."""
     state = jax.tree.map(lambda v: v, template)  # a fresh copy to fill in
@@ -71,14 +74,15 @@ def bind(graphdef: Any, template: nnx.State, params: Any, rest: nnx.State) -> nn
     return nnx.merge(graphdef, state, rest)
 
 
-def use(module: nnx.Module) -> nnx.Module:
+def use(module: M) -> M:
     """The module with its params ready to compute with: :func:`jaxzero.use_params` for NNX.
 
     Call it on each layer right where the layer runs (``use(self.block)(x)``), once per
     layer: stage 3 gathers the layer's params there and its backward pass reduce-scatters
     their gradient. Identity (a module with the same values) outside the engine.
     """
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    # flax types split's result as variadic: two filters give exactly two states
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]
     return nnx.merge(graphdef, use_params(params), rest)
 
 
@@ -91,7 +95,7 @@ class NNXEngine(Engine):
         :meth:`init_from` never allocates the whole model.
       loss_fn: ``loss_fn(model, batch) -> scalar``, the mean loss of a batch (or any
         form of :mod:`jaxzero.loss`, ``rng`` as a third parameter included).
-      optimizer: as for :class:`jaxzero.Engine`.
+      optimizer: as for :class:`jaxzero.Engine` (required, e.g. ``optax.adamw(1e-3)``).
       **kwargs: as for :class:`jaxzero.Engine` (``stage``, ``per_layer``,
         ``stacked``, ...). Param paths (for ``rules`` and ``stacked``) are the
         module's attribute names joined by ``/``, e.g. ``blocks/0/linear/kernel``.
@@ -100,8 +104,8 @@ class NNXEngine(Engine):
     def __init__(
         self,
         model: nnx.Module,
-        loss_fn: Callable[[nnx.Module, Any], jax.Array],
-        optimizer: optax.GradientTransformation | None = None,
+        loss_fn: Callable[..., Any],
+        optimizer: optax.GradientTransformation,
         **kwargs: Any,
     ):
         if not isinstance(model, nnx.Module):
@@ -113,6 +117,7 @@ class NNXEngine(Engine):
         self.model_loss_fn = loss_fn
 
         module = lambda params: bind(self.graphdef, self._template, params, self.rest)
+        params_loss: Callable[..., Any]  # with or without rng, as loss_fn
         if takes_rng(loss_fn):  # pass the per-row keys through (jaxzero.loss)
 
             def params_loss(params: Any, batch: Any, rng: Any) -> Any:

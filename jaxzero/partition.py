@@ -235,4 +235,6 @@ def balance(layouts: Any) -> float:
                 real = min(max(lay.shape[lay.dim] - i * chunk, 0), chunk)
                 counts[i] = real * rest
         per_device = counts if per_device is None else per_device + counts
+    if per_device is None:
+        raise ValueError("balance needs at least one leaf layout, got none")
     return float(per_device.max() / per_device.mean())

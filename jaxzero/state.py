@@ -44,7 +44,9 @@ class TrainState:
         rest by their own shapes (:func:`opt_layouts`).
     """
 
-    step: jax.Array
+    # a jax.Array in a state; the trees of the same structure (state_specs, the checkpoint's
+    # leaf names) hold a PartitionSpec, a sharding or None there
+    step: Any
     params: Any
     master: Any
     opt_state: Any

@@ -21,6 +21,28 @@ needs from XLA, so no optimizer can silently compute something else on a slice.
 With ``k`` micro-batches, stages 0–1 accumulate full local gradients and
 communicate once per step; stages 2–3 reduce-scatter (and stage 3 gathers) once
 per micro-batch, accumulating only this device's gradient slice.
+
+Every ``shard_map`` here and in ``Engine`` passes ``check_vma=False``: inside, a value
+is just this device's array and the only cross-device operations are the collectives
+written here and in ``hooks.py``. The step relies on two properties of that mode
+(``tests/test_step.py`` checks both, and that JAX still behaves so):
+
+* autodiff is per device: the gradient w.r.t. a ``P()`` input (the params at stages
+  0–1, the whole params ``use_params`` hands out at stage 2) is this device's own, so
+  the explicit reduction is the only one. ``check_vma=True`` types ``P()`` inputs as
+  invariant and sums their gradients itself (the transpose of the cast to varying it
+  inserts where they meet the batch): the explicit ``psum`` then gives N times the
+  gradient at stage 0, and stages 1–3 fail to trace (measured on both JAX lines).
+* ``out_specs=P()`` is a promise, not a check: each device's result becomes its copy
+  of the "replicated" array. Every such output here is a ``psum``, ``pmean`` or
+  ``all_gather`` result, the same on every device by construction.
+
+``check_vma=True`` with explicit ``pcast``/invariant gathers was tried and kept out:
+it puts the loss, which is user code, under JAX's varying/invariant types, so plain
+JAX that runs under ``jit`` (a ``scan`` whose carry starts at ``jnp.zeros`` and adds
+batch terms, a ``cond`` with a constant branch) stops tracing; accumulating a loss's
+aux terms needs each value's variance, which neither JAX line exposes publicly; and
+it changed the compiled reference GPT step (extra copies, on jax 0.10.2).
 """
 
 from __future__ import annotations
@@ -44,7 +66,7 @@ from jaxzero.mesh import DATA  # the state's axis, named where no mesh is at han
 from jaxzero.partition import LeafLayout, is_layout, pad, unpad
 from jaxzero.state import TrainState, master_sharded, master_specs
 
-LossFn = Callable[[Any, Any], jax.Array]
+LossFn = Callable[..., Any]  # (params, batch[, rng]) -> a scalar or a jaxzero.loss form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +215,7 @@ def reduce_gradients(cfg: StepConfig, layouts: Any, grads: Any) -> Any:
         gs = [collectives.all_reduce(g, cfg.extra_axes) for g in gs]
     else:
         gs = collectives.reduce_scatter_buckets(gs, lays, cfg.bucket_bytes, cfg.extra_axes)
-    return treedef.unflatten([g.astype(jnp.float32) for g in gs])
+    return jax.tree.unflatten(treedef, [g.astype(jnp.float32) for g in gs])
 
 
 def global_norm(cfg: StepConfig, layouts: Any, grads: Any) -> jax.Array:
@@ -256,7 +278,7 @@ def gather_params(cfg: StepConfig, layouts: Any, params: Any) -> Any:
     """Per device: all-gather the updated working params (stages 1–2), in buckets."""
     values, treedef = jax.tree.flatten(params)
     lays = jax.tree.leaves(layouts, is_leaf=is_layout)
-    return treedef.unflatten(collectives.gather_buckets(values, lays, cfg.bucket_bytes))
+    return jax.tree.unflatten(treedef, collectives.gather_buckets(values, lays, cfg.bucket_bytes))
 
 
 def _logical(layouts: Any, tree: Any) -> Any:
@@ -309,6 +331,9 @@ def make_train_step(
     """
     sharded = master_sharded(cfg.stage)
     grad_specs = master_specs(cfg.stage, layouts)
+    # check_vma=False (module docstring): the loss's gradient is per device, so the
+    # reductions in reduce_gradients and hooks are the only ones; loss, norm and metrics
+    # (P()) come from psum/pmean results, stage 0's gradients (P()) from an all-reduce.
     grads_of = jax.shard_map(
         functools.partial(gradient_step, cfg, layouts, loss_fn),
         mesh=mesh,
@@ -316,6 +341,8 @@ def make_train_step(
         out_specs=(P(), grad_specs, P(), P()),
         check_vma=False,
     )
+    # check_vma=False: the new params' P() (stages 1-2) holds because an all_gather gives
+    # every device the same array; check_vma=True cannot infer that and refuses to trace.
     gather = jax.shard_map(
         functools.partial(gather_params, cfg, layouts),
         mesh=mesh,

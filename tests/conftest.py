@@ -1,8 +1,117 @@
-"""Every test process sees 8 simulated CPU devices; meshes of 1, 2 or 8 use the first ones."""
+"""Every test process sees 8 simulated CPU devices; meshes of 1, 2 or 8 use the first ones.
+
+Every test belongs to exactly one tier (pyproject.toml registers the markers;
+docs/contributing.md says what goes where): its module's tier in ``MODULES`` below, or the
+one ``@pytest.mark.<tier>`` it is marked with. A test module missing from ``MODULES`` or a
+test with two tiers fails collection.
+"""
 
 import os
+import re
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+TIERS = ("unit", "equivalence", "system")
+
+# Each test module's tier: its tests' tier unless one is marked with another.
+MODULES = {
+    "test_accounting": "equivalence",
+    "test_backend": "equivalence",
+    "test_checkpoint": "equivalence",
+    "test_collectives": "equivalence",
+    "test_config": "unit",
+    "test_data": "unit",
+    "test_distributed": "unit",
+    "test_docs": "system",
+    "test_engine": "equivalence",
+    "test_estimate": "unit",
+    "test_experiments": "system",
+    "test_export": "system",
+    "test_finetune": "system",
+    "test_flax_hooks": "equivalence",
+    "test_hf": "equivalence",
+    "test_hook_check": "unit",
+    "test_llama": "equivalence",
+    "test_loss": "equivalence",
+    "test_mesh": "unit",
+    "test_multiprocess": "system",
+    "test_nnx": "equivalence",
+    "test_optimizers": "equivalence",
+    "test_packing": "equivalence",
+    "test_partition": "unit",
+    "test_run_edges": "system",
+    "test_run_failures": "system",
+    "test_step": "equivalence",
+    "test_store": "unit",
+    "test_train_cli": "system",
+}
+_MARK = re.compile(r"\bpytest\.mark\.(" + "|".join(TIERS) + r")\b")
+
+
+def _module_tiers(path: Path) -> set[str]:
+    """The tiers a module's tests can be in, read from its text, without importing it."""
+    return {MODULES[path.stem], *_MARK.findall(path.read_text())}
+
+
+def _tiers_selected(markexpr: str) -> set[str] | None:
+    """The tiers ``-m markexpr`` selects, or None when it names anything but tiers (then
+    every module is imported and pytest's own ``-m`` decides)."""
+    words = set(re.findall(r"\w+", markexpr))
+    if not words or not re.fullmatch(r"[\w\s()]*", markexpr):
+        return None
+    if words - set(TIERS) - {"and", "or", "not"}:
+        return None
+    # Only tier names, and/or/not and parentheses: -m's grammar is Python's here. A test has
+    # one tier, so the expression selects it when it is true with that tier alone true.
+    return {t for t in TIERS if eval(markexpr, {"__builtins__": {}}, {n: n == t for n in TIERS})}
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """``-m`` on tiers alone imports only the modules that can hold a selected test:
+    ``-m unit`` does not pay for an equivalence module's import-time model."""
+    if collection_path.suffix != ".py" or collection_path.stem not in MODULES:
+        return None  # an unknown test module is imported, and fails collection below
+    selected = _tiers_selected(config.getoption("markexpr") or "")
+    if selected is not None and not selected & _module_tiers(collection_path):
+        return True
+    return None
+
+
+def _tier(item: pytest.Item) -> str:
+    module = item.path.stem
+    marked = [m.name for m in item.iter_markers() if m.name in TIERS]
+    if module not in MODULES:
+        raise pytest.Collector.CollectError(
+            f"{item.nodeid} is in no tier: add {module!r} to MODULES in tests/conftest.py "
+            f"with its tier ({', '.join(TIERS)}; see docs/contributing.md)"
+        )
+    if len(marked) > 1:
+        raise pytest.Collector.CollectError(
+            f"{item.nodeid} is marked with {len(marked)} tiers ({', '.join(marked)}): "
+            "a test belongs to exactly one"
+        )
+    if marked and marked[0] not in _module_tiers(item.path):
+        raise pytest.Collector.CollectError(
+            f"{item.nodeid} gets tier {marked[0]} other than as @pytest.mark.{marked[0]} in "
+            f"its module's text: write it so, for -m {marked[0]} to import the module"
+        )
+    return marked[0] if marked else MODULES[module]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pycollect_makeitem(collector, name, obj):
+    """Each test gets its tier as it is made, before ``-m`` selects; a test in no tier or
+    in two fails its module's collection (with xdist too)."""
+    made = yield
+    for item in made if isinstance(made, list) else [made]:
+        if isinstance(item, pytest.Item):
+            tier = _tier(item)
+            if not item.get_closest_marker(tier):
+                item.add_marker(getattr(pytest.mark, tier))
+    return made

@@ -99,6 +99,7 @@ def _by_name(collectives):
     return {c.name: c for c in collectives}
 
 
+@pytest.mark.unit
 def test_parse_type_tuples_layouts_and_comments():
     t = hlo.parse_type("((f32[8,16]{1,0:T(8,128)}, bf16[]), /*index=2*/s32[3]{0}, token[])")
     bufs = hlo.flatten_type(t)
@@ -112,6 +113,7 @@ def test_parse_type_tuples_layouts_and_comments():
     assert isinstance(t, tuple) and len(t) == 3 and isinstance(t[0], tuple)
 
 
+@pytest.mark.unit
 def test_replica_group_forms():
     assert comm.parse_replica_groups("{{0,1},{2,3}}", 4) == ((0, 1), (2, 3))
     assert comm.parse_replica_groups("{}", 4) == ((0, 1, 2, 3),)
@@ -136,11 +138,13 @@ MESH_FORMS = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text", sorted(MESH_FORMS))
 def test_mesh_axes_replica_groups(text):
     assert comm.parse_replica_groups(text, 8) == MESH_FORMS[text]
 
 
+@pytest.mark.unit
 def test_replica_groups_in_a_form_we_do_not_know_are_an_error_not_all_devices():
     hlo = HAND_HLO.replace("replica_groups={{0,1},{2,3},{4,5},{6,7}}", "replica_groups=new<0:4>", 1)
     assert hlo != HAND_HLO
@@ -148,6 +152,7 @@ def test_replica_groups_in_a_form_we_do_not_know_are_an_error_not_all_devices():
         comm.collectives_from_hlo(hlo)
 
 
+@pytest.mark.unit
 def test_hand_written_module_counts_every_collective_once_with_its_loops():
     found = comm.collectives_from_hlo(HAND_HLO)
     cols = _by_name(found.collectives)
@@ -185,6 +190,7 @@ def test_hand_written_module_counts_every_collective_once_with_its_loops():
     assert tr.ops == 6 and tr.runs == 12 + 12 + 2 + 1 + 1 + 1
 
 
+@pytest.mark.unit
 def test_unknown_trip_count_is_noted():
     text = HAND_HLO.replace('"known_trip_count":{"n":"4"}', '"other":1')
     found = comm.collectives_from_hlo(text)
@@ -476,6 +482,7 @@ def test_report_cli_json(capsys, tmp_path):
     assert data["compiled"]["peak"] > 0
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "argv", [["--heads", "3"], ["--stage", "5"], ["--micro-batches", "0"], ["--devices", "x"]]
 )
@@ -488,6 +495,7 @@ def test_report_cli_nonsense_is_one_line(argv, capsys):
     assert err.startswith("jaxzero report: error:")
 
 
+@pytest.mark.unit
 def test_report_hlo_path_puts_the_stage_before_the_extension():
     from jaxzero.accounting import report
 
@@ -495,6 +503,7 @@ def test_report_hlo_path_puts_the_stage_before_the_extension():
     assert report.hlo_path("x", 0) == Path("x.stage0")
 
 
+@pytest.mark.unit
 def test_report_dump_hlo_bad_path_fails_before_compiling(tmp_path, capsys, monkeypatch):
     from jaxzero.accounting import report
 
@@ -510,6 +519,7 @@ def test_report_dump_hlo_bad_path_fails_before_compiling(tmp_path, capsys, monke
     assert "is a file, not a directory" in err
 
 
+@pytest.mark.unit
 def test_scope_of_replica_groups_on_a_hybrid_mesh():
     # 2 groups of 4: devices 0-3 and 4-7
     assert comm.scope(((0, 1, 2, 3), (4, 5, 6, 7)), 4) == "intra"

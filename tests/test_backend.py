@@ -16,6 +16,7 @@ from jaxzero import backend
 from jaxzero.models.gpt import GPT, GPTConfig, attention_impl
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(backend.GPU_OPTIONS))
 def test_gpu_preset_options_exist_in_this_xla(name):
     """XLA rejects an unknown option at compile time; the GPU plugin ships the same XLA
@@ -30,6 +31,7 @@ def _gpu_here(monkeypatch):
     monkeypatch.setattr(backend, "_known", lambda plat, k, v: known("cpu", k, v))
 
 
+@pytest.mark.unit
 def test_renamed_pipelining_options_take_this_xlas_spelling(monkeypatch):
     """jaxlib 0.10 knows only xla_gpu_enable_pipelined_* (bool), 0.12 only
     xla_gpu_pipeline_* (mode): the preset keeps pipelining on either, dropping nothing."""
@@ -59,6 +61,7 @@ def test_renamed_pipelining_options_take_this_xlas_spelling(monkeypatch):
         assert not any("reduce_scatter" in k and "pipelin" in k for k in got)
 
 
+@pytest.mark.unit
 def test_options_per_platform_and_overrides(monkeypatch):
     mesh = jaxzero.make_mesh(2)
     assert backend.platform(mesh) == "cpu"
@@ -82,6 +85,7 @@ def test_options_per_platform_and_overrides(monkeypatch):
     assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True
 
 
+@pytest.mark.unit
 def test_preset_option_unknown_to_this_xla_is_dropped_with_a_warning(monkeypatch):
     monkeypatch.setitem(
         backend.PRESETS, "cpu", {"xla_gpu_no_such_pass": True, "xla_cpu_enable_fast_math": False}
@@ -91,10 +95,14 @@ def test_preset_option_unknown_to_this_xla_is_dropped_with_a_warning(monkeypatch
     assert opts == {"xla_cpu_enable_fast_math": False}
 
 
+@pytest.mark.unit
 def test_bad_user_option_is_a_clear_error():
     with pytest.raises(ValueError, match="xla_no_such_option.*not an option"):
         jaxzero.Engine(
-            mlp_loss, mesh=jaxzero.make_mesh(1), compiler_options={"xla_no_such_option": True}
+            mlp_loss,
+            optax.sgd(0.1),
+            mesh=jaxzero.make_mesh(1),
+            compiler_options={"xla_no_such_option": True},
         )
 
 
@@ -127,10 +135,10 @@ def test_donation_switch():
             assert jax.tree.leaves(old.opt_state)[1].is_deleted() is donate
         finals[donate] = engine.gather_params(state)
     assert rel_diff(finals[True], finals[False]) == 0
-    default = jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1))
+    default = jaxzero.Engine(mlp_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(1))
     assert default.donate is backend.DONATE["cpu"]
     with pytest.raises(TypeError, match="donate must be True, False or None"):
-        jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1), donate="yes")
+        jaxzero.Engine(mlp_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(1), donate="yes")
 
 
 def _token_mlp_loss(p, batch):
@@ -191,9 +199,9 @@ def test_dot_barrier_switch(stage, micro_batches):
     assert rel_diff(finals[True], finals[False]) < 1e-5
     assert unfused == {True: _plain_jit_eigen_dots(params, batches[0], tx, mesh), False: 3}
     assert unfused[True] == 0
-    assert jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1)).dot_barrier is True  # CPU
+    assert jaxzero.Engine(mlp_loss, tx, mesh=jaxzero.make_mesh(1)).dot_barrier is True  # CPU
     with pytest.raises(TypeError, match="dot_barrier must be True, False or None"):
-        jaxzero.Engine(mlp_loss, mesh=jaxzero.make_mesh(1), dot_barrier=1)
+        jaxzero.Engine(mlp_loss, tx, mesh=jaxzero.make_mesh(1), dot_barrier=1)
 
 
 def test_dot_barrier_reaches_scanned_layers():

@@ -183,7 +183,7 @@ CRASH = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path):
     d = tmp_path / "ck"
     script = CRASH.format(tests=str(Path(__file__).parent), d=str(d))
@@ -210,6 +210,7 @@ ENDS_WITHOUT_WAIT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.system
 def test_a_script_that_ends_without_wait_keeps_its_checkpoint_and_prints_nothing(tmp_path):
     """The save in flight completes as the interpreter exits, without orbax's
     "cannot schedule new futures" / "Event loop is closed" tracebacks."""
@@ -266,7 +267,7 @@ def _run_until(
     return proc, err
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
     env = {**os.environ}
     full = subprocess.run(_cmd(tmp_path, "full"), capture_output=True, text=True, env=env)
@@ -313,6 +314,7 @@ def test_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
     )  # another stage: equal to fp32 rounding
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     "extra, expected",
     [
@@ -326,6 +328,7 @@ def test_resume_errors_are_one_line(tmp_path, capsys, extra, expected):
     assert len(err.splitlines()) == 1 and expected in err
 
 
+@pytest.mark.system
 def test_resume_refuses_a_model_change_and_an_empty_run(tmp_path, capsys):
     run = tmp_path / "r"
     run.mkdir()
@@ -343,6 +346,7 @@ def test_resume_refuses_a_model_change_and_an_empty_run(tmp_path, capsys):
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]  # nothing written
 
 
+@pytest.mark.system
 def test_nan_rollback_restores_and_skips_the_batch(tmp_path, monkeypatch, capsys):
     """A non-finite loss at step 6 (faked once) rolls back to step 4 and skips its batch."""
     seen, real = [], train.check_finite
@@ -377,6 +381,7 @@ def test_nan_rollback_restores_and_skips_the_batch(tmp_path, monkeypatch, capsys
     assert extra["loader"]["step"] == 9 and extra["config"]["checkpoint"]["on_nan"] == "rollback"
 
 
+@pytest.mark.system
 def test_a_launch_restart_resumes_the_named_run(tmp_path, monkeypatch):
     """`jaxzero launch --max-restarts` reruns the same command: it continues the run."""
     from jaxzero.train import config as C

@@ -74,6 +74,7 @@ def test_readme_library_example_trains_then_the_gpt_snippet_steps(capsys):
     assert math.isfinite(loss) and abs(loss - math.log(256)) < 0.1  # an untrained model
 
 
+@pytest.mark.unit
 def test_readme_install_extras_exist_and_tensorboard_is_one():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
@@ -86,6 +87,7 @@ def test_readme_install_extras_exist_and_tensorboard_is_one():
     assert not any(r.startswith("tensorboard") for r in extras["test"])  # CI stays lean
 
 
+@pytest.mark.unit
 def test_readme_plot_commands_write_under_runs():
     """runs/ is ignored by git; a plot written in the repository root would not be."""
     commands = re.findall(r"^\s*jaxzero plot [^\n#]*", "\n".join([README, *PAGES.values()]), re.M)
@@ -105,6 +107,7 @@ def _md_rows(text: str) -> list[list[str]]:
     return [r for r in rows if not set(r[0]) <= {"-", " "}][1:]
 
 
+@pytest.mark.unit
 def test_accounting_tables_quote_the_experiment_results():
     """README's and the accounting page's stage tables are copied from what
     experiments/zero_*.py wrote, not typed."""
@@ -132,28 +135,99 @@ def _check_stage_table(rows, memory, comm):
         assert peak == f"{float(memory[s][5]):.1f}"
 
 
+def _bench_table(model: str) -> str:
+    """What ``experiments/bench_step.py --table`` prints for the results CSV of ``model``
+    (the script's own command, run as a reader would: no import of the script here)."""
+    import subprocess
+
+    csv = ROOT / "experiments" / "results" / f"bench_step_{model}.csv"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "bench_step.py"), "--table", str(csv)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.rstrip("\n")
+
+
 @pytest.mark.parametrize("model", ["plain", "gpt"])
 def test_performance_page_speed_tables_quote_the_benchmark_results(model):
     """The speed tables are what experiments/bench_step.py --csv wrote, not typed."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    from bench_step import readme_table
-
-    table = readme_table(ROOT / "experiments" / "results" / f"bench_step_{model}.csv")
+    table = _bench_table(model)
+    assert table.startswith("| stage | jaxzero ms |"), table
     assert table in PAGES["performance.md"], f"{model}: table differs from the CSV:\n{table}"
 
 
 def test_models_page_speed_table_quotes_the_benchmark_results():
-    sys.path.insert(0, str(ROOT / "experiments"))
-    from bench_step import readme_table
-
-    table = readme_table(ROOT / "experiments" / "results" / "bench_step_llama.csv")
+    table = _bench_table("llama")
+    assert table.startswith("| stage | jaxzero ms |"), table
     assert table in (ROOT / "docs" / "models.md").read_text(), table
 
 
-@pytest.mark.parametrize(
-    "page, printed", [("models.md", ["(16, 1)", "loss "]), ("runs.md", ["restored step 0 first"])]
-)
-def test_docs_pages_code_runs(page, printed, monkeypatch, capsys):
+# pages whose python blocks run in order in this process, and what they must print
+IN_PROCESS = {"models.md": ["(16, 1)", "loss "], "runs.md": ["restored step 0 first"]}
+# every python block of these runs in a test below; on any other page each block says on
+# the line above it that a named test of this module runs it, or why nothing does
+EXECUTED = {"README.md", "getting-started.md", *IN_PROCESS}
+NOT_RUN = re.compile(r"^<!-- not run: \S.* -->$")
+RUN_BY = re.compile(r"^<!-- run by tests/test_docs.py::(\w+) -->$")
+
+
+def _python_block_marks(text: str) -> list[str]:
+    """The line above each python block of ``text``."""
+    lines = text.splitlines()
+    return [lines[i - 1].strip() if i else "" for i, x in enumerate(lines) if x == "```python"]
+
+
+@pytest.mark.unit
+def test_every_python_block_in_the_docs_runs_in_a_test_or_says_why_not():
+    for name, text in [("README.md", README), *PAGES.items()]:
+        for mark in _python_block_marks(text):
+            marked = NOT_RUN.match(mark) or RUN_BY.match(mark)
+            if name in EXECUTED:
+                assert not marked, f"{name}: a test runs all its blocks; drop the mark {mark!r}"
+            else:
+                assert marked, (
+                    f"{name} has a python block no test runs: run it in tests/test_docs.py "
+                    "and say so above it (<!-- run by tests/test_docs.py::TEST -->), or "
+                    "mark it <!-- not run: why -->"
+                )
+            run_by = RUN_BY.match(mark)
+            if run_by:
+                assert callable(globals().get(run_by.group(1))), f"{name}: no test {mark!r}"
+    # README's runner executes the library section: no python block may sit elsewhere
+    assert len(_blocks(_section("The library in"), "python")) == len(_blocks(README, "python"))
+
+
+def test_getting_started_runs_in_a_fresh_python():
+    """The page's blocks, pasted in order into a fresh Python (it simulates its own 4 CPU
+    devices), print what the page shows."""
+    import subprocess
+
+    page = PAGES["getting-started.md"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", "\n".join(_blocks(page, "python"))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = "".join(_blocks(page, ""))
+    printed = proc.stdout
+    for line in shown.splitlines():  # every line shown but the losses, as printed
+        if "loss" not in line:
+            assert line in printed.splitlines(), f"{line!r} not in:\n{printed}"
+    assert _losses(shown) and len(_losses(printed)) == len(_losses(shown))
+    np.testing.assert_allclose(_losses(printed), _losses(shown), rtol=0.05, atol=5e-4)
+
+
+@pytest.mark.parametrize("page", sorted(IN_PROCESS))
+def test_docs_pages_code_runs(page, monkeypatch, capsys):
     """Every python block of a docs/ page, in order in one namespace, from the repo root."""
     monkeypatch.chdir(ROOT)
     blocks = _blocks((ROOT / "docs" / page).read_text(), "python")
@@ -162,7 +236,20 @@ def test_docs_pages_code_runs(page, printed, monkeypatch, capsys):
     for block in blocks:
         exec(compile(block, f"docs/{page}", "exec"), namespace)
     out = capsys.readouterr().out
-    assert all(p in out for p in printed), out
+    assert all(p in out for p in IN_PROCESS[page]), out
+
+
+def test_stages_page_own_loop_example_trains(capsys):
+    """The pure-step example of docs/stages.md (the page's other blocks are fragments)."""
+    section = re.search(r"^## Your own loop.*?(?=^## |\Z)", PAGES["stages.md"], re.S | re.M)
+    assert section, "docs/stages.md has no section '## Your own loop'"
+    (example,) = _blocks(section.group(0), "python")
+    namespace: dict = {}
+    exec(compile(example, "docs/stages.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    losses = _losses(out)
+    assert len(losses) == 2 and losses[1] < losses[0] and "step 20 loss" in out
+    assert namespace["ema"]["w1"].shape == (37, 53)
 
 
 def test_readme_library_example_runs_as_written_on_one_cpu_device():
@@ -182,6 +269,7 @@ def test_readme_library_example_runs_as_written_on_one_cpu_device():
     assert _losses(proc.stdout) == _losses(printed)
 
 
+@pytest.mark.unit
 def test_docs_links_point_at_pages_that_exist():
     """README's links into docs/, and the pages' links to each other."""
     for name, text in [("README.md", README), *PAGES.items()]:

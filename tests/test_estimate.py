@@ -157,6 +157,7 @@ def test_nonsense_exits_nonzero_with_one_line(argv, capsys):
     assert len(lines) == 1 and lines[0].startswith("jaxzero estimate: error:"), err
 
 
+@pytest.mark.system
 def test_cli_process_nonsense_has_no_traceback():
     """Through the real ``jaxzero`` dispatcher, in a fresh process."""
     code = "import sys; from jaxzero.cli import main; sys.exit(main(sys.argv[1:]))"

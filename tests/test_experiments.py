@@ -5,8 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
 
 
@@ -21,7 +19,6 @@ def _run(script: str, *args: str) -> str:
     return out.stdout
 
 
-@pytest.mark.slow
 def test_bench_step_plain_model_prints_every_contestant(tmp_path):
     path = tmp_path / "bench.csv"
     out = _run(
@@ -54,7 +51,6 @@ def test_bench_step_plain_model_prints_every_contestant(tmp_path):
     )
 
 
-@pytest.mark.slow
 def test_bench_step_llama_model_prints_every_contestant(tmp_path):
     path = tmp_path / "bench.csv"
     out = _run(
@@ -95,7 +91,6 @@ def test_bench_step_llama_model_prints_every_contestant(tmp_path):
     )
 
 
-@pytest.mark.slow
 def test_mfu_script_runs_one_config(tmp_path):
     path = tmp_path / "mfu.csv"
     out = _run(
@@ -117,7 +112,6 @@ def test_mfu_script_runs_one_config(tmp_path):
     assert float(row["tokens_per_s"]) > 0 and float(row["loss"]) > 0
 
 
-@pytest.mark.slow
 def test_gpu_options_script_compares_preset_and_xla_defaults():
     out = _run(
         "gpu_options.py",

@@ -138,7 +138,6 @@ def test_the_sft_config_takes_its_model_from_the_checkpoint(capsys):
     assert "init_from: hf:" in out and "lr: 2.0e-05" in out
 
 
-@pytest.mark.slow
 def test_a_fine_tune_killed_mid_epoch_resumes_with_the_same_batches(pairs, tmp_path):
     """SIGKILL after step 6 (checkpoint of step 4): the resumed run reads exactly the packed,
     masked batches an uninterrupted one read, so its losses are the same bits."""

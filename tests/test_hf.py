@@ -64,6 +64,7 @@ def test_logits_match_transformers(name, stage):
     assert abs(loss - want) < 1e-5 * max(1.0, abs(want)), (loss, want)
 
 
+@pytest.mark.unit
 def test_config_fields_read_as_transformers_means_them():
     qwen = hf.model(FIXTURES / "qwen2_tied/single").config
     assert (qwen.qkv_bias, qwen.o_bias, qwen.tie_word_embeddings) == (True, False, True)
@@ -181,7 +182,7 @@ def test_a_model_built_here_saves_as_its_architecture(tmp_path):
     assert rel_diff(hf.read_params(out), params) == 0.0
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_two_processes_read_their_own_slices_and_save_together(tmp_path):
     """2 processes x 2 devices at stage 3: each reads about half of every sharded param
     (its devices' slices), the fine-tune trains like one device, hf.save writes once."""
@@ -294,6 +295,7 @@ def _load_peak(path: Path, how: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.system
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_load_holds_about_one_param_on_the_host(tmp_path):
     """On CPU the devices' memory is the host's, so the state itself is subtracted: what
@@ -348,6 +350,7 @@ def _one_line(excinfo) -> str:
     return msg
 
 
+@pytest.mark.unit
 def test_bad_directories_are_refused_in_one_line(tmp_path):
     engine = lambda m: m.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=3)
     with pytest.raises(HFError, match="not a directory"):

@@ -215,6 +215,7 @@ def _as_loss(case):
     return loss
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize(
     "name", ["jit", "scan", "scan_carry", "fori_loop", "cond", "remat", "custom_jvp", "custom_vjp"]
 )
@@ -227,4 +228,36 @@ def test_accepted_losses_train_like_one_device_at_stage_3(name):
         loss, optax.adam(1e-2), mesh=jaxzero.make_mesh(2), stage=3, per_layer=True, stacked="^stack"
     )
     losses, final, _ = train_engine(engine, _engine_params(), batches)
+    assert rel_diff(losses, ref_losses) <= 1e-5 and rel_diff(final, ref_params) <= 1e-5
+
+
+def _with_l2(params_of):
+    """The ``jit`` case's loss plus an L2 penalty over ``jax.tree.leaves(params_of(p))``."""
+    base = _as_loss(CASES["jit"][0])
+
+    def loss(p, b):
+        return base(p, b) + 1e-2 * sum(jnp.sum(w * w) for w in jax.tree.leaves(params_of(p)))
+
+    return loss
+
+
+def test_engine_refuses_a_loss_that_bypasses_use_params_and_trains_one_that_uses_it():
+    """The same L2 penalty two ways. Over the stored leaves it reads each device's raw
+    slice and zero slot (a wrong loss, no error by itself): the step must stop, naming
+    the params. Over ``use_params(p)`` it is right: the step trains like one device."""
+    rng = np.random.default_rng(3)
+    batches = [{"x": rng.standard_normal((8, D)).astype(np.float32)} for _ in range(2)]
+
+    def engine(loss):
+        return jaxzero.Engine(
+            loss, optax.adam(1e-2), mesh=jaxzero.make_mesh(2), stage=3, per_layer=True
+        )
+
+    bypass = engine(_with_l2(lambda p: p))
+    with pytest.raises(TypeError, match=r"(?s)only through jaxzero.use_params.*'stack'.*'w'"):
+        bypass.step(bypass.init(_engine_params()), batches[0])
+
+    uses = _with_l2(jaxzero.use_params)
+    ref_losses, ref_params = train_reference(uses, _engine_params(), batches, optax.adam(1e-2))
+    losses, final, _ = train_engine(engine(uses), _engine_params(), batches)
     assert rel_diff(losses, ref_losses) <= 1e-5 and rel_diff(final, ref_params) <= 1e-5

@@ -62,6 +62,7 @@ def test_llama_trains_like_one_device(stage, micro):
     assert rel_diff(engine.gather_params(state), ref_params) < 1e-4
 
 
+@pytest.mark.unit
 def test_config_is_checked_and_flops_count_gqa():
     with pytest.raises(ValueError, match="not a multiple of num_key_value_heads 4"):
         LlamaConfig(hidden_size=48, num_attention_heads=6, num_key_value_heads=4)
@@ -80,6 +81,7 @@ def test_config_is_checked_and_flops_count_gqa():
     np.testing.assert_allclose(linear * 4, rope_frequencies(TINY), rtol=1e-6)
 
 
+@pytest.mark.unit
 def test_train_config_builds_either_model():
     gpt = from_fields(dataclasses.asdict(C.ModelConfig(vocab_size=32)))
     llama = from_fields(
@@ -93,6 +95,7 @@ def test_train_config_builds_either_model():
         C.validate(C.Config(model=C.ModelConfig(arch="llama", n_kv_heads=3)))
 
 
+@pytest.mark.system
 def test_llama_1b_config_estimates_and_compiles_abstractly(capsys):
     """Llama 3.2 1B's shapes: counted exactly by jaxzero estimate, and its stage-3 step
     compiled from abstract_state on 8 devices, nothing allocated."""
@@ -161,6 +164,7 @@ def llama_run(tmp_path_factory):
     return root / "llama"
 
 
+@pytest.mark.system
 def test_export_hf_of_a_llama_run_equals_its_params(llama_run, tmp_path, capsys):
     assert cli.main(["export", str(llama_run), "--out", str(tmp_path / "plain")]) == 0
     assert (
@@ -190,6 +194,7 @@ def test_export_hf_of_a_llama_run_equals_its_params(llama_run, tmp_path, capsys)
     assert config["architectures"] == ["LlamaForCausalLM"]
 
 
+@pytest.mark.system
 def test_export_hf_of_a_gpt_run_is_refused(tmp_path, capsys):
     run = tmp_path / "gpt"
     run.mkdir()
@@ -206,6 +211,7 @@ def test_export_hf_of_a_gpt_run_is_refused(tmp_path, capsys):
     assert "--format hf needs a model.arch=llama run" in err
 
 
+@pytest.mark.system
 def test_sample_from_a_hugging_face_directory(capsys):
     """Without a tokenizer beside the weights: token ids in and out; with one, text."""
     path = FIXTURES / "llama_gqa" / "sharded"

@@ -20,7 +20,6 @@ from _procs import alive_with, free_port
 HERE = Path(__file__).parent
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 3])
 def test_two_processes_match_one_device(stage, tmp_path):
     port, out = free_port(), tmp_path / "final.npz"
@@ -77,7 +76,6 @@ def _torchrun_env(rank: int, port: int, world: int = 2, **extra: str) -> dict[st
     )
 
 
-@pytest.mark.slow
 def test_torchrun_variables_alone_stage3_and_hybrid_match_one_process_of_4():
     """2 processes x 2 devices, set up by jaxzero.distributed.initialize() with no arguments."""
     import jaxzero
@@ -129,7 +127,6 @@ def _launch(*argv: str, env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 3])
 def test_launch_train_matches_one_process(stage, tmp_path, capsys):
     from jaxzero.train import loop as train
@@ -170,7 +167,6 @@ def test_launch_train_matches_one_process(stage, tmp_path, capsys):
     np.testing.assert_allclose(launched, single, rtol=1e-5, atol=0)
 
 
-@pytest.mark.slow
 def test_killing_a_training_process_ends_the_run_naming_it(tmp_path):
     marker = f"JAXZERO_RUN_{uuid.uuid4().hex}"
     args = _train_args(tmp_path, "killed", "--stage", "3", "--steps", "100000")
@@ -213,7 +209,6 @@ def test_killing_a_training_process_ends_the_run_naming_it(tmp_path):
     print(f"failure test: launcher exited {took:.1f} s after the SIGKILL")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ["rank_too_big", "nobody_listens"])
 def test_misconfiguration_is_one_clear_line_within_the_timeout(case, tmp_path):
     port = free_port()
@@ -248,7 +243,6 @@ def test_misconfiguration_is_one_clear_line_within_the_timeout(case, tmp_path):
     assert took < 3 + 30  # the timeout, plus starting Python and importing JAX
 
 
-@pytest.mark.slow
 def test_world_size_that_disagrees_with_the_processes_fails_within_the_timeout():
     """WORLD_SIZE=3 but only ranks 0 and 1 start: both stop after the init timeout."""
     port = free_port()
@@ -274,7 +268,6 @@ def test_world_size_that_disagrees_with_the_processes_fails_within_the_timeout()
         ), err[-2000:]
 
 
-@pytest.mark.slow
 def test_without_a_launcher_the_survivor_stops_and_names_the_lost_rank():
     """JAX's heartbeats (JAXZERO_HEARTBEAT_TIMEOUT) end a survivor blocked in a collective."""
     port = free_port()
@@ -303,7 +296,6 @@ def test_without_a_launcher_the_survivor_stops_and_names_the_lost_rank():
     assert re.search(r"stopped sending heartbeats\):\s*1\b|lost rank\(s\) 1 of 2", err), err[-3000:]
 
 
-@pytest.mark.slow
 def test_world_sizes_that_differ_between_processes_are_refused():
     port = free_port()
     code = "import jaxzero.distributed as d; d.initialize(init_timeout=10); print('joined')"
@@ -326,7 +318,6 @@ def test_world_sizes_that_differ_between_processes_are_refused():
     ), err[-2000:]
 
 
-@pytest.mark.slow
 def test_a_store_holding_master_port_does_not_stop_a_torchrun_job():
     """As under torchrun, whose rendezvous store listens on MASTER_PORT on rank 0's host:
     with TORCHELASTIC_RUN_ID set the coordinator takes the next port and the job trains."""
@@ -419,7 +410,6 @@ def _timed_launch(how: str, survivor: str) -> tuple[int, str, dict[str, float]]:
     return proc.returncode, "".join(lines), seen
 
 
-@pytest.mark.slow
 def test_launch_notices_ranks_whose_program_ends_first():
     """sys.exit(0) on rank 1 and sys.exit(1) on rank 2 are each said within a second or
     two (JAX holds their processes until every process ends); the job then ends with the
@@ -433,7 +423,6 @@ def test_launch_notices_ranks_whose_program_ends_first():
     assert status == 1 and "failed: rank 2 exited with code 1" in text, text
 
 
-@pytest.mark.slow
 def test_launch_stops_the_survivors_of_a_failure_at_once():
     """JAX's preemption notifier no longer swallows the launcher's SIGTERM: survivors stop
     at once, not by SIGKILL after the grace period."""
@@ -452,7 +441,6 @@ def _torchrun() -> str | None:
     return os.environ.get("JAXZERO_TORCHRUN") or shutil.which("torchrun")
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(
     _torchrun() is None,
     reason="torchrun not found (install torch, or set JAXZERO_TORCHRUN to a torchrun executable)",

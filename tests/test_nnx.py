@@ -116,14 +116,22 @@ def test_init_from_never_builds_the_model_outside_the_mesh():
 
 def test_bad_models_are_refused_clearly():
     with pytest.raises(TypeError, match="nnx.Module"):
-        jaxzero.NNXEngine({"w": jnp.ones(3)}, loss_fn)
+        jaxzero.NNXEngine({"w": jnp.ones(3)}, loss_fn, optax.sgd(0.1))
 
     class WithBatchNorm(nnx.Module):
         def __init__(self, rngs):
             self.bn = nnx.BatchNorm(4, rngs=rngs)
 
     with pytest.raises(ValueError, match="batch statistics.*bn/"):
-        jaxzero.NNXEngine(WithBatchNorm(nnx.Rngs(0)), loss_fn)
+        jaxzero.NNXEngine(WithBatchNorm(nnx.Rngs(0)), loss_fn, optax.sgd(0.1))
+
+
+def test_optimizer_is_required():
+    model = MLP(13, 37, 5, 1, nnx.Rngs(0))
+    with pytest.raises(TypeError, match="optimizer"):
+        jaxzero.NNXEngine(model, loss_fn)
+    with pytest.raises(TypeError, match=r"pass an optax transformation, e\.g\. optax\.adamw"):
+        jaxzero.NNXEngine(model, loss_fn, None)
 
 
 def test_use_is_identity_outside_the_engine():

@@ -5,10 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import TINY_GPT, gpt, gpt_batches
+from _models import TINY_GPT, gpt, gpt_batches, mlp_batches, mlp_loss, mlp_params, rel_diff
+from jax.sharding import PartitionSpec as P
 
 import jaxzero
 from jaxzero.accounting.comm import collectives_from_hlo
+from jaxzero.mesh import DATA
 from jaxzero.models.gpt import GPT, GPTConfig
 
 N = 8
@@ -123,3 +125,94 @@ def test_balance_of_reference_gpt():
     engine = model.engine(optax.adamw(1e-3), mesh=jaxzero.make_mesh(N), stage=3)
     engine.abstract_state(jax.eval_shape(model.init, jax.random.key(0)))
     assert jaxzero.partition.balance(engine.layouts) <= 1.02
+
+
+# --- the shard_map contract: check_vma=False (jaxzero/step.py's docstring) -----------
+
+
+def _copies_differ(tree) -> list[str]:
+    """Replicated arrays whose devices hold different values. With check_vma=False an
+    ``out_specs=P()`` is a promise: each device's result becomes its copy, unchecked."""
+    bad = []
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(x, jax.Array) and x.sharding.is_fully_replicated:
+            first = np.asarray(x.addressable_shards[0].data)
+            if any(not np.array_equal(s.data, first) for s in x.addressable_shards[1:]):
+                bad.append(jax.tree_util.keystr(path))
+    return bad
+
+
+def _zero_carry_loss(p, batch):
+    """``mlp_loss`` summed row by row in a scan whose carry starts at ``jnp.zeros``:
+    plain JAX, which check_vma=True would refuse to trace (the loss is user code)."""
+
+    def row(total, xy):
+        return total + mlp_loss(p, {"x": xy[0][None], "y": xy[1][None]}), None
+
+    total, _ = jax.lax.scan(row, jnp.zeros(()), (batch["x"], batch["y"]))
+    return total / batch["x"].shape[0]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_step_gives_the_one_device_gradient_on_every_device(stage):
+    """SGD at rate 1 moves the params by the gradient. The step's first shard_map must
+    give the one-device gradient (JAX summing it too would make it N times that, the
+    stage-0 result with check_vma=True), and every P() output (loss, norm, stage 0's
+    reduced gradients, the params stages 1-2 all-gather) must be the same on every device."""
+    params, batch = mlp_params(), mlp_batches(1)[0]
+    loss, grads = jax.value_and_grad(_zero_carry_loss)(jax.tree.map(jnp.asarray, params), batch)
+    engine = jaxzero.Engine(
+        _zero_carry_loss, optax.sgd(1.0), mesh=jaxzero.make_mesh(N), stage=stage
+    )
+    state, metrics = engine.step(engine.init(params), batch)
+    moved = jax.tree.map(lambda a, b: a - b, params, engine.gather_params(state))
+    assert rel_diff(moved, grads) <= 1e-5
+    assert rel_diff(metrics["loss"], loss) <= 1e-6
+    assert rel_diff(metrics["grad_norm"], optax.tree.norm(grads)) <= 1e-6
+    assert _copies_differ((state, metrics)) == []
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_eval_loss_is_the_one_device_loss_on_every_device(stage):
+    """The engine's eval shard_map: its P() output is a pmean, the same everywhere."""
+    params, batch = mlp_params(), mlp_batches(1)[0]
+    engine = jaxzero.Engine(
+        _zero_carry_loss, optax.sgd(1.0), mesh=jaxzero.make_mesh(N), stage=stage
+    )
+    got = engine.eval_loss(engine.init(params), batch)
+    assert rel_diff(got, _zero_carry_loss(params, batch)) <= 1e-6
+    assert _copies_differ(got) == []
+
+
+def test_shard_map_semantics_the_step_relies_on():
+    """What check_vma=False gives and check_vma=True would change, in miniature, so a
+    JAX release that changes either (or a flip of the flag) shows up here first."""
+    mesh = jaxzero.make_mesh(N)
+    w, x = jnp.arange(3.0), jnp.arange(3.0 * N).reshape(N, 3)
+
+    def stage0(w, x):  # a local gradient, then the explicit all-reduce
+        return jax.lax.psum(jax.grad(lambda w: jnp.sum(x @ w))(w), DATA)
+
+    def run(f, vma, specs):
+        return jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=vma)
+
+    np.testing.assert_array_equal(run(stage0, False, (P(), P(DATA)))(w, x), x.sum(0))
+    # check_vma=True sums the gradient of a P() input itself: the explicit psum doubles up
+    np.testing.assert_array_equal(run(stage0, True, (P(), P(DATA)))(w, x), N * x.sum(0))
+
+    gather = lambda s: jax.lax.all_gather(s, DATA, tiled=True)
+    np.testing.assert_array_equal(run(gather, False, P(DATA))(jnp.arange(8.0)), np.arange(8.0))
+    with pytest.raises(ValueError, match="out_specs"):  # P() of a gather: not inferred
+        run(gather, True, P(DATA))(jnp.arange(8.0))
+
+    def loss(w, x):  # fine under jit; a zeros carry plus batch terms is a type error
+        total = jax.lax.scan(lambda c, r: (c + jnp.sum(r * w), None), jnp.zeros(()), x)[0]
+        return jax.lax.psum(total, DATA)
+
+    assert float(run(loss, False, (P(), P(DATA)))(w, x)) == float(jnp.sum(x @ w))
+    with pytest.raises(TypeError, match="carry"):
+        run(loss, True, (P(), P(DATA)))(w, x)
+
+    # P() is not checked: copies that differ come out as one "replicated" array
+    differ = run(lambda v: v + jax.lax.axis_index(DATA), False, P())
+    assert _copies_differ(jax.jit(differ)(jnp.zeros(()))) == [""]

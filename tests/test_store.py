@@ -186,6 +186,14 @@ def test_bad_lines_are_named_by_file_and_line(tokenizer_dir, tmp_path, line, mat
     ), "no partial store left behind"
 
 
+def test_a_line_that_is_not_utf8_is_named_by_file_and_line(tokenizer_dir, tmp_path):
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    cfg = DataConfig(path=str(tmp_path / "bad.jsonl"), tokenizer=str(tokenizer_dir))
+    with pytest.raises(data_lib.DataError, match=r"bad.jsonl:2: not JSON \('utf-8' codec"):
+        data_lib.load_corpus(cfg)
+
+
+@pytest.mark.system
 def test_train_on_jsonl_with_a_tokenizer_and_sample_with_it(tokenizer_dir, tmp_path, capsys):
     rng = np.random.default_rng(2)
     rows = [{"text": sentence(rng, int(rng.integers(5, 30)))} for _ in range(150)]
@@ -239,6 +247,7 @@ def test_packing_off_gives_each_document_a_padded_row():
     assert data_lib.truncated(docs, 4) == 1  # the second document is cut at 5 tokens
 
 
+@pytest.mark.system
 def test_packing_off_trains_and_says_what_it_cut(tokenizer_dir, tmp_path, capsys):
     rng = np.random.default_rng(3)
     rows = [

@@ -85,6 +85,7 @@ def test_train_stage_3_and_stage_0_then_plot(tmp_path, capsys):
     assert "already holds a run" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_plot_rejects_a_directory_without_metrics(tmp_path, capsys):
     assert plot.main([str(tmp_path)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
@@ -99,6 +100,7 @@ def _error_of(argv, capsys) -> str:
     return err
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "extra, expected",
     [
@@ -191,6 +193,7 @@ def test_binary_data_file_is_refused_like_in_a_directory(tmp_path, capsys):
     assert "looks binary" in err and "--set data.format=bytes" in err
 
 
+@pytest.mark.unit
 def test_print_config_resolves_what_it_can_without_the_data(tmp_path, capsys):
     assert train.main(["--print-config", "--set", f"logging.root={tmp_path}"]) == 0
     printed = capsys.readouterr().out
@@ -246,6 +249,7 @@ def test_cli_subprocess_error_exit_code(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.unit
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
     opt = C.OptimizerConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
     sched = optimizer.lr_schedule(opt, steps=100)
@@ -255,6 +259,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert lrs[-1] == pytest.approx(0.1)
 
 
+@pytest.mark.unit
 def test_weight_decay_only_on_kernels():
     import jax
 
@@ -272,6 +277,7 @@ def test_weight_decay_only_on_kernels():
         assert flat[key] is False
 
 
+@pytest.mark.unit
 def test_weight_decay_on_llama_projections_and_head_only():
     import jax
 
@@ -296,6 +302,7 @@ def test_weight_decay_on_llama_projections_and_head_only():
     ]  # fmt: skip
 
 
+@pytest.mark.unit
 def test_devices_to_simulate(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
@@ -315,6 +322,7 @@ class _TTY(io.StringIO):
         return True
 
 
+@pytest.mark.unit
 def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere():
     record = {"step": 10, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1234.0}
     lines = io.StringIO()
@@ -342,6 +350,7 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere():
     assert quiet.getvalue() == ""
 
 
+@pytest.mark.unit
 def test_metrics_writer_nulls_non_finite_values(tmp_path):
     writer = metrics.MetricsWriter(tmp_path, tensorboard=False)
     writer.write({"step": 1, "loss": float("nan"), "lr": 0.1})
@@ -352,6 +361,7 @@ def test_metrics_writer_nulls_non_finite_values(tmp_path):
     metrics.MetricsWriter(None).write({"step": 1})  # inert on other processes
 
 
+@pytest.mark.unit
 def test_mfu_against_a_configured_or_nominal_peak():
     cpu = type("Device", (), {"platform": "cpu", "device_kind": "cpu"})()
     gpu = type("Device", (), {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"})()

@@ -265,8 +265,12 @@ def _narrowed_after(
     dtype = _first_dtype(defs[comp][name])
     out: set[str] = set()
     for u in users:
-        if u.opcode == "convert" and _is_narrower_float(_first_dtype(u), dtype or "f32"):
-            got = {_first_dtype(u)}
+        if (
+            u.opcode == "convert"
+            and (to := _first_dtype(u)) is not None
+            and _is_narrower_float(to, dtype or "f32")
+        ):
+            got = {to}
         elif u.opcode == "get-tuple-element" or u.opcode in _LAYOUT_OPS:
             got = _narrowed_after(defs, comp, u.name, depth + 1)
         elif u.opcode == "fusion" and (callee := _callee(u)) in defs:

@@ -408,12 +408,12 @@ class Estimate:
         )
         lines += ["", "GB per device", head, "-" * len(head)]
         for r in self.stages:
-            act = "-" if r.activations is None else f"{r.total / GB:.2f}"
+            with_act = "-" if r.activations is None else f"{r.total / GB:.2f}"
             lines.append(
                 f"{r.stage} ({r.name})".ljust(14)
                 + f"{r.params / GB:>9.2f}{r.grads / GB:>9.2f}"
                 + f"{(r.master + r.optimizer) / GB:>9.2f}{r.model_states / GB:>9.2f}"
-                + f"{act:>9}  {'yes ' if r.fits else 'NO  '}  {r.comm_total / GB:>10.2f}"
+                + f"{with_act:>9}  {'yes ' if r.fits else 'NO  '}  {r.comm_total / GB:>10.2f}"
                 + f"  {format_count(r.max_params):>20}"
             )
         return "\n".join(lines)

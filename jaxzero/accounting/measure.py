@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -212,7 +213,7 @@ def layout_expectation(
     param_bytes: float,
     grad_bytes: float,
     master_bytes: float,
-    optimizer: list[tuple[Any, int]] = (),
+    optimizer: Sequence[tuple[Any, int]] = (),
     micro_batches: int = 1,
     param_gathers: int = 2,
     replicas: int = 1,

@@ -165,8 +165,9 @@ def documents(path: Path, tok: Tokenizer) -> Iterator[tuple[Document, int]]:
             where = f"{path}:{number}"
             try:
                 row = json.loads(line)
-            except ValueError as e:
-                raise StoreError(f"{where}: not JSON ({e.msg})") from None
+            except ValueError as e:  # UnicodeDecodeError too: a line that is not UTF-8
+                why = e.msg if isinstance(e, json.JSONDecodeError) else e
+                raise StoreError(f"{where}: not JSON ({why})") from None
             if not isinstance(row, dict):
                 raise StoreError(f"{where}: a line must be a JSON object")
             if isinstance(row.get("text"), str):

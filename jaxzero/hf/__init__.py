@@ -98,7 +98,8 @@ class Weights:
     ``model.safetensors.index.json`` maps names to. Files open lazily and stay mapped."""
 
     def __init__(self, path: Path):
-        self.path, self._files = path, {}
+        self.path = path
+        self._files: dict[Path, SafetensorsFile] = {}
         if (path / INDEX).is_file():
             weight_map = read_json(path / INDEX).get("weight_map")
             if not isinstance(weight_map, dict):

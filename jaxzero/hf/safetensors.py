@@ -135,7 +135,7 @@ def write(
                     raise ValueError(
                         f"{name}: got {x.dtype}{x.shape}, header says {dtype}{tuple(shape)}"
                     )
-                f.write(memoryview(np.ascontiguousarray(x).reshape(-1).view(np.uint8)))
+                f.write(np.ascontiguousarray(x).reshape(-1).view(np.uint8).data)
                 del x
         os.replace(tmp, path)
     finally:

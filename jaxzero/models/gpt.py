@@ -155,7 +155,7 @@ class GPT:
         ``segment_ids`` and ``loss_mask`` as :func:`jaxzero.models.common.token_loss`."""
         return token_loss(self.apply(params, batch["inputs"], batch.get("segment_ids")), batch)
 
-    def engine(self, optimizer: optax.GradientTransformation | None = None, **kwargs):
+    def engine(self, optimizer: optax.GradientTransformation, **kwargs):
         """An :class:`jaxzero.Engine` for this model, with per-layer gathering."""
         kwargs.setdefault("per_layer", True)
         kwargs.setdefault("stacked", r"^blocks/")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -277,7 +278,8 @@ class LlamaModule(nnx.Module):
         x_BxSxD = embed[tokens_BxS]
         cos, sin = rotary(positions(tokens_BxS, segment_ids_BxS), rope_frequencies(cfg))
 
-        graphdef, stacked, rest = nnx.split(self.layers, nnx.Param, ...)
+        # flax types split's result as variadic: two filters give exactly two states
+        graphdef, stacked, rest = nnx.split(self.layers, nnx.Param, ...)  # type: ignore[misc]
 
         def layer(x, params):
             layer = nnx.merge(graphdef, use_params(params), rest)
@@ -317,6 +319,11 @@ class Llama:
       (1, 8, 64)
     """
 
+    # the Hugging Face directory and config.json it came from (jaxzero.hf.model, or a
+    # run's model.hf_config): hf.save writes that architecture and copies its files
+    hf_dir: Path | None = None
+    hf_config: dict[str, Any] | None = None
+
     def __init__(self, config: LlamaConfig):
         self.config = config
         abstract = nnx.eval_shape(lambda: LlamaModule(config, nnx.Rngs(0)))
@@ -351,7 +358,7 @@ class Llama:
         ``segment_ids`` and ``loss_mask`` as :func:`jaxzero.models.common.token_loss`."""
         return token_loss(self.apply(params, batch["inputs"], batch.get("segment_ids")), batch)
 
-    def engine(self, optimizer: optax.GradientTransformation | None = None, **kwargs):
+    def engine(self, optimizer: optax.GradientTransformation, **kwargs):
         """An :class:`jaxzero.Engine` for this model, gathering one layer at a time.
 
         ``engine.model`` is this model (what :func:`jaxzero.hf.save` writes out).

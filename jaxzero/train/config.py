@@ -280,7 +280,7 @@ def from_dict(data: dict[str, Any], cls: type = Config, prefix: str = "") -> Any
         if name not in hints:
             raise ConfigError(f"unknown config key {key!r}")
         annotation = hints[name]
-        if dataclasses.is_dataclass(annotation):
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
             kwargs[name] = from_dict(value, annotation, f"{key}.")
         else:
             kwargs[name] = _check_value(key, value, annotation)
@@ -397,9 +397,9 @@ def validate(config: Config) -> Config:
         "train.peak_flops_per_device": t.peak_flops_per_device,
         "optimizer.max_grad_norm": o.max_grad_norm,
     }
-    for key, value in optional_positive.items():
-        if value is not None and value <= 0:
-            raise ConfigError(f"{key}: must be positive or null, got {value}")
+    for key, limit in optional_positive.items():
+        if limit is not None and limit <= 0:
+            raise ConfigError(f"{key}: must be positive or null, got {limit}")
     for key in ("n_kv_heads", "head_dim"):
         if getattr(m, key) is not None and m.arch != "llama":
             raise ConfigError(f"model.{key} applies to model.arch=llama only")

@@ -247,6 +247,7 @@ def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
 def _tokenized_corpus(cfg: DataConfig, vocab_size: int | None) -> Corpus:
     """Text or JSONL through a tokenizer, from the cached token store; the validation
     split is the tail of the document stream."""
+    assert cfg.tokenizer is not None  # load_corpus comes here only with a tokenizer
     if cfg.path is None:
         raise DataError("data.tokenizer needs data.path (text files or JSONL)")
     try:
@@ -317,7 +318,7 @@ def _max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
     return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))
 
 
-def decode(tokens: np.ndarray, kind: Kind, tokenizer: Any = None) -> str:
+def decode(tokens: np.ndarray, kind: str, tokenizer: Any = None) -> str:
     """Text of byte tokens or through ``tokenizer``; ids without one are printed as ids."""
     tokens = np.asarray(tokens).reshape(-1)
     if tokenizer is not None:
@@ -384,10 +385,12 @@ def read_windows(
 
 
 def read_documents(
-    tokens: np.ndarray, docs: np.ndarray, seq_len: int, mask: np.ndarray | None, eos: int
+    tokens: np.ndarray, docs: np.ndarray, seq_len: int, mask: np.ndarray | None, eos: int | None
 ) -> dict[str, np.ndarray]:
     """One document a row (packing off): cut at ``seq_len + 1`` tokens, padded with EOS.
     The padding carries no loss and a segment of its own."""
+    if eos is None:
+        raise ValueError("documents a row (packing off) need eos: the token that pads a row")
     rows = np.full((len(docs), seq_len + 1), eos, np.int32)
     loss = np.zeros((len(docs), seq_len + 1), np.int32)  # 0 on the padding
     pad = np.ones((len(docs), seq_len + 1), np.int32)
@@ -418,8 +421,8 @@ def process_rows(device_rows: Mapping[Any, Any], batch_size: int) -> dict[int, s
     """
     held: dict[int, set[int]] = {}
     for device, index in device_rows.items():
-        rows = range(*index[0].indices(batch_size))
-        held.setdefault(device.process_index, set()).update(rows)
+        span = range(*index[0].indices(batch_size))
+        held.setdefault(device.process_index, set()).update(span)
     out = {}
     for proc, rows in sorted(held.items()):
         lo, hi = min(rows), max(rows) + 1

@@ -34,6 +34,8 @@ def source(cfg: Config) -> Path | None:
 def resolve(cfg: Config) -> tuple[Config, Any]:
     """The config with the checkpoint's model fields (and tokenizer), and its model."""
     path = source(cfg)
+    if path is None:
+        raise ConfigError("finetune.resolve needs train.init_from=hf:PATH")
     try:
         model = hf.model(
             path, seq_len=cfg.model.seq_len, remat=cfg.model.remat, attention=cfg.model.attention
@@ -41,7 +43,7 @@ def resolve(cfg: Config) -> tuple[Config, Any]:
     except (hf.HFError, hf.SafetensorsError) as e:
         raise ConfigError(f"train.init_from: {e}") from None
     c = model.config
-    theirs = {
+    theirs: dict[str, Any] = {
         "arch": "llama",
         "vocab_size": c.vocab_size,
         "d_model": c.hidden_size,

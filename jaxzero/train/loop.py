@@ -67,7 +67,9 @@ def _configured_cpu_devices() -> int:
     match = re.search(
         r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", "")
     )
-    return max(int(match.group(1)) if match else 1, jax.config.jax_num_cpu_devices)
+    # jax < 0.12 declares its config flags at run time only: mypy sees no such attribute
+    cpu_devices = jax.config.jax_num_cpu_devices  # type: ignore[attr-defined,unused-ignore]
+    return max(int(match.group(1)) if match else 1, cpu_devices)
 
 
 def devices_to_simulate(parallel: config_lib.ParallelConfig) -> int | None:
@@ -110,7 +112,7 @@ def setup_devices(
 # --------------------------------------------------------------------------- run directory
 
 
-def resolve_run(cfg: Config, num_devices: int, simulated: int | None, vocab: int) -> Config:
+def resolve_run(cfg: Config, num_devices: int, simulated: int | None, vocab: int | None) -> Config:
     """The config with every ``None`` the run decided filled in (name, devices, vocab)."""
     name = cfg.logging.name or (
         f"stage{cfg.parallel.stage}-{num_devices}dev-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -306,7 +308,9 @@ def _train(
                 (run_dir / RESOLVED_CONFIG).write_text(config_lib.dump_yaml(cfg))
                 writer.text("config", config_lib.dump_yaml(cfg))
             if pretrained is not None:
-                state = hf.load(finetune.source(cfg), engine)  # each device reads its slices
+                source = finetune.source(cfg)
+                assert source is not None  # pretrained came from it
+                state = hf.load(source, engine)  # each device reads its slices
             elif resume is None:
                 state = engine.init_from(model.init, jax.random.key(cfg.train.seed))
             per_run = None if job.multi else simulated  # multi-process: the mesh line says it
@@ -393,8 +397,8 @@ def _loop(
     stop: resume_lib.StopSignals,
 ) -> dict:
     b, seq, steps, lg = cfg.train.batch_size, cfg.model.seq_len, cfg.train.steps, cfg.logging
-    rows = data_lib.process_rows(engine.batch_sharding.devices_indices_map((b, seq)), b)
-    rows = rows[jax.process_index()]
+    by_process = data_lib.process_rows(engine.batch_sharding.devices_indices_map((b, seq)), b)
+    rows = by_process[jax.process_index()]
     loader = data_lib.Loader(
         corpus.train, seq, b, cfg.train.seed, rows, corpus.train_mask, corpus.eos, corpus.train_docs
     )

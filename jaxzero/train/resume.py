@@ -254,6 +254,7 @@ class StopSignals:
         return self
 
     def _watch(self, read: socket.socket) -> None:
+        assert self._abort is not None  # __enter__ starts the watcher only with an abort
         with read:  # closed here, once __exit__ shut it down: never under a blocked recv
             while data := read.recv(64):  # one byte per signal; b"" once shut down
                 for signum in data:
