@@ -41,7 +41,7 @@ import re
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,9 @@ import numpy as np
 
 from jaxzero.partition import is_layout, path_str
 from jaxzero.state import TrainState, master_sharded
+
+if TYPE_CHECKING:
+    from jaxzero.engine import EngineLike
 
 FORMAT = 1
 FIELDS = ("step", "params", "master", "opt_state")
@@ -275,7 +278,7 @@ def _params_from_meta(meta: dict[str, Any]) -> Any:
     return listify(root)
 
 
-def metadata(engine: Any, state: TrainState) -> dict[str, Any]:
+def metadata(engine: EngineLike, state: TrainState) -> dict[str, Any]:
     """What a checkpoint says about itself: enough to rebuild shapes and check a target."""
     from jaxzero import __version__
 
@@ -380,7 +383,7 @@ class CheckpointManager:
 
     def save(
         self,
-        engine: Any,
+        engine: EngineLike,
         state: TrainState,
         extra: dict[str, Any] | None = None,
         force: bool = False,
@@ -481,7 +484,7 @@ class CheckpointManager:
             )
         return step
 
-    def restore(self, engine: Any, step: int | None = None) -> tuple[TrainState, dict]:
+    def restore(self, engine: EngineLike, step: int | None = None) -> tuple[TrainState, dict]:
         """The state of checkpoint ``step`` (latest by default) in ``engine``'s layout.
 
         ``engine`` may be uninitialised: its param shapes then come from the
@@ -779,13 +782,13 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, jax.sharding.PartitionSpec)
 
 
-def _master_specs(engine: Any) -> Any:
+def _master_specs(engine: EngineLike) -> Any:
     from jaxzero.state import master_specs
 
     return master_specs(engine.stage, engine.layouts)
 
 
-def _check_same_params(engine: Any, meta: dict[str, Any]) -> None:
+def _check_same_params(engine: EngineLike, meta: dict[str, Any]) -> None:
     """Refuse a checkpoint of another model, naming the first leaf that differs."""
     mine = {
         "/".join(str(k) for _, k in p): lay.shape
