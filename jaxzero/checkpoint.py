@@ -671,9 +671,10 @@ class LeafReader:
 
     Each :meth:`read` is one partial restore of one leaf as a numpy array through
     orbax's public API (``PyTreeRestore(partial_restore=True)``, ``restore_type=
-    np.ndarray``): a reader holds about one leaf, never the model, and makes no JAX
-    array. The leaf is checked against the fingerprint ``meta`` recorded for it at
-    save time, so export, sample and resume all refuse a damaged leaf.
+    np.ndarray``): a read holds a few leaf-sized buffers at most (orbax's and
+    tensorstore's, the unpadded copy), never the model, and makes no JAX array. The
+    leaf is checked against the fingerprint ``meta`` recorded for it at save time, as
+    :meth:`CheckpointManager.restore` checks every leaf it restores.
 
     orbax asks JAX for the process index, which starts JAX's backend, and tensorstore
     allocates each leaf on one of its many threads, where glibc keeps freed leaf-sized

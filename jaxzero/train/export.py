@@ -4,8 +4,8 @@ Export never materialises the model. Each param is read alone through
 :class:`jaxzero.checkpoint.LeafReader` (orbax's public restore of that one leaf, on
 the host; the checkpoint's format is known in :mod:`jaxzero.checkpoint` only), cut
 to its logical region (the saving layout's zero padding dropped), verified,
-converted, appended to the safetensors file and dropped, so host memory stays near
-one leaf however large the model. The safetensors header is computed from the
+converted, appended to the safetensors file and dropped, so host memory stays at a
+few leaves however large the model. The safetensors header is computed from the
 checkpoint's metadata first, which is what makes writing leaf by leaf possible
 (the format is an 8-byte little-endian header length, a JSON header of
 dtype/shape/offsets, then the raw bytes in order). The command sets its process up
