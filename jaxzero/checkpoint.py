@@ -658,7 +658,7 @@ def param_entries(meta: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...]]
     source = _fp32_field(meta["leaves"])
     out = []
     for entry in meta["param_tree"]:
-        name = "/".join(str(k) for _, k in entry["path"])
+        name = path_str([k for _, k in entry["path"]])
         leaf = f"{source}/{name}"
         if leaf not in meta["leaves"]:
             raise CheckpointError(f"checkpoint metadata lists param {name!r} but no {leaf!r}")
