@@ -23,20 +23,25 @@ next time a manager opens the directory. Saves are asynchronous (the arrays are
 copied to host memory, then written in the background) and at most one is in
 flight. A script that ends without ``wait()`` or ``close()`` still gets its last
 save: open managers finish it as the interpreter begins to exit (:func:`_finish_saves`).
+
+**Reading without a manager.** ``jaxzero export`` and ``jaxzero sample`` read one
+checkpoint through :func:`complete_steps`, :func:`read_metadata`, :func:`read_extra`
+and :class:`LeafReader` (one leaf at a time, on the host), all on orbax's public
+handlers, reading none of its files by hand: this module is the one place that knows
+how a checkpoint is laid out.
 """
 
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401 - its exit hook first: see _finish_saves
 import functools
-import json
 import logging
 import os
 import re
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +49,9 @@ import numpy as np
 
 from jaxzero.partition import is_layout, path_str
 from jaxzero.state import TrainState, master_sharded
+
+if TYPE_CHECKING:
+    from jaxzero.engine import EngineLike
 
 FORMAT = 1
 FIELDS = ("step", "params", "master", "opt_state")
@@ -219,14 +227,7 @@ def host_fingerprint(x: np.ndarray, chunk: int = 1 << 18) -> int:
 
 def older_steps(directory: Path, step: int) -> list[int] | str:
     """The other complete checkpoints beside ``step`` (for a damaged one's message)."""
-    return (
-        sorted(
-            int(p.name)
-            for p in directory.iterdir()
-            if p.is_dir() and p.name.isdigit() and int(p.name) != step
-        )
-        or "none"
-    )
+    return [s for s in complete_steps(directory) if s != step] or "none"
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -277,7 +278,7 @@ def _params_from_meta(meta: dict[str, Any]) -> Any:
     return listify(root)
 
 
-def metadata(engine: Any, state: TrainState) -> dict[str, Any]:
+def metadata(engine: EngineLike, state: TrainState) -> dict[str, Any]:
     """What a checkpoint says about itself: enough to rebuild shapes and check a target."""
     from jaxzero import __version__
 
@@ -370,7 +371,7 @@ class CheckpointManager:
             _Echoes.install()
             self.directory.mkdir(parents=True, exist_ok=True)
             self._manager = self._ocp.CheckpointManager(
-                self.directory, options=self._options, item_names=("state", "meta", "extra")
+                self.directory, options=self._options, item_names=ITEMS
             )
             # orbax removes interrupted saves in the background: let it finish first
             cleanup = getattr(self._manager, "_cleanup_tmp_directory_future", None)
@@ -382,7 +383,7 @@ class CheckpointManager:
 
     def save(
         self,
-        engine: Any,
+        engine: EngineLike,
         state: TrainState,
         extra: dict[str, Any] | None = None,
         force: bool = False,
@@ -466,16 +467,8 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
-        """The ``meta`` JSON of a checkpoint (latest by default)."""
-        step = self._step(step)
-        path = self.directory / str(step) / "meta" / "metadata"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise CheckpointError(
-                f"checkpoint {self.directory / str(step)} has no readable metadata ({e}); "
-                "it is not a jaxzero checkpoint or it is damaged"
-            ) from None
+        """The ``meta`` JSON of a checkpoint (latest by default): :func:`read_metadata`."""
+        return read_metadata(self.directory / str(self._step(step)))
 
     def _step(self, step: int | None) -> int:
         steps = self.all_steps()
@@ -492,7 +485,7 @@ class CheckpointManager:
             )
         return step
 
-    def restore(self, engine: Any, step: int | None = None) -> tuple[TrainState, dict]:
+    def restore(self, engine: EngineLike, step: int | None = None) -> tuple[TrainState, dict]:
         """The state of checkpoint ``step`` (latest by default) in ``engine``'s layout.
 
         ``engine`` may be uninitialised: its param shapes then come from the
@@ -512,8 +505,7 @@ class CheckpointManager:
             _check_same_params(engine, meta)
             target = engine.state_shapes()  # no new layouts: the step stays compiled
 
-        # fp32 truth: the master when the run kept one, else the (fp32) params
-        src = "master" if any(n.startswith("master/") for n in saved) else "params"
+        src = _fp32_field(saved)
         sharded = master_sharded(engine.stage)
         master_sh = jax.tree.map(
             lambda s: jax.sharding.NamedSharding(engine.mesh, s),
@@ -589,17 +581,216 @@ class CheckpointManager:
         return state, dict(out["extra"] or {})
 
 
+# --- reading one checkpoint without a manager -------------------------------------------
+#
+# ``jaxzero export`` and ``jaxzero sample`` only read; a manager also removes interrupted
+# saves when it opens. These functions read through orbax's public handlers instead, so
+# that what a checkpoint looks like on disk is known here and to orbax, nowhere else.
+
+ITEMS = ("state", "meta", "extra")  # the orbax items of every step, as CheckpointManager saves
+
+
+def complete_steps(directory: str | Path) -> list[int]:
+    """Steps of the complete checkpoints in ``directory``, oldest first (none when it is
+    missing), by orbax's own step naming, which never lists an interrupted save. Reads only."""
+    import orbax.checkpoint as ocp
+
+    return sorted(m.step for m in ocp.path.step.standard_name_format().find_all(Path(directory)))
+
+
+def is_step_dir(path: str | Path) -> bool:
+    """Whether ``path`` is one checkpoint (a step directory) rather than a directory of them."""
+    return any((Path(path) / item).is_dir() for item in ITEMS)
+
+
+def _restore_items(step_dir: Path, **items: Any) -> dict[str, Any]:
+    """orbax's composite restore of some of a step's items; one handler, closed after."""
+    import orbax.checkpoint as ocp
+
+    handler = ocp.CompositeCheckpointHandler()
+    try:
+        return dict(handler.restore(step_dir, ocp.args.Composite(**items)))
+    finally:
+        handler.close()
+
+
+def read_metadata(step_dir: str | Path) -> dict[str, Any]:
+    """A checkpoint's ``meta`` item (:func:`metadata`: stage, N, precision, every leaf's
+    shapes, dtype and fingerprint), read without opening a manager."""
+    import orbax.checkpoint as ocp
+
+    step_dir = Path(step_dir).absolute()
+    try:
+        meta = _restore_items(step_dir, meta=ocp.args.JsonRestore())["meta"]
+        meta["param_tree"], meta["leaves"]  # noqa: B018 - both must be there
+        return meta
+    except Exception as e:  # noqa: BLE001 - missing, unreadable or not JSON: all one answer
+        raise CheckpointError(
+            f"checkpoint {step_dir} has no readable metadata ({type(e).__name__}); "
+            "it is damaged or not a jaxzero checkpoint"
+        ) from None
+
+
+def read_extra(step_dir: str | Path) -> dict[str, Any]:
+    """A checkpoint's ``extra`` item: what the saver added (the data loader's position,
+    the run's resolved config), read without opening a manager."""
+    import orbax.checkpoint as ocp
+
+    step_dir = Path(step_dir).absolute()
+    try:
+        extra = _restore_items(step_dir, extra=ocp.args.JsonRestore())["extra"]
+    except Exception as e:  # noqa: BLE001 - missing, unreadable or not JSON: all one answer
+        raise CheckpointError(
+            f"checkpoint {step_dir} has no readable extra item ({type(e).__name__}); "
+            "it is damaged or not a jaxzero checkpoint"
+        ) from None
+    return dict(extra or {})
+
+
+def _fp32_field(saved: Any) -> str:
+    """The stored field holding the fp32 truth of the params, given the stored leaf
+    names: the master when the run kept one (bf16 runs), else the (fp32) params."""
+    return "master" if any(n.startswith("master/") for n in saved) else "params"
+
+
+def param_entries(meta: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(param name, stored leaf name, logical shape)`` of each param of a checkpoint's
+    ``meta``, in tree order, naming its fp32 truth (the master of a bf16 run)."""
+    source = _fp32_field(meta["leaves"])
+    out = []
+    for entry in meta["param_tree"]:
+        name = path_str([k for _, k in entry["path"]])
+        leaf = f"{source}/{name}"
+        if leaf not in meta["leaves"]:
+            raise CheckpointError(f"checkpoint metadata lists param {name!r} but no {leaf!r}")
+        out.append((name, leaf, tuple(entry["shape"])))
+    return out
+
+
+class LeafReader:
+    """A checkpoint's stored leaves read one at a time onto the host, each verified.
+
+    Each :meth:`read` is one partial restore of one leaf as a numpy array through
+    orbax's public API (``PyTreeRestore(partial_restore=True)``, ``restore_type=
+    np.ndarray``): a read holds a few leaf-sized buffers at most (orbax's and
+    tensorstore's, the unpadded copy), never the model, and makes no JAX array. The
+    leaf is checked against the fingerprint ``meta`` recorded for it at save time, as
+    :meth:`CheckpointManager.restore` checks every leaf it restores.
+
+    orbax asks JAX for the process index, which starts JAX's backend, and tensorstore
+    allocates each leaf on one of its many threads, where glibc keeps freed leaf-sized
+    blocks in per-thread arenas for reuse: a long streaming read may hold about one leaf
+    per arena. A process that only streams checkpoints calls :func:`host_reader_process`
+    first (``jaxzero export`` does).
+    """
+
+    def __init__(self, step_dir: str | Path):
+        import orbax.checkpoint as ocp
+
+        self.dir = Path(step_dir).absolute()
+        self._sums = {
+            name: entry.get("fingerprint")
+            for name, entry in read_metadata(self.dir)["leaves"].items()
+        }
+        self._ocp = ocp
+        _Echoes.install()  # a damaged file fails one of orbax's concurrent reads: no echoes
+        self._handler = ocp.CompositeCheckpointHandler()
+
+    def read(self, leaf: str, shape: tuple[int, ...], dtype: np.dtype | None = None) -> np.ndarray:
+        """The ``shape`` corner of stored ``leaf`` (its logical region: the saving
+        layout's zero padding dropped) as a C-contiguous array, verified; cast to
+        ``dtype`` when given (rounding to nearest even, as numpy/JAX ``astype``).
+
+        The padding is read with the leaf and dropped on the host; only a leaf padded
+        in a dimension other than its first needs a copy (one more leaf, briefly).
+        """
+        ocp = self._ocp
+        shape = tuple(shape)
+        try:
+            restored = self._handler.restore(
+                self.dir,
+                ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        nest({leaf: 0}),  # the value is unused: restore_args says what to make
+                        restore_args=nest({leaf: ocp.RestoreArgs(restore_type=np.ndarray)}),
+                        partial_restore=True,
+                    )
+                ),
+            )["state"]
+            stored = _flatten(restored).pop(leaf)
+            del restored
+            if stored.ndim != len(shape) or any(
+                a < b for a, b in zip(stored.shape, shape, strict=True)
+            ):
+                raise ValueError(f"stored shape {stored.shape} cannot hold {shape}")
+            raw = np.asarray(stored[tuple(slice(0, n) for n in shape)], order="C")  # 0-d too
+            del stored
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+            msg = (str(e).strip().splitlines() or [""])[0][:200]
+            raise CheckpointError(
+                f"checkpoint {self.dir} could not be read at {leaf} "
+                f"({type(e).__name__}: {msg}); it is damaged or incomplete. Older "
+                f"checkpoints: {older_steps(self.dir.parent, _step_of(self.dir))}"
+            ) from None
+        want = self._sums.get(leaf)
+        if want is not None and host_fingerprint(raw) != want:
+            raise CheckpointError(
+                f"checkpoint {self.dir} is damaged: {leaf} no longer matches the "
+                "fingerprint written when it was saved. Older checkpoints: "
+                f"{older_steps(self.dir.parent, _step_of(self.dir))}"
+            )
+        return raw if dtype is None or raw.dtype == dtype else raw.astype(dtype)
+
+    def close(self) -> None:
+        """Release orbax's handler."""
+        self._handler.close()
+
+    def __enter__(self) -> LeafReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def host_reader_process() -> None:
+    """Set up a process that streams checkpoints on the host (``jaxzero export``).
+
+    * JAX on the CPU, unless ``JAX_PLATFORMS`` says otherwise: orbax starts JAX's
+      backend (for the process index), and a GPU backend would take most of the GPU's
+      memory, perhaps from the run that wrote the checkpoint.
+    * glibc's malloc limited to one arena: tensorstore allocates each leaf on one of
+      its threads, and each thread's arena kept its freed leaves, so memory grew to
+      about a leaf per arena (measured: 6 of 12 16-MiB leaves held after an export on
+      two cores; glibc allows 8 arenas a core) instead of staying at a few leaves.
+
+    Call it first: a backend already started stays, and threads that already have an
+    arena keep it. Elsewhere than glibc the second part does nothing.
+    """
+    import ctypes
+
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")
+    try:
+        ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX (malloc.h)
+    except (AttributeError, OSError):
+        pass
+
+
+def _step_of(step_dir: Path) -> int:
+    return int(step_dir.name) if step_dir.name.isdigit() else -1
+
+
 def _is_spec(x: Any) -> bool:
     return isinstance(x, jax.sharding.PartitionSpec)
 
 
-def _master_specs(engine: Any) -> Any:
+def _master_specs(engine: EngineLike) -> Any:
     from jaxzero.state import master_specs
 
     return master_specs(engine.stage, engine.layouts)
 
 
-def _check_same_params(engine: Any, meta: dict[str, Any]) -> None:
+def _check_same_params(engine: EngineLike, meta: dict[str, Any]) -> None:
     """Refuse a checkpoint of another model, naming the first leaf that differs."""
     mine = {
         path_str([k for _, k in p]): lay.shape

@@ -11,7 +11,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -600,3 +600,58 @@ def gather_leaf(x: jax.Array, lay: LeafLayout) -> np.ndarray:
     if jax.process_count() > 1 and not x.is_fully_replicated:
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(unpad(np.asarray(jax.device_get(x)), lay), np.float32)
+
+
+class EngineLike(Protocol):
+    """What :mod:`jaxzero.checkpoint` and :mod:`jaxzero.accounting` use of an engine:
+    its static decisions and the state builders a restore needs. :class:`Engine` (and so
+    :class:`~jaxzero.NNXEngine`) satisfies it; nothing else of an engine is read there.
+
+    Attributes:
+      stage: the ZeRO stage, 0–3.
+      precision: ``"fp32"`` or ``"bf16"``.
+      mesh: the device mesh.
+      num_shards: N, the devices a sharded leaf is split over.
+      layouts: the params' :class:`~jaxzero.LeafLayout` tree (None before init).
+      opt_layouts: the optimizer state's layout tree (set by init, as ``layouts``).
+      compute_dtype: the params' and activations' dtype (bf16 runs: bfloat16).
+      reduce_dtype: the dtype gradients are reduced in.
+      micro_batches: gradient accumulation steps per optimizer step.
+      per_layer: whether the model gathers (stage 3) and reduces per layer.
+      bucket_bytes: the largest packed collective, in bytes.
+      donate: whether the step donates its input state.
+    """
+
+    stage: int
+    precision: str
+    mesh: Mesh
+    num_shards: int
+    layouts: Any
+    opt_layouts: Any
+    compute_dtype: Any
+    reduce_dtype: Any
+    micro_batches: int
+    per_layer: bool
+    bucket_bytes: int
+    donate: bool
+
+    @property
+    def num_params(self) -> int:
+        """Ψ: logical parameter count, padding excluded."""
+        ...
+
+    def abstract_state(self, params_shapes: Any) -> TrainState:
+        """Sets the layouts from the params' shapes; the state's shapes and shardings."""
+        ...
+
+    def state_shapes(self) -> TrainState:
+        """The state's shapes and shardings of an initialised engine."""
+        ...
+
+    def state_from(self, master32: Any, opt_state: Any, step: int) -> TrainState:
+        """A state from fp32 master params and optimizer state in the stored layout."""
+        ...
+
+    def compile(self, state: TrainState, batch: Any) -> jax.stages.Compiled:
+        """The compiled step (nothing runs)."""
+        ...

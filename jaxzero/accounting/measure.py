@@ -27,7 +27,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -42,6 +42,10 @@ from jaxzero.accounting.comm import (
 )
 from jaxzero.accounting.hlo import Buffer
 from jaxzero.partition import is_layout
+
+if TYPE_CHECKING:
+    from jaxzero.engine import EngineLike
+    from jaxzero.state import TrainState
 
 # ----------------------------------------------------------------------------- memory
 
@@ -443,7 +447,9 @@ def _scope_rows(report: Report) -> list[tuple[str, float, float | None, float | 
     ]
 
 
-def _stage3_notes(engine: Any, collectives: list[Collective], scalar_elements: int) -> list[str]:
+def _stage3_notes(
+    engine: EngineLike, collectives: list[Collective], scalar_elements: int
+) -> list[str]:
     """Explain stage-3 traffic below 3Ψ: how much the backward pass gathers again.
 
     The design gathers every param twice (forward, backward) per reduce-scatter of
@@ -464,13 +470,13 @@ def _stage3_notes(engine: Any, collectives: list[Collective], scalar_elements: i
 
     gathered, scattered = elements("all-gather"), elements("reduce-scatter")
     notes = []
-    if not getattr(engine, "per_layer", True):
+    if not engine.per_layer:
         notes.append(
             "per_layer=False: the engine gathers the whole tree once per micro-batch and keeps "
             "it through the backward pass (coarse stage 3): the theory column counts one gather "
             "(2Ψb), not ZeRO-3's two (3Ψb)"
         )
-    if getattr(engine, "per_layer", True) and scattered and gathered < 2 * scattered * (1 - 1e-3):
+    if engine.per_layer and scattered and gathered < 2 * scattered * (1 - 1e-3):
         notes.append(
             f"the backward pass gathers {max(gathered / scattered - 1, 0):.1%} of the params "
             "again (design: 100%); it keeps the rest from the forward pass, alive until used"
@@ -487,8 +493,8 @@ def _itemsize(dtype: Any) -> int:
 
 
 def report(
-    engine: Any,
-    state: Any,
+    engine: EngineLike,
+    state: TrainState,
     batch: Any,
     *,
     scalar_elements: int = SCALAR_ELEMENTS,
@@ -500,7 +506,7 @@ def report(
     share of ``state`` and parses the compiled HLO.
 
     Args:
-      engine: a :class:`jaxzero.Engine`.
+      engine: a :class:`jaxzero.Engine` (what is read of it: :class:`~jaxzero.engine.EngineLike`).
       state: its TrainState (from ``engine.init``).
       batch: a sample global batch.
       scalar_elements: buffers with fewer elements count as scalars.
@@ -523,14 +529,14 @@ def report(
     tr = traffic(hlo.collectives, scalar_elements, group_size=n)
 
     psi = int(engine.num_params)
-    reduce_dtype = engine.reduce_dtype or engine.compute_dtype
+    reduce_dtype = engine.reduce_dtype
     param_bytes, grad_bytes = _itemsize(engine.compute_dtype), _itemsize(reduce_dtype)
     master_bytes = 4.0 if state.master is not None else 0.0
     opt_lays = jax.tree.leaves(engine.opt_layouts, is_leaf=is_layout)
     opt_sizes = [x.dtype.itemsize for x in jax.tree.leaves(state.opt_state)]
     per_param = sum(lay.size * b for lay, b in zip(opt_lays, opt_sizes, strict=True)) / psi
     k = engine.micro_batches
-    gathers = 2 if getattr(engine, "per_layer", True) else 1  # coarse stage 3 gathers once
+    gathers = 2 if engine.per_layer else 1  # coarse stage 3 gathers once
     th = theory(
         psi,
         n,

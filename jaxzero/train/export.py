@@ -1,13 +1,16 @@
 """``jaxzero export``: consolidated weights out of a sharded checkpoint, as safetensors.
 
-Export never materialises the model. Each param is read alone, straight from the
-checkpoint's tensorstore array and only over its logical region (the saving
-layout's zero padding is never read), converted, appended to the safetensors
-file and dropped, so host memory stays near one leaf however large the model;
-no JAX device is involved. The safetensors header is computed from the
+Export never materialises the model. Each param is read alone through
+:class:`jaxzero.checkpoint.LeafReader` (orbax's public restore of that one leaf, on
+the host; the checkpoint's format is known in :mod:`jaxzero.checkpoint` only), cut
+to its logical region (the saving layout's zero padding dropped), verified,
+converted, appended to the safetensors file and dropped, so host memory stays at a
+few leaves however large the model. The safetensors header is computed from the
 checkpoint's metadata first, which is what makes writing leaf by leaf possible
 (the format is an 8-byte little-endian header length, a JSON header of
-dtype/shape/offsets, then the raw bytes in order).
+dtype/shape/offsets, then the raw bytes in order). The command sets its process up
+for that first (:func:`jaxzero.checkpoint.host_reader_process`: JAX on the CPU, one
+malloc arena).
 
 bf16 runs export their fp32 master params (``master/...``), the truth the
 optimizer updates, not the rounded working copy; ``--dtype bf16`` rounds that
@@ -28,11 +31,19 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxzero.checkpoint import CheckpointError, host_fingerprint, older_steps
+from jaxzero.checkpoint import (
+    CheckpointError,
+    LeafReader,
+    complete_steps,
+    host_reader_process,
+    is_step_dir,
+    param_entries,
+    read_extra,
+    read_metadata,
+)
 from jaxzero.cli import ArgError, Parser
 from jaxzero.hf import safetensors
 from jaxzero.hf.config import HFError
-from jaxzero.partition import path_str
 from jaxzero.train.config import DataConfig
 from jaxzero.train.data import data_kind
 
@@ -65,12 +76,6 @@ class ExportError(ValueError):
 # --------------------------------------------------------------------------- locating
 
 
-def steps_in(directory: Path) -> list[int]:
-    """Complete checkpoints in a checkpoints directory: orbax renames a step dir into
-    its integer name only once every item is written, so partial saves never match."""
-    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
-
-
 def _run_checkpoints(run: Path) -> Path:
     """``RUN/checkpoints`` or the run's own ``checkpoint.dir``."""
     default = run / "checkpoints"
@@ -98,14 +103,14 @@ def find_step_dir(path: str | Path, step: int | None = None) -> Path:
         raise ExportError(f"{path}: no such file or directory")
     if not path.is_dir():
         raise ExportError(f"{path} is a file, not a run, checkpoint or export directory")
-    if (path / "meta").is_dir() or (path / "state").is_dir():  # one step
+    if is_step_dir(path):
         if step is not None and path.name != str(step):
             raise ExportError(f"{path} is the checkpoint of step {path.name}, not {step}")
         return path
     if (path / WEIGHTS).is_file():
         raise ExportError(f"{path} is an export, not a run or checkpoint")
     ckpts = _run_checkpoints(path) if (path / RUN_CONFIG).is_file() else path
-    steps = steps_in(ckpts)
+    steps = complete_steps(ckpts)
     if not steps:
         raise ExportError(
             f"{path} is not a jaxzero run, checkpoint or export directory "
@@ -118,25 +123,11 @@ def find_step_dir(path: str | Path, step: int | None = None) -> Path:
     return ckpts / str(step)
 
 
-def read_meta(step_dir: Path) -> dict[str, Any]:
-    """The checkpoint's ``meta`` JSON, read without opening an orbax manager (which would
-    clean up the directory: export and sample only read)."""
-    try:
-        meta = json.loads((step_dir / "meta" / "metadata").read_text())
-        meta["param_tree"], meta["leaves"]  # noqa: B018 - both must be there
-        return meta
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"checkpoint {step_dir} has no readable metadata "
-            f"({type(e).__name__}); it is damaged or not jaxzero's"
-        ) from None
-
-
 def run_config(step_dir: Path) -> dict[str, Any]:
     """The run's resolved config: the checkpoint's ``extra.config``, else ``RUN/config.yaml``."""
     try:
-        config = json.loads((step_dir / "extra" / "metadata").read_text()).get("config")
-    except (OSError, ValueError, AttributeError):
+        config = read_extra(step_dir).get("config")
+    except CheckpointError:
         config = None
     run = step_dir.parent.parent
     if not isinstance(config, dict) and (run / RUN_CONFIG).is_file():
@@ -171,126 +162,21 @@ def model_fields(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]
     return model
 
 
-# --------------------------------------------------------------------------- reading leaves
-
-
-def param_entries(meta: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...]]]:
-    """``(param name, stored leaf name, logical shape)`` per param; fp32 truth first."""
-    source = "master" if any(n.startswith("master/") for n in meta["leaves"]) else "params"
-    out = []
-    for entry in meta["param_tree"]:
-        name = path_str([k for _, k in entry["path"]])
-        leaf = f"{source}/{name}"
-        if leaf not in meta["leaves"]:
-            raise CheckpointError(f"checkpoint metadata lists param {name!r} but no {leaf!r}")
-        out.append((name, leaf, tuple(entry["shape"])))
-    return out
-
-
-class LeafReader:
-    """Opens one stored leaf at a time and reads its logical region (never the padding),
-    checked against the fingerprint the checkpoint's ``meta`` recorded for it at save
-    time: export, sample and resume all refuse a damaged leaf."""
-
-    def __init__(self, step_dir: Path):
-        import tensorstore as ts
-
-        self._ts, self.dir = ts, (step_dir / "state").absolute()
-        self._sums = {
-            name: entry.get("fingerprint") for name, entry in read_meta(step_dir)["leaves"].items()
-        }
-        try:
-            info = json.loads((self.dir / "_METADATA").read_text())
-        except (OSError, ValueError) as e:
-            raise CheckpointError(
-                f"checkpoint {step_dir} has no readable state/_METADATA "
-                f"({type(e).__name__}); it is damaged or incomplete"
-            ) from None
-        self._zarr3, self._ocdbt = info.get("use_zarr3", False), info.get("use_ocdbt", True)
-        self._ctx = ts.Context({"cache_pool": {"total_bytes_limit": 0}})  # no cached chunks
-
-    def _spec(self, leaf: str) -> dict[str, Any]:
-        key = leaf.replace("/", ".")  # orbax names an array by its tree keys joined by "."
-        kv = (
-            {"driver": "ocdbt", "base": f"file://{self.dir}/", "path": key}
-            if self._ocdbt
-            else {"driver": "file", "path": f"{self.dir}/{key}"}
-        )
-        return {
-            "driver": "zarr3" if self._zarr3 else "zarr",
-            "kvstore": kv,
-            "recheck_cached_data": False,
-            "recheck_cached_metadata": False,
-        }
-
-    def read(
-        self, leaf: str, shape: tuple[int, ...], dtype: np.dtype, buffer: np.ndarray | None = None
-    ) -> np.ndarray:
-        """The ``shape`` corner of ``leaf`` as a C-contiguous ``dtype`` array, verified.
-
-        With ``buffer`` (bytes, reused across leaves, at least the leaf in its stored
-        dtype) the stored values land in it and tensorstore decodes chunk by chunk
-        straight into it: no per-leaf allocation for the allocator to keep (glibc
-        holds on to freed blocks below its mmap threshold, which grew RSS by leaves,
-        not by one). A cast to another ``dtype`` (rounding to nearest even, as
-        numpy/JAX ``astype``) then allocates that leaf once.
-        """
-        ts = self._ts
-        try:
-            store = ts.open(self._spec(leaf), open=True, context=self._ctx).result()
-            if len(store.shape) != len(shape) or any(
-                a < b for a, b in zip(store.shape, shape, strict=True)
-            ):
-                raise ValueError(f"stored shape {tuple(store.shape)} cannot hold {shape}")
-            src = store[tuple(slice(0, n) for n in shape)]
-            stored = np.dtype(src.dtype.numpy_dtype)
-            nbytes = math.prod(shape) * stored.itemsize
-            raw = (
-                np.empty(shape, stored)
-                if buffer is None or buffer.nbytes < nbytes
-                else buffer[:nbytes].view(stored).reshape(shape)
-            )
-            ts.array(raw, copy=False, write=True, context=self._ctx).write(src).result()
-        except Exception as e:  # tensorstore raises ValueError/RuntimeError/... for bad files
-            msg = (str(e).strip().splitlines() or [""])[0][:200]
-            raise CheckpointError(
-                f"checkpoint {self.dir.parent} could not be read at {leaf} "
-                f"({type(e).__name__}: {msg}); it is damaged or incomplete. Older "
-                f"checkpoints: {older_steps(self.dir.parent.parent, _step(self.dir))}"
-            ) from None
-        want = self._sums.get(leaf)
-        if want is not None and host_fingerprint(raw) != want:
-            raise CheckpointError(
-                f"checkpoint {self.dir.parent} is damaged: {leaf} no longer matches the "
-                "fingerprint written when it was saved. Older checkpoints: "
-                f"{older_steps(self.dir.parent.parent, _step(self.dir))}"
-            )
-        return raw if stored == dtype else raw.astype(dtype)
-
-
-def _step(state_dir: Path) -> int:
-    name = state_dir.parent.name
-    return int(name) if name.isdigit() else -1
-
-
 # --------------------------------------------------------------------------- export
 
 
 def export_params(step_dir: Path, out_file: Path, dtype: str = "fp32") -> dict[str, Any]:
     """Writes the checkpoint's logical params to ``out_file``, one leaf in memory at a time."""
-    meta = read_meta(step_dir)
+    meta = read_metadata(step_dir)
     entries = param_entries(meta)
     dt = DTYPES[dtype]
-    reader = LeafReader(step_dir)
-    # room for any leaf as stored (at most 4 bytes an element: fp32 master or params)
-    buffer = np.empty(max((math.prod(s) * 4 for *_, s in entries), default=0), np.uint8)
-    arrays = (reader.read(leaf, shape, dt, buffer) for _, leaf, shape in entries)
-    size = safetensors.write(
-        out_file,
-        [(n, dt, s) for n, _, s in entries],
-        arrays,
-        {"format": "jaxzero", "step": str(meta.get("step"))},
-    )
+    with LeafReader(step_dir) as reader:
+        size = safetensors.write(
+            out_file,
+            [(n, dt, s) for n, _, s in entries],
+            (reader.read(leaf, shape, dt) for _, leaf, shape in entries),
+            {"format": "jaxzero", "step": str(meta.get("step"))},
+        )
     return {
         "step": meta.get("step"),
         "params": len(entries),
@@ -337,18 +223,17 @@ def export_hf(
             f"{fields.get('arch') or 'gpt'} (export it with --format jaxzero)"
         )
     entries = param_entries(meta)
-    reader = LeafReader(step_dir)
-    arrays = (reader.read(leaf, shape, DTYPES["fp32"]) for _, leaf, shape in entries)
     overwrite = out.is_dir() and (out / hf.CONFIG).is_file()  # an earlier export
     try:
-        out = hf.write_model(
-            out,
-            from_fields(fields),
-            [(n, s) for n, _, s in entries],
-            arrays,
-            {"fp32": "float32", "bf16": "bfloat16"}[dtype],
-            overwrite=overwrite,
-        )
+        with LeafReader(step_dir) as reader:
+            out = hf.write_model(
+                out,
+                from_fields(fields),
+                [(n, s) for n, _, s in entries],
+                (reader.read(leaf, shape, DTYPES["fp32"]) for _, leaf, shape in entries),
+                {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+                overwrite=overwrite,
+            )
     except hf.HFError as e:
         raise ExportError(str(e)) from None
     copy_tokenizer(run, out)
@@ -368,7 +253,7 @@ def export(
         raise ExportError(f"unknown format {format!r}: use one of {FORMATS}")
     step_dir = find_step_dir(path, step)
     run = run_config(step_dir)
-    meta = read_meta(step_dir)
+    meta = read_metadata(step_dir)
     out = Path(out)
     if format == "hf":
         return export_hf(step_dir, run, meta, out, dtype)
@@ -479,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body():
         args = _export_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        host_reader_process()
         out = export(args.path, args.out, args.dtype, args.step, args.format)
         print(
             f"exported {out} (Hugging Face format)"

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from jaxzero import hf
-from jaxzero.checkpoint import nest
+from jaxzero.checkpoint import LeafReader, nest, param_entries, read_metadata
 from jaxzero.cli import ArgError, Parser
 from jaxzero.data.tokenizer import Tokenizer, TokenizerError
 from jaxzero.hf import safetensors
@@ -31,12 +31,9 @@ from jaxzero.train.export import (
     MODEL_FIELDS,
     WEIGHTS,
     ExportError,
-    LeafReader,
     describe_source,
     find_step_dir,
     model_fields,
-    param_entries,
-    read_meta,
     run_cli,
     run_config,
     token_kind,
@@ -64,13 +61,13 @@ def load_model(path: str | Path, step: int | None = None) -> tuple[Any, dict[str
         source = str(path / CONFIG)
     else:
         step_dir = find_step_dir(path, step)
-        run, meta = run_config(step_dir), read_meta(step_dir)
+        run, meta = run_config(step_dir), read_metadata(step_dir)
         config = {**model_fields(run, meta), "tokens": token_kind(run)}
-        reader = LeafReader(step_dir)
-        flat = {
-            name: reader.read(leaf, shape, DTYPES["fp32"])
-            for name, leaf, shape in param_entries(meta)
-        }
+        with LeafReader(step_dir) as reader:
+            flat = {
+                name: reader.read(leaf, shape, DTYPES["fp32"])
+                for name, leaf, shape in param_entries(meta)
+            }
         source = str(step_dir)
     fields = {k: config[k] for k in MODEL_FIELDS if config.get(k) is not None}
     try:
