@@ -34,6 +34,7 @@ how a checkpoint is laid out.
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401 - its exit hook first: see _finish_saves
+import ctypes
 import functools
 import logging
 import os
@@ -48,11 +49,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxzero.partition import is_layout, path_str
-from jaxzero.state import TrainState, master_sharded
+from jaxzero.state import TrainState, master_sharded, master_specs
 
 if TYPE_CHECKING:
     from jaxzero.engine import EngineLike
 
+# orbax.checkpoint is imported where it is used: 0.45-0.6 s that `import jaxzero` and
+# `jaxzero --help` skip (measured on 2 cores)
 FORMAT = 1
 FIELDS = ("step", "params", "master", "opt_state")
 
@@ -280,7 +283,7 @@ def _params_from_meta(meta: dict[str, Any]) -> Any:
 
 def metadata(engine: EngineLike, state: TrainState) -> dict[str, Any]:
     """What a checkpoint says about itself: enough to rebuild shapes and check a target."""
-    from jaxzero import __version__
+    from jaxzero import __version__  # the package imports this module first
 
     lays = leaf_names(TrainState(None, engine.layouts, None, engine.opt_layouts))
     leaves: dict[str, dict[str, Any]] = {}
@@ -766,8 +769,6 @@ def host_reader_process() -> None:
     Call it first: a backend already started stays, and threads that already have an
     arena keep it. Elsewhere than glibc the second part does nothing.
     """
-    import ctypes
-
     if not os.environ.get("JAX_PLATFORMS"):
         jax.config.update("jax_platforms", "cpu")
     try:
@@ -785,8 +786,6 @@ def _is_spec(x: Any) -> bool:
 
 
 def _master_specs(engine: EngineLike) -> Any:
-    from jaxzero.state import master_specs
-
     return master_specs(engine.stage, engine.layouts)
 
 

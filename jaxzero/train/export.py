@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import math
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,9 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+import yaml
 
+from jaxzero import hf
 from jaxzero.checkpoint import (
     CheckpointError,
     LeafReader,
@@ -44,12 +47,13 @@ from jaxzero.checkpoint import (
 from jaxzero.cli import ArgError, Parser
 from jaxzero.hf import safetensors
 from jaxzero.hf.config import HFError
+from jaxzero.models import from_fields
+from jaxzero.train.args import RESOLVED_CONFIG as RUN_CONFIG
 from jaxzero.train.config import DataConfig
 from jaxzero.train.data import data_kind
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-RUN_CONFIG = "config.yaml"  # jaxzero.train.args.RESOLVED_CONFIG (not imported: it pulls in JAX)
 MODEL_FIELDS = (
     "arch",
     "vocab_size",
@@ -88,8 +92,6 @@ def _run_checkpoints(run: Path) -> Path:
 
 
 def _run_config(run: Path) -> dict[str, Any]:
-    import yaml
-
     try:
         return yaml.safe_load((run / RUN_CONFIG).read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
@@ -190,8 +192,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def copy_tokenizer(run: dict[str, Any], out: Path) -> None:
     """The run's tokenizer files (``data.tokenizer``) into an export, so it stands alone."""
-    import shutil
-
     name = (run.get("data") or {}).get("tokenizer")
     if not name:
         return
@@ -213,9 +213,6 @@ def export_hf(
     step_dir: Path, run: dict[str, Any], meta: dict[str, Any], out: Path, dtype: str
 ) -> Path:
     """A Hugging Face model directory (``transformers`` loads it) from a Llama run."""
-    from jaxzero import hf
-    from jaxzero.models import from_fields
-
     fields = model_fields(run, meta)
     if fields.get("arch") != "llama":
         raise ExportError(
