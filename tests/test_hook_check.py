@@ -241,6 +241,7 @@ def _with_l2(params_of):
     return loss
 
 
+@pytest.mark.equivalence  # it trains an engine: not a unit test
 def test_engine_refuses_a_loss_that_bypasses_use_params_and_trains_one_that_uses_it():
     """The same L2 penalty two ways. Over the stored leaves it reads each device's raw
     slice and zero slot (a wrong loss, no error by itself): the step must stop, naming
