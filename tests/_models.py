@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,9 +63,16 @@ def gpt_batches(n: int, batch: int = 16, cfg: GPTConfig = TINY_GPT, seed: int = 
     return out
 
 
+@functools.cache
+def _gpt_params(cfg: GPTConfig) -> dict:
+    # jit: eager init dispatches op by op (8 s for the tiny GPT, 2 s compiled); cached
+    # because several modules share one xdist worker.
+    return jax.tree.map(np.asarray, jax.jit(GPT(cfg).init)(jax.random.key(0)))
+
+
 def gpt(cfg: GPTConfig = TINY_GPT):
-    model = GPT(cfg)
-    return model, jax.tree.map(np.asarray, model.init(jax.random.key(0)))
+    """The model and a private copy of its params (callers may write into them)."""
+    return GPT(cfg), jax.tree.map(np.copy, _gpt_params(cfg))
 
 
 def train_reference(loss_fn, params, batches, tx):

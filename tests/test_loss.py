@@ -11,9 +11,23 @@ import pytest
 
 import jaxzero
 from jaxzero.loss import dropout
-from tests._models import gpt, gpt_batches, mlp_batches, mlp_params, rel_diff, train_reference
+from jaxzero.models.gpt import GPT
+from tests._models import (
+    TINY_GPT,
+    gpt,
+    gpt_batches,
+    mlp_batches,
+    mlp_params,
+    rel_diff,
+    train_reference,
+)
 
-MODEL, PARAMS = gpt()
+MODEL = GPT(TINY_GPT)
+
+
+@pytest.fixture
+def gpt_params() -> dict:
+    return gpt()[1]
 
 
 def masked_loss(params, batch):
@@ -55,10 +69,10 @@ def _train(engine, params, batches):
 
 @pytest.mark.parametrize("micro", [1, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_weighted_loss_is_exact_with_uneven_masks(stage, micro):
+def test_weighted_loss_is_exact_with_uneven_masks(stage, micro, gpt_params):
     data, tx = uneven_batches(), optax.sgd(0.5)  # the update is the gradient itself
     whole = lambda p, b: (lambda w: w.total / w.weight)(masked_loss(p, b))
-    ref_losses, ref_params = train_reference(whole, PARAMS, data, tx)
+    ref_losses, ref_params = train_reference(whole, gpt_params, data, tx)
     engine = jaxzero.Engine(
         masked_loss,
         tx,
@@ -68,18 +82,18 @@ def test_weighted_loss_is_exact_with_uneven_masks(stage, micro):
         per_layer=True,
         stacked=r"^blocks/",
     )
-    losses, params, tokens = _train(engine, PARAMS, data)
+    losses, params, tokens = _train(engine, gpt_params, data)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert rel_diff(params, ref_params) <= 1e-5
     assert tokens == [float(b["loss_mask"].sum()) for b in data]
 
 
-def test_the_scalar_form_of_the_same_loss_is_not_exact():
+def test_the_scalar_form_of_the_same_loss_is_not_exact(gpt_params):
     """The control: a mean per share, averaged over shares, weighs device 1's tokens less
     than device 7's; the same test as above then fails."""
     data, tx = uneven_batches(), optax.adamw(1e-2)
     whole = lambda p, b: (lambda w: w.total / w.weight)(masked_loss(p, b))
-    ref_losses, _ = train_reference(whole, PARAMS, data, tx)
+    ref_losses, _ = train_reference(whole, gpt_params, data, tx)
     engine = jaxzero.Engine(
         mean_of_shares,
         tx,
@@ -89,7 +103,7 @@ def test_the_scalar_form_of_the_same_loss_is_not_exact():
         per_layer=True,
         stacked=r"^blocks/",
     )
-    losses, _, _ = _train(engine, PARAMS, data)
+    losses, _, _ = _train(engine, gpt_params, data)
     assert np.max(np.abs(losses - ref_losses) / ref_losses) > 1e-2
 
 
@@ -136,11 +150,11 @@ def test_dropout_and_aux_are_the_same_at_any_stage_device_count_and_micro_batchi
     assert abs(float(metrics["loss"]) - one[0]["loss"]) > 1e-4, "the seed must matter"
 
 
-def test_eval_combines_like_the_step_and_passes_no_rng():
+def test_eval_combines_like_the_step_and_passes_no_rng(gpt_params):
     data = uneven_batches(1)[0]
     engine = jaxzero.Engine(masked_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(8), stage=2)
-    state = engine.init(PARAMS)
-    w = masked_loss(PARAMS, data)
+    state = engine.init(gpt_params)
+    w = masked_loss(gpt_params, data)
     np.testing.assert_allclose(float(engine.eval_loss(state, data)), w.total / w.weight, rtol=1e-5)
     engine = jaxzero.Engine(dropout_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=0)
     b = mlp_batches(1, batch=16)[0]
@@ -165,11 +179,11 @@ def test_a_loss_of_another_form_is_refused_naming_the_forms(bad, match):
     assert "jaxzero.Weighted(total, weight)" in str(e.value)
 
 
-def test_a_batch_with_nothing_to_learn_from_is_zero_not_nan():
+def test_a_batch_with_nothing_to_learn_from_is_zero_not_nan(gpt_params):
     data = uneven_batches(1)[0]
     data["loss_mask"][:] = 0  # every token a prompt
     engine = jaxzero.Engine(masked_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=1)
-    state, metrics = engine.step(engine.init(PARAMS), data)
+    state, metrics = engine.step(engine.init(gpt_params), data)
     assert float(metrics["loss"]) == 0.0 and float(metrics["tokens"]) == 0.0
     assert float(metrics["grad_norm"]) == 0.0
-    assert rel_diff(engine.gather_params(state), PARAMS) == 0.0
+    assert rel_diff(engine.gather_params(state), gpt_params) == 0.0
