@@ -64,15 +64,19 @@ def gpt_batches(n: int, batch: int = 16, cfg: GPTConfig = TINY_GPT, seed: int = 
 
 
 @functools.cache
-def _gpt_params(cfg: GPTConfig) -> dict:
+def _init(cls: type, cfg) -> dict:
     # jit: eager init dispatches op by op (8 s for the tiny GPT, 2 s compiled); cached
     # because several modules share one xdist worker.
-    return jax.tree.map(np.asarray, jax.jit(GPT(cfg).init)(jax.random.key(0)))
+    return jax.tree.map(np.asarray, jax.jit(cls(cfg).init)(jax.random.key(0)))
+
+
+def params_of(cls: type, cfg) -> dict:
+    """``cls(cfg).init(key(0))`` as numpy, a private copy (callers may write into it)."""
+    return jax.tree.map(np.copy, _init(cls, cfg))
 
 
 def gpt(cfg: GPTConfig = TINY_GPT):
-    """The model and a private copy of its params (callers may write into them)."""
-    return GPT(cfg), jax.tree.map(np.copy, _gpt_params(cfg))
+    return GPT(cfg), params_of(GPT, cfg)
 
 
 def train_reference(loss_fn, params, batches, tx):

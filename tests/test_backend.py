@@ -7,7 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import TINY_GPT, eigen_dots, gpt_batches, mlp_batches, mlp_loss, mlp_params, rel_diff
+from _models import (
+    TINY_GPT,
+    eigen_dots,
+    gpt,
+    gpt_batches,
+    mlp_batches,
+    mlp_loss,
+    mlp_params,
+    rel_diff,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -226,7 +235,7 @@ def test_attention_choice():
     with pytest.raises(ValueError, match="unknown attention 'flash'"):
         GPTConfig(attention="flash")
     cfg = dict(seq_len=8, d_model=16, n_layers=1, n_heads=2)
-    params = GPT(GPTConfig(**cfg)).init(jax.random.key(0))
+    _, params = gpt(GPTConfig(**cfg))
     tokens = jnp.zeros((1, 8), jnp.int32)
     auto = GPT(GPTConfig(**cfg, attention="auto")).apply(params, tokens)
     xla = GPT(GPTConfig(**cfg, attention="xla")).apply(params, tokens)

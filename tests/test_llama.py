@@ -20,7 +20,7 @@ from jaxzero.models import from_fields
 from jaxzero.models.llama import Llama, LlamaConfig, rope_frequencies
 from jaxzero.train import config as C
 from jaxzero.train import export as ex
-from tests._models import rel_diff, train_reference
+from tests._models import params_of, rel_diff, train_reference
 
 ROOT = Path(__file__).parent.parent
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -49,7 +49,7 @@ def _batches(n: int, cfg: LlamaConfig = TINY, rows: int = 16) -> list[dict]:
 @pytest.mark.parametrize("stage,micro", [(0, 1), (1, 2), (2, 1), (3, 2)])
 def test_llama_trains_like_one_device(stage, micro):
     model = Llama(dataclasses.replace(TINY, remat="full" if stage == 3 else "none"))
-    params = jax.tree.map(np.asarray, model.init(jax.random.key(0)))
+    params = params_of(Llama, TINY)
     tx, data = optax.adamw(1e-2), _batches(3)
     ref_losses, ref_params = train_reference(model.loss_fn, params, data, tx)
     engine = model.engine(tx, mesh=jaxzero.make_mesh(8), stage=stage, micro_batches=micro)
