@@ -14,21 +14,21 @@ one (in a random order each round) so that load from other processes hits all al
   plain ``jax.jit`` (XLA's partitioner inserts the collectives, no ``shard_map``).
 * **jaxzero**: ``Engine`` with its defaults, collectives written by hand.
 
-Models: ``gpt``, the reference Flax GPT (scanned blocks, per-layer gathering);
-``llama``, ``jaxzero.models.llama`` (Flax NNX, scanned layers, per-layer gathering,
-grouped-query attention: ``--kv-heads``, SwiGLU of ``--intermediate`` (default about
-8/3 x ``--d-model``, a multiple of 32), untied embeddings; its FLOPs are the model's
-own ``flops_per_token``); and ``plain``, the GPT of ``plain_gpt.py`` as a new user
-writes it (a pytree, layers unrolled by a Python loop, ``per_layer=False``).
+Models: the zoo of ``zoo.py`` (``--model``), written as users write them: ``user_gpt``
+(a pytree GPT with attention by hand, issue 22's model), ``plain`` (``plain_gpt.py``),
+``gpt`` (the reference Flax GPT, per-layer), ``llama`` (Flax NNX, per-layer),
+``convnet`` and ``embed`` (Flax Linen). ``--zoo`` runs each of them in its own process,
+``--invocations`` times, and prints per model and stage jaxzero's ratio to the faster
+plain-jit step and to GSPMD: the median and range over invocations.
 
-    python experiments/bench_step.py --model plain --runs 3   # 2 simulated CPU devices
-    python experiments/bench_step.py --model gpt --runs 3     # 8 simulated CPU devices
-    python experiments/bench_step.py --model llama --runs 3   # 8 simulated CPU devices
+    python experiments/bench_step.py --zoo                    # all models, 3 invocations
+    python experiments/bench_step.py --model user_gpt --runs 3
     python experiments/bench_step.py --devices 1 --stages 0 3 --precision bf16 \
-        --d-model 1024 --layers 24 --seq-len 1024 --batch 8   # one GPU: tokens/s, MFU
+        --model gpt --d-model 1024 --layers 24 --seq-len 1024 --batch 8   # one GPU: MFU
 
-Targets (issue 11): on ``plain``, stages 0-2 at most 1.10x and stage 3 at most 1.25x
-the plain-jit bar; on ``gpt``, stage 1 at most 1.10x GSPMD.
+Targets (issue 22), with jaxzero's defaults, on every model: stages 0-2 at most 1.10x
+the faster plain-jit step; stage 3 at most 1.25x (``per_layer=False``), 1.15x on the
+per-layer models.
 """
 
 from __future__ import annotations
@@ -40,35 +40,20 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).parent
-DEFAULTS = {  # devices, d_model, layers, heads, seq_len, vocab, batch, steps
-    "gpt": dict(
-        devices=8, d_model=128, layers=4, heads=4, seq_len=64, vocab=256, batch=16, steps=20
-    ),
-    "plain": dict(
-        devices=2, d_model=256, layers=4, heads=4, seq_len=128, vocab=256, batch=16, steps=22
-    ),
-    # and kv_heads (grouped-query attention); intermediate: None is about 8/3 x d_model
-    "llama": dict(
-        devices=8,
-        d_model=128,
-        layers=4,
-        heads=4,
-        kv_heads=2,
-        intermediate=None,
-        seq_len=64,
-        vocab=256,
-        batch=16,
-        steps=20,
-    ),
-}
-TARGETS = {"plain": {"jit": {0: 1.10, 1: 1.10, 2: 1.10, 3: 1.25}}, "gpt": {"gspmd": {1: 1.10}}}
+sys.path.insert(0, str(HERE))
+import zoo  # noqa: E402 - sibling scripts, not a package
+from results_io import read_csv, write_csv  # noqa: E402
+
+
+def target(model: str, stage: int) -> float:
+    """The most jaxzero's step may take, as a multiple of the faster plain-jit step."""
+    if stage < 3:
+        return 1.10
+    return 1.15 if model in zoo.PER_LAYER else 1.25
 
 
 def readme_table(path: pathlib.Path) -> str:
     """The README's table from a ``--csv`` file: medians over runs, ratio ranges."""
-    sys.path.insert(0, str(HERE))
-    from results_io import read_csv
-
     rows = read_csv(path)
     out = [
         "| stage | jaxzero ms | plain jit ms (donating / not) | GSPMD ms | shard_map pmean ms "
@@ -90,9 +75,95 @@ def readme_table(path: pathlib.Path) -> str:
     return "\n".join(out)
 
 
+HLO_OPS = ("copy", "transpose", "dot", "fusion", "all-gather", "reduce-scatter", "all-reduce")
+
+
+def hlo_census(compiled) -> str:
+    """What a compiled step is made of: instructions of the kinds that cost on XLA:CPU
+    (copies, transposes, dots and collectives outside fusions, fusions) and its
+    temp/aliased memory. Reads the HLO text: an analysis aid, not an API."""
+    import re
+    from collections import Counter
+
+    ops, fused = Counter(), False
+    for line in compiled.as_text().splitlines():
+        if head := re.match(r"(?:ENTRY )?%?([\w.-]+) .*\{$", line):  # a computation begins
+            fused = "fused" in head.group(1) or head.group(1).startswith("wrapped")
+        elif not fused and (m := re.match(r"\s*(?:ROOT )?%?[\w.-]+ = .*? ([a-z][\w-]*)\(", line)):
+            ops[m.group(1)] += 1
+    mem = compiled.memory_analysis()
+    mib = lambda n: f"{n / 2**20:.1f}"
+    return (
+        ", ".join(f"{k} {ops[k] + ops[k + '-start']}" for k in HLO_OPS)
+        + f"; temp {mib(mem.temp_size_in_bytes)} MiB, aliased {mib(mem.alias_size_in_bytes)} MiB"
+    )
+
+
+def zoo_table(rows: list[dict]) -> str:
+    """The docs' table of a ``--zoo`` CSV: per model and stage, median (range) over
+    invocations of jaxzero's step over the faster plain-jit step and over GSPMD, the
+    target, and what donating costs plain jit and jaxzero (donating / not)."""
+    span = lambda v: f"{statistics.median(v):.2f} ({min(v):.2f}–{max(v):.2f})"
+    jit = lambda r: min(r["jit_donate_ms"], r["jit_no_donate_ms"])
+    out = [
+        "| model | stage | jaxzero ms | vs plain jit | vs GSPMD | target | "
+        "plain jit donating / not | jaxzero donating / not |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    misses = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for stage in sorted({r["stage"] for r in rows if r["model"] == model}):
+            rs = [r for r in rows if r["model"] == model and r["stage"] == stage]
+            vs_jit = [r["jaxzero_ms"] / jit(r) for r in rs]
+            bar = target(model, stage)
+            met = statistics.median(vs_jit) <= bar
+            if not met:
+                misses.append(f"{model} stage {stage}")
+            donating = lambda r: (
+                r["jaxzero_ms"] / r["jaxzero_other_donation_ms"]
+                if r.get("jaxzero_other_donation_ms")
+                else float("nan")
+            )
+            out.append(
+                f"| {model} | {stage} | {statistics.median(r['jaxzero_ms'] for r in rs):.1f} | "
+                f"{span(vs_jit)} | {span([r['jaxzero_ms'] / r['gspmd_ms'] for r in rs])} | "
+                f"{bar:.2f} {'met' if met else '**missed**'} | "
+                f"{span([r['jit_donate_ms'] / r['jit_no_donate_ms'] for r in rs])} | "
+                f"{span([donating(r) for r in rs])} |"
+            )
+    out.append("")
+    out.append("targets: " + ("all met" if not misses else "MISSED: " + ", ".join(misses)))
+    return "\n".join(out)
+
+
+def run_zoo(args) -> int:
+    """Every model in its own process (its own device count), ``--invocations`` times,
+    models interleaved so that a slow spell of the machine hits them all."""
+    import subprocess
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.invocations):
+            for model in args.models or list(zoo.DEFAULTS):
+                csv = pathlib.Path(tmp) / f"{model}-{i}.csv"
+                cmd = [sys.executable, __file__, "--model", model, "--csv", str(csv)]
+                cmd += ["--both-donations", "--stages", *map(str, args.stages), *args.forward]
+                print(f"\n== {model}: invocation {i + 1} of {args.invocations}", flush=True)
+                subprocess.run(cmd, check=True)
+                rows += [r | {"invocation": i + 1} for r in read_csv(csv)]
+    path = args.csv or HERE / "results" / "bench_step_zoo.csv"
+    write_csv(path, rows)
+    print(f"\n{path}:\n{zoo_table(rows)}")
+    return 0
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=sorted(DEFAULTS), default="gpt")
+    p.add_argument("--model", choices=sorted(zoo.DEFAULTS), default="gpt")
+    p.add_argument("--zoo", action="store_true", help="every model, each in its own process")
+    p.add_argument("--models", nargs="+", choices=sorted(zoo.DEFAULTS), help="--zoo: these only")
+    p.add_argument("--invocations", type=int, default=3, help="--zoo: processes per model")
     p.add_argument("--devices", type=int)
     p.add_argument(
         "--simulate",
@@ -119,6 +190,9 @@ def parse_args(argv):
         default=989.0,
         help="dense bf16 peak of one device, for MFU (H100/H200: 989)",
     )
+    p.add_argument(
+        "--hlo", action="store_true", help="print what each compiled step is made of; no timing"
+    )
     p.add_argument("--csv", type=pathlib.Path, help="write per-run medians here")
     p.add_argument("--table", type=pathlib.Path, help="print README's table of a --csv file")
     p.add_argument(
@@ -127,7 +201,13 @@ def parse_args(argv):
         help="also time jaxzero with the other donation setting",
     )
     args = p.parse_args(argv)
-    for k, v in DEFAULTS[args.model].items():
+    # what --zoo forwards to every model (tests shrink the zoo this way)
+    args.forward = [
+        f"--{k.replace('_', '-')}={getattr(args, k)}"
+        for k in ("devices", "d_model", "layers", "heads", "seq_len", "vocab", "batch", "steps")
+        if getattr(args, k) is not None
+    ]
+    for k, v in zoo.DEFAULTS[args.model].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.model == "llama" and args.intermediate is None:
@@ -142,8 +222,11 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.table:
-        print(readme_table(args.table))
+        rows = read_csv(args.table)
+        print(zoo_table(rows) if "invocation" in rows[0] else readme_table(args.table))
         return 0
+    if args.zoo:
+        return run_zoo(args)
     from jaxzero.mesh import accelerator_expected, simulate_devices
 
     if args.simulate or not accelerator_expected():
@@ -162,66 +245,12 @@ def main(argv=None) -> int:
     tx = optax.adamw(1e-4)
     mesh = jaxzero.make_mesh(args.devices)
     cdt = jnp.bfloat16 if args.precision == "bf16" else jnp.float32
-    if args.model == "gpt":
-        from jaxzero.models.gpt import GPT, GPTConfig
-
-        model = GPT(
-            GPTConfig(
-                vocab_size=args.vocab,
-                seq_len=args.seq_len,
-                d_model=args.d_model,
-                n_layers=args.layers,
-                n_heads=args.heads,
-                remat=args.remat,
-            )
-        )
-        loss_fn, init_fn = model.loss_fn, model.init
-        new_engine = lambda stage, donate=None: model.engine(
-            tx, mesh=mesh, stage=stage, precision=args.precision, donate=donate
-        )
-    elif args.model == "llama":
-        from jaxzero.models.llama import Llama, LlamaConfig
-
-        model = Llama(
-            LlamaConfig(
-                vocab_size=args.vocab,
-                hidden_size=args.d_model,
-                intermediate_size=args.intermediate,
-                num_hidden_layers=args.layers,
-                num_attention_heads=args.heads,
-                num_key_value_heads=args.kv_heads,
-                seq_len=args.seq_len,
-                max_position_embeddings=max(2048, args.seq_len),
-                tie_word_embeddings=False,
-                remat=args.remat,
-            )
-        )
-        loss_fn, init_fn = model.loss_fn, model.init
-        new_engine = lambda stage, donate=None: model.engine(
-            tx, mesh=mesh, stage=stage, precision=args.precision, donate=donate
-        )
-    else:
-        sys.path.insert(0, str(HERE))
-        import plain_gpt
-
-        loss_fn = lambda p, b: plain_gpt.loss_fn(p, b, n_heads=args.heads)
-        init_fn = lambda key: plain_gpt.init(
-            key, args.vocab, args.seq_len, args.d_model, args.layers
-        )
-        new_engine = lambda stage, donate=None: jaxzero.Engine(
-            loss_fn, tx, mesh=mesh, stage=stage, precision=args.precision, donate=donate
-        )
+    built = zoo.build(args, mesh, tx)
+    loss_fn, init_fn, new_engine = built.loss_fn, built.init_fn, built.new_engine
     key = jax.random.key(0)
     n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(init_fn, key)))
     tokens_per_step = args.batch * args.seq_len
-    if args.model == "llama":  # GQA-aware, the untied input embedding left out (a lookup)
-        flops_per_step = model.flops_per_token(n_params) * tokens_per_step
-    else:
-        flops_per_step = (
-            6.0 * n_params + 12.0 * args.layers * args.d_model * args.seq_len
-        ) * tokens_per_step
-    tokens = np.random.default_rng(0).integers(0, args.vocab, (args.batch, args.seq_len + 1))
-    batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+    batch = built.batch
 
     def plain_jit(donate: bool, explicit: bool = False):
         """The data-parallel step without jaxzero: replicated state, sharded batch.
@@ -300,8 +329,10 @@ def main(argv=None) -> int:
     dp_batch = jax.device_put(batch, NamedSharding(mesh, P(mesh.axis_names)))
     runs = [(f"plain jit, donate={d}", *plain_jit(d), dp_batch) for d in (True, False)]
     runs.append(("shard_map pmean", *plain_jit(True, explicit=True), dp_batch))
+    engines = {}  # for --hlo
     for stage in args.stages:
         engine = new_engine(stage)
+        engines[f"jaxzero {stage}"] = engine
         b = engine.shard_batch(batch)
         runs.append((f"jaxzero {stage}", engine.step, engine.init_from(init_fn, key), b))
         if args.both_donations:  # the other setting too, to compare
@@ -316,6 +347,12 @@ def main(argv=None) -> int:
             )
         runs.append((f"GSPMD {stage}", gspmd_step_for(engine), engine.init_from(init_fn, key), b))
     donates = engine.donate
+    if args.hlo:
+        for name, step, state, b in runs:
+            e = engines.get(name)
+            compiled = e.compile(state, b) if e else step.lower(state, b).compile()
+            print(f"{name}: {hlo_census(compiled)}")
+        return 0
 
     states = [r[2] for r in runs]
 
@@ -388,17 +425,19 @@ def main(argv=None) -> int:
         vs_gspmd = [m[f"jaxzero {s}"] / m[f"GSPMD {s}"] for m in per_run]
         vs_sm = [m[f"jaxzero {s}"] / m["shard_map pmean"] for m in per_run]
         t = statistics.median(zero)
-        mfu = flops_per_step / t / (args.peak_tflops * 1e12 * args.devices) * 100
-        mfu = f"{mfu:>6.2f}" if jax.default_backend() == "gpu" else f"{'n/a':>6}"
+        mfu = f"{'n/a':>6}"
+        if built.flops_per_step is not None and jax.default_backend() == "gpu":
+            peak = args.peak_tflops * 1e12 * args.devices
+            mfu = f"{built.flops_per_step / t / peak * 100:>6.2f}"
         base = statistics.median(m[f"GSPMD {s}"] for m in per_run)
         print(
             f"{s:>5} {t * 1e3:>11.1f} {base * 1e3:>9.1f} {spread(vs_jit):>19} "
             f"{spread(vs_gspmd):>19} {spread(vs_sm):>19} {tokens_per_step / t:>9.0f} {mfu}"
         )
-        for base, ratios in (("jit", vs_jit), ("gspmd", vs_gspmd)):
-            bar = TARGETS.get(args.model, {}).get(base, {}).get(s)
-            if bar is not None and statistics.median(ratios) > bar:
-                misses.append(f"stage {s} is {statistics.median(ratios):.3f}x {base} > {bar}")
+        if statistics.median(vs_jit) > target(args.model, s):
+            misses.append(
+                f"stage {s} is {statistics.median(vs_jit):.3f}x jit > {target(args.model, s)}"
+            )
         for r, m in enumerate(per_run):
             rows.append(
                 {
@@ -411,6 +450,11 @@ def main(argv=None) -> int:
                     "jit_no_donate_ms": m["plain jit, donate=False"] * 1e3,
                     "shard_map_ms": m["shard_map pmean"] * 1e3,
                 }
+                | (
+                    {"jaxzero_other_donation_ms": m[f"jaxzero {s} donate={not donates}"] * 1e3}
+                    if args.both_donations
+                    else {}
+                )
             )
     if args.both_donations:
         other = not donates
@@ -422,12 +466,8 @@ def main(argv=None) -> int:
                 for s in args.stages
             )
         )
-    if args.model in TARGETS:
-        print("targets: " + ("all met" if not misses else "MISSED: " + "; ".join(misses)))
+    print("targets: " + ("all met" if not misses else "MISSED: " + "; ".join(misses)))
     if args.csv:
-        sys.path.insert(0, str(HERE))
-        from results_io import write_csv
-
         write_csv(
             args.csv,
             [{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in rows],

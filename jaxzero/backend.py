@@ -4,9 +4,9 @@ Three choices depend on the hardware, not on the model:
 
 * **Donation.** Donating the train state lets XLA write the new state into the
   old buffers, so a step needs one copy of the state, not two. That is the point
-  on accelerators, where the state is what fills the device. On XLA:CPU it was
-  measured within a few percent either way, model by model (:data:`DONATE`), so
-  every backend donates by default and ``Engine(donate=False)`` is the switch.
+  on accelerators, where the state is what fills the device. On XLA:CPU neither
+  setting is faster across the benchmark zoo (:data:`DONATE`), so every backend
+  donates by default and ``Engine(donate=False)`` is the switch.
 * **Overlap (GPU).** ZeRO-3 pays only if layer i+1's all-gather runs while layer
   i computes, and stage 2–3's reduce-scatters while the backward goes on. XLA's
   GPU compiler does exactly this (FSDP's prefetch, done by the scheduler) when
@@ -33,9 +33,10 @@ import jax
 from jax.sharding import Mesh, SingleDeviceSharding
 
 # Whether the step donates its state by default, per platform (others: True). On
-# XLA:CPU neither setting is faster across models (experiments/bench_step.py
-# --both-donations: donating 1.00-1.04x the other's step time on the plain-pytree
-# GPT at 2 devices, 0.96-1.00x on the reference GPT at 8), so memory decides here too.
+# XLA:CPU neither setting is faster across models (experiments/bench_step.py --zoo,
+# docs/performance.md: jaxzero's donating step within a few percent of the other on
+# most of six models, but 1.10-1.13x on user_gpt's stage 0 and 1.07-1.29x on embed's
+# stage 3, two invocations), so memory decides here too until three invocations say more.
 DONATE: dict[str, bool] = {"cpu": True, "gpu": True, "tpu": True}
 
 # Whether gradients pass collectives.dot_barrier before reduction, per platform (others:

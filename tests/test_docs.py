@@ -159,6 +159,12 @@ def test_performance_page_speed_tables_quote_the_benchmark_results(model):
     assert table in PAGES["performance.md"], f"{model}: table differs from the CSV:\n{table}"
 
 
+def test_performance_page_zoo_table_quotes_the_benchmark_results():
+    table = _bench_table("zoo").split("\n\ntargets:")[0]
+    assert table.startswith("| model | stage | jaxzero ms |"), table
+    assert table in PAGES["performance.md"], f"the zoo table differs from the CSV:\n{table}"
+
+
 def test_models_page_speed_table_quotes_the_benchmark_results():
     table = _bench_table("llama")
     assert table.startswith("| stage | jaxzero ms |"), table
