@@ -65,8 +65,8 @@ def gpt_batches(n: int, batch: int = 16, cfg: GPTConfig = TINY_GPT, seed: int = 
 
 @functools.cache
 def _init(cls: type, cfg) -> dict:
-    # jit: eager init dispatches op by op (8 s for the tiny GPT, 2 s compiled); cached
-    # because several modules share one xdist worker.
+    # jit: an eager init dispatches op by op (GPT.init compiles itself; Llama's does
+    # not); cached because several modules share one xdist worker.
     return jax.tree.map(np.asarray, jax.jit(cls(cfg).init)(jax.random.key(0)))
 
 
