@@ -1,10 +1,9 @@
 """One process of a 2-process job set up from torchrun's variables alone (test_multiprocess.py).
 
 Trains the odd MLP at stage 3 on 4 devices, then with hybrid sharding (2 groups of 2),
-and prints the losses and where each group's devices live as one JSON line (rank 0).
+and reports the losses and where each group's devices live (rank 0).
 """
 
-import json
 import sys
 
 import jaxzero.distributed
@@ -15,6 +14,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _models import mlp_batches, mlp_loss, mlp_params  # noqa: E402
+from _procs import write_report  # noqa: E402
 
 import jaxzero  # noqa: E402
 from jaxzero.train.data import process_rows  # noqa: E402
@@ -34,6 +34,6 @@ for name, mesh in [("stage3", jaxzero.make_mesh(4)), ("hybrid", jaxzero.make_mes
     out[name + "_params"] = {k: v.tolist() for k, v in engine.gather_params(state).items()}
     out[name + "_groups"] = [[d.process_index for d in row] for row in np.atleast_2d(mesh.devices)]
 if job.rank == 0:
-    print(json.dumps(out))
+    write_report(out)
 jaxzero.distributed.shutdown()
 sys.exit(0)

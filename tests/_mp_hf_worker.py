@@ -1,7 +1,6 @@
 """One process of 2 x 2 CPU devices loading, fine-tuning and saving a Hugging Face
 checkpoint (spawned by test_hf.py): each process reads only its devices' slices."""
 
-import json
 import sys
 
 import jax
@@ -17,6 +16,7 @@ import math  # noqa: E402
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _procs import write_report  # noqa: E402
 
 import jaxzero  # noqa: E402
 from jaxzero import hf  # noqa: E402
@@ -47,5 +47,5 @@ sharded = {
     for lay in jax.tree.leaves(engine.layouts, is_leaf=jaxzero.partition.is_layout)
     if lay.sharded
 }
-print(json.dumps({"losses": losses, "read": elements, "sharded": sharded}))
+write_report({"losses": losses, "read": elements, "sharded": sharded})
 jax.distributed.shutdown()

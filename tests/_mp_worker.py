@@ -1,6 +1,5 @@
 """One process of a 2-process, 4-device training run (spawned by test_multiprocess.py)."""
 
-import json
 import sys
 
 import jax
@@ -15,6 +14,7 @@ jax.distributed.initialize(
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _models import mlp_batches, mlp_loss, mlp_params  # noqa: E402
+from _procs import write_report  # noqa: E402
 
 import jaxzero  # noqa: E402
 from jaxzero import distributed  # noqa: E402
@@ -31,5 +31,5 @@ final = engine.gather_params(state)
 lost = distributed.lost_ranks(60)  # both ask: the coordination service sees both alive
 if proc == 0:
     np.savez(out, **final)
-    print(json.dumps({"losses": losses, "lost": lost}))
+    write_report({"losses": losses, "lost": lost})
 jax.distributed.shutdown()

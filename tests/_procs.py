@@ -1,5 +1,6 @@
-"""Helpers for tests that start processes: free ports, and finding what is left of a run."""
+"""Helpers for tests that start processes: free ports, reports, and what is left of a run."""
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -24,3 +25,19 @@ def alive_with(marker: str) -> list[int]:
             if marker.encode() in environ and state != "Z":
                 found.append(int(d.name))
     return found
+
+
+REPORT = "JAXZERO_TEST_REPORT"  # where a worker process writes its result as JSON
+
+
+def write_report(obj: object) -> None:
+    """A worker's result, written to the file its test named (never stdout, where gloo's
+    C++ logging can land mid-line at any moment)."""
+    path = Path(os.environ[REPORT])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
+
+
+def read_report(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

@@ -186,7 +186,7 @@ def test_a_model_built_here_saves_as_its_architecture(tmp_path):
 def test_two_processes_read_their_own_slices_and_save_together(tmp_path):
     """2 processes x 2 devices at stage 3: each reads about half of every sharded param
     (its devices' slices), the fine-tune trains like one device, hf.save writes once."""
-    from _procs import free_port
+    from _procs import REPORT, free_port, read_report
 
     src, out, port = FIXTURES / "llama_gqa/sharded", tmp_path / "out", free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -201,10 +201,11 @@ def test_two_processes_read_their_own_slices_and_save_together(tmp_path):
         ),
     )
     worker = Path(__file__).parent / "_mp_hf_worker.py"
+    reports = [tmp_path / f"report{i}.json" for i in range(2)]
     procs = [
         subprocess.Popen(
             [sys.executable, str(worker), str(i), str(port), str(src), str(out)],
-            env=env,
+            env={**env, REPORT: str(reports[i])},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -214,11 +215,7 @@ def test_two_processes_read_their_own_slices_and_save_together(tmp_path):
     results = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err[-3000:]
-    # gloo prints to stdout too, at any moment: the result is the line that is JSON
-    runs = [
-        json.loads(next(ln for ln in reversed(o.splitlines()) if ln.startswith("{")))
-        for o, _ in results
-    ]
+    runs = [read_report(r) for r in reports]
     assert runs[0]["sharded"], "stage 3 on 4 devices shards the larger params"
     for path, size in runs[0]["sharded"].items():
         for run in runs:

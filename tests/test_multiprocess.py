@@ -1,6 +1,5 @@
 """Two processes x two CPU devices (jax.distributed over gloo) train like one device."""
 
-import json
 import os
 import re
 import signal
@@ -15,16 +14,17 @@ import numpy as np
 import optax
 import pytest
 from _models import mlp_batches, mlp_loss, mlp_params, rel_diff, train_engine, train_reference
-from _procs import alive_with, free_port
+from _procs import REPORT, alive_with, free_port, read_report
 
 HERE = Path(__file__).parent
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_two_processes_match_one_device(stage, tmp_path):
-    port, out = free_port(), tmp_path / "final.npz"
+    port, out, report = free_port(), tmp_path / "final.npz", tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    env[REPORT] = str(report)
     procs = [
         subprocess.Popen(
             [sys.executable, str(HERE / "_mp_worker.py"), str(i), str(port), str(stage), str(out)],
@@ -38,7 +38,7 @@ def test_two_processes_match_one_device(stage, tmp_path):
     results = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err[-3000:]
-    report = json.loads(results[0][0].strip().splitlines()[-1])
+    report = read_report(report)
     losses = report["losses"]
     assert report["lost"] == []  # distributed.lost_ranks asked JAX's coordination service
     ref_losses, ref_params = train_reference(
@@ -76,15 +76,20 @@ def _torchrun_env(rank: int, port: int, world: int = 2, **extra: str) -> dict[st
     )
 
 
-def test_torchrun_variables_alone_stage3_and_hybrid_match_one_process_of_4():
+def test_torchrun_variables_alone_stage3_and_hybrid_match_one_process_of_4(tmp_path):
     """2 processes x 2 devices, set up by jaxzero.distributed.initialize() with no arguments."""
     import jaxzero
 
-    port = free_port()
+    port, report = free_port(), tmp_path / "report.json"
     procs = [
         subprocess.Popen(
             [sys.executable, str(HERE / "_mp_env_worker.py")],
-            env=_torchrun_env(i, port, XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+            env=_torchrun_env(
+                i,
+                port,
+                XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                **{REPORT: str(report)},
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -94,7 +99,7 @@ def test_torchrun_variables_alone_stage3_and_hybrid_match_one_process_of_4():
     results = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err[-3000:]
-    got = json.loads(results[0][0].strip().splitlines()[-1])
+    got = read_report(report)
     assert (got["rank"], got["world_size"], got["local_rank"]) == (0, 2, 0)
     assert "rank 1 of 2 | local rank 1 of 2" in results[1][1]
     assert "2 process(es) x 2 local device(s) = 4 devices" in results[0][1]  # rank 0's summary
@@ -318,7 +323,7 @@ def test_world_sizes_that_differ_between_processes_are_refused():
     ), err[-2000:]
 
 
-def test_a_store_holding_master_port_does_not_stop_a_torchrun_job():
+def test_a_store_holding_master_port_does_not_stop_a_torchrun_job(tmp_path):
     """As under torchrun, whose rendezvous store listens on MASTER_PORT on rank 0's host:
     with TORCHELASTIC_RUN_ID set the coordinator takes the next port and the job trains."""
     import socket
@@ -343,6 +348,7 @@ def test_a_store_holding_master_port_does_not_stop_a_torchrun_job():
                     port,
                     TORCHELASTIC_RUN_ID="test",
                     XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                    **{REPORT: str(tmp_path / "report.json")},
                 ),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
