@@ -117,7 +117,10 @@ def _use_bwd(ops, _, cotangents):
     :mod:`jaxzero.step`), and this reduce-scatter is the only reduction.
     """
     op = ops[0]
-    gs = [collectives.dot_barrier(g) if op.dot_barrier else g for g in cotangents]
+    gs = [
+        collectives.dot_barrier(g) if o.dot_barrier else g
+        for o, g in zip(ops, cotangents, strict=True)
+    ]
     if not op.reduce:  # stages 0-1: the step reduces after the backward pass
         return tuple(gs), tuple(None for _ in ops)
     gs = [g.astype(op.reduce_dtype) for g in gs]  # already each device's share

@@ -95,38 +95,63 @@ def _map(f, layouts, *trees):
     return jax.tree.map(lambda lay, *xs: f(lay, *xs), layouts, *trees, is_leaf=is_layout)
 
 
-def model_view(cfg: StepConfig, layouts: Any, params: Any, slots: Any = None) -> Any:
+def model_view(
+    cfg: StepConfig, layouts: Any, params: Any, slots: Any = None, barriers: Any = None
+) -> Any:
     """What ``loss_fn`` receives: plain arrays (stages 0–1) or gathered/hooked leaves.
 
     A per-layer model at stages 0–1 with the dot barrier gets hooked leaves too, whose
     backward only applies the barrier inside each layer (in a scan over layers, where
-    the step's own barrier after the backward pass comes too late).
+    the step's own barrier after the backward pass comes too late). ``barriers``: which
+    leaves take it (:func:`dot_barriers`; None: every leaf, if ``cfg.dot_barrier``).
     """
     reduce = cfg.stage >= 2
     if not reduce and not (cfg.per_layer and cfg.dot_barrier):
         return params
+    if barriers is None:
+        barriers = _map(lambda lay: cfg.dot_barrier, layouts)
 
-    def wrap(lay: LeafLayout, value, slot=None):
+    def wrap(lay: LeafLayout, barrier: bool, value, slot=None):
         op = UseOp(
             lay,
             cfg.stage == 3,
             jnp.dtype(cfg.reduce_dtype).name,
             cfg.extra_axes,
             bucket_bytes=cfg.bucket_bytes,
-            dot_barrier=cfg.dot_barrier,
+            dot_barrier=barrier,
             reduce=reduce,
         )
         return Stored(value, slot, op)
 
-    stored = _map(wrap, layouts, params, slots) if reduce else _map(wrap, layouts, params)
+    trees = (barriers, params, slots) if reduce else (barriers, params)
+    stored = _map(wrap, layouts, *trees)
     return stored if cfg.per_layer else use_params(stored)
 
 
-def _loss(cfg: StepConfig, loss_fn: LossFn, view: Any, batch: Any, keys: Any = None) -> Any:
+def dot_barriers(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any) -> Any:
+    """Which leaves' gradients pass :func:`collectives.dot_barrier` (all False when the
+    barrier is off): those that may be a dot's, from a trace of the plain model's
+    gradient (whole params, no hooks; ``use_params`` is the identity on them).
+    ``batch``: a micro-batch's shapes (``jax.ShapeDtypeStruct``)."""
+    if not cfg.dot_barrier:
+        return _map(lambda lay: False, layouts)
+    whole = _map(lambda lay, x: jax.ShapeDtypeStruct(lay.shape, x.dtype), layouts, params)
+    rows = jax.tree.leaves(batch)[0].shape[0]
+
+    def grad(p, b):
+        keys = None if cfg.rng_seed is None else loss_lib.row_keys(cfg.rng_seed, 0, 0, rows)
+        return jax.grad(lambda p: loss_lib.unpack(_loss(cfg, loss_fn, p, b, keys, False))[0])(p)
+
+    return collectives.dot_gradients(grad, whole, batch)
+
+
+def _loss(
+    cfg: StepConfig, loss_fn: LossFn, view: Any, batch: Any, keys: Any = None, check=True
+) -> Any:
     """``loss_fn(view, batch[, keys])``; per-layer models are first checked to use
     ``use_params``."""
     fn = loss_fn if cfg.rng_seed is None else (lambda v, b, k=keys: loss_fn(v, b, k))
-    if cfg.per_layer and cfg.stage >= 2:
+    if check and cfg.per_layer and cfg.stage >= 2:
         check_uses(fn, view, batch)
     return fn(view, batch)
 
@@ -163,9 +188,14 @@ def local_gradients(
     rows = jax.tree.leaves(batch)[0].shape[0]
     first = _first_row(cfg, rows)
     form: dict[str, bool] = {}  # set while tracing: which form the loss returned
+    mb0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows // k, *x.shape[1:]), x.dtype), batch)
+    barriers = dot_barriers(cfg, layouts, loss_fn, params, mb0)
 
     def loss_of(diff, mb, j):
-        view = model_view(cfg, layouts, params, diff) if hooked else model_view(cfg, layouts, diff)
+        if hooked:
+            view = model_view(cfg, layouts, params, diff, barriers)
+        else:
+            view = model_view(cfg, layouts, diff, barriers=barriers)
         keys = None
         if cfg.rng_seed is not None:
             keys = loss_lib.row_keys(cfg.rng_seed, step, first + j * (rows // k), rows // k)
@@ -181,8 +211,10 @@ def local_gradients(
 
     def grad_fn(diff, mb, j):
         (_, terms), grads = value_and_grad(diff, mb, j)
-        if cfg.dot_barrier and not hooked and not cfg.per_layer:  # else in use_params
-            grads = jax.tree.map(collectives.dot_barrier, grads)
+        if not hooked and not cfg.per_layer:  # else in use_params
+            grads = jax.tree.map(
+                lambda g, on: collectives.dot_barrier(g) if on else g, grads, barriers
+            )
         return terms, grads
 
     if k == 1:

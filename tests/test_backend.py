@@ -213,6 +213,35 @@ def test_dot_barrier_switch(stage, micro_batches):
         jaxzero.Engine(mlp_loss, tx, mesh=jaxzero.make_mesh(1), dot_barrier=1)
 
 
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_dot_barrier_skips_an_embeddings_scatter_add(stage, monkeypatch):
+    """Only weight gradients pass the barrier (its two transposes of an embedding's
+    scatter-add gradient were pure cost); training is the same either way."""
+    from jaxzero import collectives
+
+    rng = np.random.default_rng(0)
+    params = {
+        "emb": (0.3 * rng.standard_normal((64, 16))).astype(np.float32),
+        "w": (0.3 * rng.standard_normal((16, 24))).astype(np.float32),
+        "b": np.zeros((24,), np.float32),
+    }
+    batch = {"t": rng.integers(0, 64, (8, 5)).astype(np.int32)}
+
+    def loss(p, b):
+        return jnp.mean(jnp.tanh(p["emb"][b["t"]] @ p["w"] + p["b"]) ** 2)
+
+    seen, barrier = [], collectives.dot_barrier
+    monkeypatch.setattr(collectives, "dot_barrier", lambda g: seen.append(g.shape) or barrier(g))
+    tx, mesh = optax.adam(1e-2), jaxzero.make_mesh(2)
+    finals = {}
+    for on in (True, False):
+        engine = jaxzero.Engine(loss, tx, mesh=mesh, stage=stage, dot_barrier=on)
+        state, _ = engine.step(engine.init(params), batch)
+        finals[on] = engine.gather_params(state)
+    assert seen == [(16, 24)]  # traced once, with the barrier on, for w alone
+    assert rel_diff(finals[True], finals[False]) < 1e-5
+
+
 def test_dot_barrier_reaches_scanned_layers():
     """In a scan over layers the weight-gradient dots sit in the loop body, where a barrier
     after the backward pass comes too late: ``use_params``'s backward applies it there, at

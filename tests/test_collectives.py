@@ -105,6 +105,31 @@ def test_dot_barrier_keeps_the_weight_gradient_dot_fused(reduce):
         assert collectives.dot_barrier(y) is y
 
 
+@pytest.mark.unit
+def test_dot_gradients_finds_the_weight_gradients():
+    """The barrier goes where a gradient may be a dot's transpose: a weight (also through a
+    bf16 cast, tied to an embedding, or inside a scan, which is not looked into), not an
+    embedding's scatter-add, a bias, or a leaf the loss does not use."""
+
+    def loss(p, t):
+        h = p["emb"][t].astype(jnp.bfloat16) @ p["w"].astype(jnp.bfloat16) + p["b"]
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h + p["tied"][t], p["stack"])
+        return jnp.sum(h @ p["tied"].T)
+
+    p = {
+        "emb": jnp.ones((10, 4)),
+        "w": jnp.ones((4, 6)),
+        "b": jnp.ones((6,)),
+        "stack": jnp.ones((2, 6, 6)),
+        "tied": jnp.ones((10, 6)),
+        "unused": jnp.ones((3, 3)),
+    }
+    tokens = jax.ShapeDtypeStruct((2, 5), jnp.int32)
+    got = collectives.dot_gradients(jax.grad(loss), p, tokens)
+    want = dict(emb=False, w=True, b=False, stack=True, tied=True, unused=False)
+    assert got == want
+
+
 def test_packed_collectives_match_per_leaf():
     """One all-gather / reduce-scatter for a layer equals one per leaf."""
     lays = [
