@@ -100,35 +100,46 @@ def dot_gradients(grad_fn, *args) -> object:
 
     Traced, not run (``args`` may be ``jax.ShapeDtypeStruct``). An embedding's
     gradient is a scatter-add, for which the barrier's two transposes of a
-    table-sized leaf are pure cost (1.59x against 1.43x plain jit on the zoo's
-    ``embed``). A leaf made inside a call, loop or custom rule (a scan over layers,
-    a nested jit) cannot be seen into and counts as a dot's, as does a sum with
+    table-sized leaf are pure cost. Calls and loops (``jnp.take``'s inner jit, a
+    scan over layers) are followed where their outputs line up with their inner
+    program's; one that cannot be seen into counts as a dot's, as does a sum with
     one (tied embeddings). Primitives are matched by identity (``jax.extend``).
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> loss = lambda p, t: jnp.sum(p["emb"][t] @ p["w"])
+      >>> loss = lambda p, t: jnp.sum(jnp.take(p["emb"], t, axis=0) @ p["w"])
       >>> p = {"emb": jnp.ones((10, 4)), "w": jnp.ones((4, 3))}
       >>> dot_gradients(jax.grad(loss), p, jnp.zeros((2, 5), jnp.int32))
       {'emb': False, 'w': True}
     """
     closed, shapes = jax.make_jaxpr(grad_fn, return_shape=True)(*args)
-    made = {v: eqn for eqn in closed.jaxpr.eqns for v in eqn.outvars}
+    flags = _from_dot(closed.jaxpr, list(closed.jaxpr.outvars), 0)
+    return jax.tree.unflatten(jax.tree.structure(shapes), flags)
 
-    def from_dot(v, depth: int = 0) -> bool:
+
+def _from_dot(jaxpr, outs: list, depth: int) -> list[bool]:
+    """Whether each of ``jaxpr``'s vars ``outs`` may be a transposed dot."""
+    made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+    def of(v, depth: int) -> bool:
         eqn = made.get(v) if isinstance(v, Var) else None
-        if eqn is None or depth > 16:  # an input, a constant, a zero
+        if eqn is None or depth > 32:  # an input, a constant, a zero
             return False
         if eqn.primitive is prim.transpose_p:
             return True
         if eqn.primitive is prim.scatter_add_p:  # its update rule is a jaxpr too
             return False
         if eqn.primitive in _THROUGH:
-            return any(from_dot(x, depth + 1) for x in eqn.invars)
-        return any(True for _ in jaxprs_in_params(eqn.params))  # unseen: keep the barrier
+            return any(of(x, depth + 1) for x in eqn.invars)
+        subs = [j for j in jaxprs_in_params(eqn.params) if len(j.outvars) == len(eqn.outvars)]
+        if not any(True for _ in jaxprs_in_params(eqn.params)):
+            return False  # a primitive that computes (a reduce, a select, ...), not a dot
+        if not subs:
+            return True  # a program whose outputs do not line up: keep the barrier
+        i = eqn.outvars.index(v)
+        return any(_from_dot(j, [j.outvars[i]], depth + 1)[0] for j in subs)
 
-    flags = [from_dot(v) for v in closed.jaxpr.outvars]
-    return jax.tree.unflatten(jax.tree.structure(shapes), flags)
+    return [of(v, depth) for v in outs]
 
 
 # --- packed: one collective for many leaves (a layer's params) -----------------------
