@@ -250,21 +250,53 @@ def reduce_gradients(cfg: StepConfig, layouts: Any, grads: Any) -> Any:
     return jax.tree.unflatten(treedef, [g.astype(jnp.float32) for g in gs])
 
 
+# A whole (replicated) gradient leaf at least this large (elements) has its squares
+# summed by each device over its 1/N only, then psum'd (global_norm).
+SPLIT_NORM_MIN = 1 << 15
+
+
 def global_norm(cfg: StepConfig, layouts: Any, grads: Any) -> jax.Array:
-    """The true L2 norm of the whole gradient, however it is sharded."""
-    sharded = jnp.zeros((), jnp.float32)
+    """The true L2 norm of the whole gradient, however it is sharded.
+
+    Each device sums the squares of its own part: a sharded leaf's shard, and 1/N of a
+    large whole leaf (every leaf at stage 0), then one psum. Summing every whole
+    leaf on every device wrote out the square of each and read it back: on the zoo's
+    ``embed`` (a 16 MiB gradient a device at 8 devices) that was 1.16x plain jit's
+    step against 1.04x without the norm. Small whole leaves are summed where they are.
+    """
+    n = jax.lax.axis_size(DATA)
+    parts = jnp.zeros((), jnp.float32)
     whole = jnp.zeros((), jnp.float32)
+    split = False
     for lay, g in zip(
         jax.tree.leaves(layouts, is_leaf=is_layout), jax.tree.leaves(grads), strict=True
     ):
-        sq = jnp.sum(jnp.square(g.astype(jnp.float32)))
         if cfg.stage >= 1 and lay.sharded:
-            sharded = sharded + sq
+            parts, split = parts + _sum_sq(g), True
+        elif n > 1 and g.size >= SPLIT_NORM_MIN:
+            parts, split = parts + _sum_sq_of_own_part(g, n), True
         else:
-            whole = whole + sq
-    if cfg.stage >= 1:
-        sharded = jax.lax.psum(sharded, DATA)
-    return jnp.sqrt(sharded + whole)
+            whole = whole + _sum_sq(g)
+    if split:
+        parts = jax.lax.psum(parts, DATA)
+    return jnp.sqrt(parts + whole)
+
+
+def _sum_sq(g: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.square(g.astype(jnp.float32)))
+
+
+def _sum_sq_of_own_part(g: jax.Array, n: int) -> jax.Array:
+    """This device's share of ``sum(g**2)`` for a ``g`` every device holds whole: its
+    1/n of the flat elements, the first device also the remainder."""
+    flat = g.reshape(-1)
+    size = flat.size // n
+    i = jax.lax.axis_index(DATA)
+    own = _sum_sq(jax.lax.dynamic_slice_in_dim(flat, i * size, size))
+    rest = flat[n * size :]
+    if rest.size:
+        own = own + jnp.where(i == 0, _sum_sq(rest), 0.0)
+    return own
 
 
 def clip(grads: Any, norm: jax.Array, max_norm: float | None) -> Any:

@@ -153,6 +153,31 @@ def _zero_carry_loss(p, batch):
     return total / batch["x"].shape[0]
 
 
+@pytest.mark.parametrize("stage, replicas", [(0, 1), (0, 2), (3, 1)])
+def test_grad_norm_splits_large_whole_leaves_over_devices(stage, replicas):
+    """A whole gradient leaf of at least step.SPLIT_NORM_MIN elements has each device sum
+    the squares of its 1/N (an odd size: the first device takes the remainder), then
+    one psum: the norm is still the one-device norm, the same on every device."""
+    from jaxzero import step as step_lib
+
+    rng = np.random.default_rng(0)
+    rows = step_lib.SPLIT_NORM_MIN // 131 + 2  # 252 x 131: 33012 elements, 33012 % 8 == 4
+    params = {"table": rng.standard_normal((rows, 131)).astype(np.float32), "b": np.ones(3)}
+    params["b"] = params["b"].astype(np.float32)
+    batch = {"i": rng.integers(0, rows, (16,)).astype(np.int32)}
+
+    def loss(p, b):
+        rows_used = jnp.sin(p["table"][b["i"]]).sum(-1)[:, None] * p["b"]
+        return jnp.mean(rows_used) + jnp.sum(jnp.cos(p["table"]))  # every element counts
+
+    grads = jax.grad(loss)(jax.tree.map(jnp.asarray, params), batch)
+    mesh = jaxzero.make_mesh(N, replicas=replicas)
+    engine = jaxzero.Engine(loss, optax.sgd(0.1), mesh=mesh, stage=stage)
+    state, metrics = engine.step(engine.init(params), batch)
+    assert rel_diff(metrics["grad_norm"], optax.tree.norm(grads)) <= 1e-6
+    assert _copies_differ(metrics) == []
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_step_gives_the_one_device_gradient_on_every_device(stage):
     """SGD at rate 1 moves the params by the gradient. The step's first shard_map must
