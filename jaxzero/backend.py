@@ -19,7 +19,9 @@ Three choices depend on the hardware, not on the model:
   XLA fold a weight gradient's transpose into its dot, which XLA:CPU then runs
   with Eigen instead of YNNPACK (:func:`jaxzero.collectives.dot_barrier`). That
   was 6–7% of a step on the plain-pytree GPT; :data:`DOT_BARRIER` puts a barrier
-  there on CPUs only, ``Engine(dot_barrier=...)`` is the switch.
+  there on CPUs only, on the gradients that may be a dot's
+  (:func:`jaxzero.collectives.dot_gradients`: not an embedding's scatter-add), and
+  ``Engine(dot_barrier=...)`` is the switch.
 """
 
 from __future__ import annotations
