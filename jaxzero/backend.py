@@ -36,9 +36,9 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 # Whether the step donates its state by default, per platform (others: True). On
 # XLA:CPU neither setting is faster across models (experiments/bench_step.py --zoo,
-# docs/performance.md: jaxzero's donating step within a few percent of the other on
-# most of six models, but 1.10-1.13x on user_gpt's stage 0 and 1.07-1.29x on embed's
-# stage 3, two invocations), so memory decides here too until three invocations say more.
+# docs/performance.md: jaxzero's donating step 0.92x-1.14x its non-donating one over
+# six models and two stages, geometric mean 1.01x), so memory decides here too:
+# a donating step holds one copy of the state, not two, the point on accelerators.
 DONATE: dict[str, bool] = {"cpu": True, "gpu": True, "tpu": True}
 
 # Whether gradients pass collectives.dot_barrier before reduction, per platform (others:
