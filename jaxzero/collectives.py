@@ -131,9 +131,10 @@ def _from_dot(jaxpr, outs: list, depth: int) -> list[bool]:
             return False
         if eqn.primitive in _THROUGH:
             return any(of(x, depth + 1) for x in eqn.invars)
-        subs = [j for j in jaxprs_in_params(eqn.params) if len(j.outvars) == len(eqn.outvars)]
-        if not any(True for _ in jaxprs_in_params(eqn.params)):
+        inner = list(jaxprs_in_params(eqn.params))
+        if not inner:
             return False  # a primitive that computes (a reduce, a select, ...), not a dot
+        subs = [j for j in inner if len(j.outvars) == len(eqn.outvars)]
         if not subs:
             return True  # a program whose outputs do not line up: keep the barrier
         i = eqn.outvars.index(v)
