@@ -36,8 +36,8 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 # Whether the step donates its state by default, per platform (others: True). On
 # XLA:CPU neither setting is faster across models (experiments/bench_step.py --zoo,
-# docs/performance.md: jaxzero's donating step 0.92x-1.14x its non-donating one over
-# six models and two stages, geometric mean 1.01x), so memory decides here too:
+# docs/performance.md: jaxzero's donating step 0.92x-1.15x its non-donating one over
+# six models, two stages and two invocations, geometric mean 1.01x), so memory decides:
 # a donating step holds one copy of the state, not two, the point on accelerators.
 DONATE: dict[str, bool] = {"cpu": True, "gpu": True, "tpu": True}
 
