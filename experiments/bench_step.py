@@ -19,7 +19,8 @@ Models: the zoo of ``zoo.py`` (``--model``), written as users write them: ``user
 ``gpt`` (the reference Flax GPT, per-layer), ``llama`` (Flax NNX, per-layer),
 ``convnet`` and ``embed`` (Flax Linen). ``--zoo`` runs each of them in its own process,
 ``--invocations`` times, and prints per model and stage jaxzero's ratio to the faster
-plain-jit step and to GSPMD: the median and range over invocations.
+plain-jit step and to GSPMD: the median and range over invocations. Nothing is timed
+unless every contestant's first-step loss is plain jit's (``--check`` stops there).
 
     python experiments/bench_step.py --zoo                    # all models, 3 invocations
     python experiments/bench_step.py --model user_gpt --runs 3
@@ -160,6 +161,18 @@ def run_zoo(args) -> int:
     return 0
 
 
+def check_losses(losses: dict[str, float], reference: str, rtol: float) -> None:
+    """Every contestant's first-step loss is the reference's, or nothing is timed: all start
+    from the same init and batch, so a contestant that differs is not the same model."""
+    want = losses[reference]
+    off = {k: v for k, v in losses.items() if not abs(v - want) <= rtol * abs(want)}
+    if off:
+        raise SystemExit(
+            f"first-step losses differ from {reference}'s {want!r} by more than rtol {rtol}: "
+            f"{off}; a contestant is not training the same model, so timing it means nothing"
+        )
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=sorted(zoo.DEFAULTS), default="gpt")
@@ -191,6 +204,11 @@ def parse_args(argv):
         type=float,
         default=989.0,
         help="dense bf16 peak of one device, for MFU (H100/H200: 989)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="one step of plain jit and each jaxzero stage, their losses compared; no timing",
     )
     p.add_argument(
         "--hlo", action="store_true", help="print what each compiled step is made of; no timing"
@@ -327,16 +345,22 @@ def main(argv=None) -> int:
             donate_argnums=0,
         )
 
-    # (name, step, state, batch)
+    # (name, step, state, batch); --check: only what the losses are checked against
     dp_batch = jax.device_put(batch, NamedSharding(mesh, P(mesh.axis_names)))
-    runs = [(f"plain jit, donate={d}", *plain_jit(d), dp_batch) for d in (True, False)]
-    runs.append(("shard_map pmean", *plain_jit(True, explicit=True), dp_batch))
+    runs = [
+        (f"plain jit, donate={d}", *plain_jit(d), dp_batch)
+        for d in ((False,) if args.check else (True, False))
+    ]
+    if not args.check:
+        runs.append(("shard_map pmean", *plain_jit(True, explicit=True), dp_batch))
     engines = {}  # for --hlo
     for stage in args.stages:
         engine = new_engine(stage)
         engines[f"jaxzero {stage}"] = engine
         b = engine.shard_batch(batch)
         runs.append((f"jaxzero {stage}", engine.step, engine.init_from(init_fn, key), b))
+        if args.check:
+            continue
         if args.both_donations:  # the other setting too, to compare
             other = new_engine(stage, donate=not engine.donate)
             runs.append(
@@ -377,10 +401,17 @@ def main(argv=None) -> int:
                 times[i].append(time.perf_counter() - t)
         return [statistics.median(t) for t in times]
 
-    for _ in range(2):  # compile and warm up
-        for i, (_, step, _, b) in enumerate(runs):
+    first_losses = {}
+    for _ in range(1 if args.check else 2):  # compile and warm up
+        for i, (name, step, _, b) in enumerate(runs):
             states[i], m = step(states[i], b)
-            jax.block_until_ready(m)
+            first_losses.setdefault(name, float(m["loss"]))
+    check_losses(
+        first_losses, "plain jit, donate=False", 2e-2 if args.precision == "bf16" else 1e-4
+    )
+    if args.check:
+        print(f"{args.model}: first-step losses agree: {first_losses}")
+        return 0
 
     shape = (
         f" ({args.heads} heads, {args.kv_heads} kv, intermediate {args.intermediate})"
