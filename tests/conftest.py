@@ -8,6 +8,8 @@ test with two tiers fails collection.
 
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+# One persistent compilation cache per test session, shared by the xdist workers and by
+# the subprocesses they start (they inherit the environment): across modules the tests
+# compile many identical tiny programs (the same engine at the same shapes), and XLA:CPU
+# compiles, not steps, are most of the suite's time. A hit is the same executable (same
+# HLO, memory analysis and results), so what the tests check does not change. A size
+# limit turns on JAX's file lock, so that two processes never read a half-written entry.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxzero-tests-xla-")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 TIERS = ("unit", "equivalence", "system")
 
@@ -115,3 +128,10 @@ def pytest_pycollect_makeitem(collector, name, obj):
             if not item.get_closest_marker(tier):
                 item.add_marker(getattr(pytest.mark, tier))
     return made
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The session's compilation cache goes with it (the xdist controller made it; its
+    workers inherited it and leave it alone)."""
+    if _OWN_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
