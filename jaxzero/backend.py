@@ -4,9 +4,10 @@ Three choices depend on the hardware, not on the model:
 
 * **Donation.** Donating the train state lets XLA write the new state into the
   old buffers, so a step needs one copy of the state, not two. That is the point
-  on accelerators, where the state is what fills the device. On XLA:CPU neither
-  setting is faster across the benchmark zoo (:data:`DONATE`), so every backend
-  donates by default and ``Engine(donate=False)`` is the switch.
+  on accelerators, where the state is what fills the device, and there every
+  stage donates. On XLA:CPU a donating step is slower wherever the params are whole
+  (stages 0-2) and costs nothing at stage 3, so there only stage 3 donates by
+  default (:data:`DONATE`); ``Engine(donate=...)`` is the switch.
 * **Overlap (GPU).** ZeRO-3 pays only if layer i+1's all-gather runs while layer
   i computes, and stage 2–3's reduce-scatters while the backward goes on. XLA's
   GPU compiler does exactly this (FSDP's prefetch, done by the scheduler) when
@@ -34,12 +35,28 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, SingleDeviceSharding
 
-# Whether the step donates its state by default, per platform (others: True). On
-# XLA:CPU neither setting is faster across models (experiments/bench_step.py --zoo,
-# docs/performance.md: jaxzero's donating step 0.92x-1.15x its non-donating one over
-# six models, two stages and two invocations, geometric mean 1.01x), so memory decides:
-# a donating step holds one copy of the state, not two, the point on accelerators.
-DONATE: dict[str, bool] = {"cpu": True, "gpu": True, "tpu": True}
+# The stages whose step donates its state by default, per platform (others: every
+# stage). Measured on XLA:CPU across the benchmark zoo (experiments/bench_step.py --zoo
+# --both-donations, docs/performance.md), jaxzero's donating step over its non-donating
+# one: stages 0-2, where the whole params are an input and an output, 0.91-1.39x,
+# geometric mean 1.06x (six models, three invocations at stage 0, one at stages 1-2);
+# stage 3, whose params are stored sharded, 0.93-1.05x. So on CPUs speed decides
+# below stage 3 and memory (one copy of the state, not two) at stage 3, the stage a
+# user picks for memory; accelerators always donate.
+DONATE: dict[str, tuple[int, ...]] = {"cpu": (3,), "gpu": (0, 1, 2, 3), "tpu": (0, 1, 2, 3)}
+
+# Engine(bucket_mb=None): the largest packed collective, in MiB: stages 1-2's reduce-scatter
+# and all-gather of the whole model, and each per-layer use_params call's at stages 2-3.
+BUCKET_MB = 64
+
+# Engine(bucket_mb=None): the bucket of a per_layer=False model's one use_params call (the
+# whole tree gathered before the forward pass and reduce-scattered after the backward,
+# stages 2-3), per platform (others: BUCKET_MB). On XLA:CPU packing the whole tree costs
+# what packing a layer saves: at stage 3, interleaved in one process, issue 22's user_gpt
+# ran at 1.30x plain jit packed and 0.96x one collective a leaf (packing the gather alone
+# 1.12x, the reduce-scatter alone 1.06x), the plain GPT 1.13x and 1.11x; per layer, the
+# scanned Llama ran at 1.04x packed and 1.21x a leaf (docs/performance.md).
+WHOLE_TREE_BUCKET_MB: dict[str, float] = {"cpu": 0}
 
 # Whether gradients pass collectives.dot_barrier before reduction, per platform (others:
 # False). On XLA:CPU the hand-written shard_map step of the plain-pytree GPT went
@@ -106,9 +123,23 @@ def _switch(
     return choice
 
 
-def donate(choice: bool | None, mesh: Mesh) -> bool:
-    """``choice``, or the platform's default (:data:`DONATE`) when it is None."""
-    return _switch("donate", choice, DONATE, True, mesh)
+def donate(choice: bool | None, mesh: Mesh, stage: int) -> bool:
+    """``choice``, or the platform's default for ``stage`` (:data:`DONATE`) when it is
+    None."""
+    defaults = {p: stage in stages for p, stages in DONATE.items()}
+    return _switch("donate", choice, defaults, True, mesh)
+
+
+def bucket_bytes(choice: float | None, mesh: Mesh) -> tuple[int, int]:
+    """The largest packed collective, in bytes, of a layer (and of stages 1-2's end of
+    step) and of a whole-tree ``use_params`` call: ``choice`` MiB for both, or
+    :data:`BUCKET_MB` and the platform's :data:`WHOLE_TREE_BUCKET_MB` when it is None."""
+    if choice is None:
+        whole = WHOLE_TREE_BUCKET_MB.get(platform(mesh), BUCKET_MB)
+        return int(BUCKET_MB * 2**20), int(whole * 2**20)
+    if isinstance(choice, bool) or not isinstance(choice, (int, float)) or choice < 0:
+        raise ValueError(f"bucket_mb must be a non-negative number of MiB, got {choice!r}")
+    return int(choice * 2**20), int(choice * 2**20)
 
 
 def dot_barrier(choice: bool | None, mesh: Mesh) -> bool:

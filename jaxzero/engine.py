@@ -2,7 +2,7 @@
 
 The engine owns the static decisions (layouts, shardings, the jitted step) and
 holds no arrays: state goes in and out of :meth:`Engine.step`, which donates it
-by default (``donate=``, see :mod:`jaxzero.backend`).
+(on accelerators by default, on CPUs at stage 3; ``donate=``, see :mod:`jaxzero.backend`).
 """
 
 from __future__ import annotations
@@ -77,9 +77,12 @@ class Engine:
         stages 1–2's reduce-scatter and all-gather of the whole model, and each
         ``use_params`` call's gather and reduce-scatter at stages 2–3. One rendezvous
         a bucket instead of one a leaf, for at most one bucket of extra memory. 0:
-        one collective per leaf.
+        one collective per leaf. None: the backend's default
+        (:data:`jaxzero.backend.BUCKET_MB`, 64; a ``per_layer=False`` model's whole-tree
+        call on CPUs one collective a leaf, :data:`jaxzero.backend.WHOLE_TREE_BUCKET_MB`).
       donate: whether the step donates (consumes) its input state, so the new state
-        reuses its buffers. None: the backend's default (:data:`jaxzero.backend.DONATE`).
+        reuses its buffers. None: the backend's default for the stage
+        (:data:`jaxzero.backend.DONATE`: every stage on accelerators, stage 3 on CPUs).
         Either way, use only the state a step returns.
       dot_barrier: pass each gradient through :func:`jaxzero.collectives.dot_barrier`
         before it is reduced (per-layer models: in each layer's ``use_params``
@@ -136,7 +139,7 @@ class Engine:
         rules: Sequence[Rule] = (),
         stacked: str | None = None,
         min_shard_size: int = 64,
-        bucket_mb: float = 64,
+        bucket_mb: float | None = None,
         donate: bool | None = None,
         dot_barrier: bool | None = None,
         seed: int = 0,
@@ -150,8 +153,6 @@ class Engine:
             raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
-        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
-            raise ValueError(f"bucket_mb must be a non-negative number of MiB, got {bucket_mb!r}")
         if optimizer is None:
             raise TypeError(
                 "optimizer is required: pass an optax transformation, e.g. optax.adamw(1e-3)"
@@ -169,8 +170,8 @@ class Engine:
         self.micro_batches, self.max_grad_norm = micro_batches, max_grad_norm
         self.per_layer, self.rules, self.stacked = per_layer, tuple(rules), stacked
         self.min_shard_size = min_shard_size
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        self.donate = backend.donate(donate, self.mesh)
+        self.bucket_bytes, self.whole_tree_bucket_bytes = backend.bucket_bytes(bucket_mb, self.mesh)
+        self.donate = backend.donate(donate, self.mesh, stage)
         self.dot_barrier = backend.dot_barrier(dot_barrier, self.mesh)
         self.compiler_options = backend.compiler_options(self.mesh, compiler_options)
         self.rng_seed = int(seed) if loss_lib.takes_rng(loss_fn) else None
@@ -208,6 +209,7 @@ class Engine:
             batch_axes=batch_axes(self.mesh),
             batch_devices=self.batch_devices,
             bucket_bytes=self.bucket_bytes,
+            whole_tree_bucket_bytes=self.whole_tree_bucket_bytes,
             dot_barrier=self.dot_barrier,
             rng_seed=self.rng_seed,
         )
@@ -547,7 +549,8 @@ class Engine:
         return batch
 
     def step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One optimizer step on the global ``batch``; ``state`` is consumed (donated).
+        """One optimizer step on the global ``batch``; ``state`` is consumed (donated,
+        :attr:`donate`): use only the state a step returns.
 
         Returns the new state and ``{"loss", "grad_norm"}`` (replicated scalars), with
         ``"tokens"`` (the global weight) for a weighted loss and ``"aux"`` when the
@@ -619,6 +622,8 @@ class EngineLike(Protocol):
       micro_batches: gradient accumulation steps per optimizer step.
       per_layer: whether the model gathers (stage 3) and reduces per layer.
       bucket_bytes: the largest packed collective, in bytes.
+      whole_tree_bucket_bytes: the same in a ``per_layer=False`` model's one
+        ``use_params`` call (the whole tree).
       donate: whether the step donates its input state.
     """
 
@@ -633,6 +638,7 @@ class EngineLike(Protocol):
     micro_batches: int
     per_layer: bool
     bucket_bytes: int
+    whole_tree_bucket_bytes: int
     donate: bool
 
     @property

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxzero
 from jaxzero import backend
+from jaxzero.accounting.comm import collectives_from_hlo
 from jaxzero.models.gpt import GPT, GPTConfig, attention_impl
 
 
@@ -144,8 +145,9 @@ def test_donation_switch():
             assert jax.tree.leaves(old.opt_state)[1].is_deleted() is donate
         finals[donate] = engine.gather_params(state)
     assert rel_diff(finals[True], finals[False]) == 0
-    default = jaxzero.Engine(mlp_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(1))
-    assert default.donate is backend.DONATE["cpu"]
+    for stage in range(4):  # on CPUs the default donates at stage 3 only
+        default = jaxzero.Engine(mlp_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=stage)
+        assert default.donate is (stage == 3) and backend.DONATE["cpu"] == (3,)
     with pytest.raises(TypeError, match="donate must be True, False or None"):
         jaxzero.Engine(mlp_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(1), donate="yes")
 
@@ -184,6 +186,36 @@ def _plain_jit_eigen_dots(params, batch, tx, mesh):
     p = jax.device_put(params, NamedSharding(mesh, P()))
     b = jax.device_put(batch, NamedSharding(mesh, P("data")))
     return eigen_dots(jax.jit(step).lower((p, tx.init(p)), b).compile().as_text())
+
+
+@pytest.mark.unit
+def test_bucket_defaults_per_platform(monkeypatch):
+    """None: 64 MiB, a CPU whole-tree call one collective a leaf; a number: both."""
+    mesh = jaxzero.make_mesh(2)
+    assert backend.bucket_bytes(None, mesh) == (64 << 20, 0)
+    assert backend.bucket_bytes(0.5, mesh) == (1 << 19, 1 << 19)
+    monkeypatch.setattr(backend, "platform", lambda m: "gpu")
+    assert backend.bucket_bytes(None, mesh) == (64 << 20, 64 << 20)
+    for bad in (-1, True, "64"):
+        with pytest.raises(ValueError, match="bucket_mb must be a non-negative number"):
+            backend.bucket_bytes(bad, mesh)
+
+
+@pytest.mark.parametrize("bucket_mb", [None, 64])
+def test_whole_tree_collectives_go_leaf_by_leaf_on_cpu_by_default(bucket_mb):
+    """A per_layer=False stage-3 step: by default (on CPUs) one all-gather and one
+    reduce-scatter per sharded leaf; an explicit bucket_mb packs them as asked."""
+    params, batches = mlp_params(), mlp_batches(1)
+    engine = jaxzero.Engine(
+        mlp_loss, optax.adam(1e-2), mesh=jaxzero.make_mesh(2), stage=3, bucket_mb=bucket_mb
+    )
+    state = engine.init(params)
+    found = collectives_from_hlo(engine.compile(state, batches[0]).as_text()).collectives
+    lays = jax.tree.leaves(engine.layouts, is_leaf=lambda x: isinstance(x, jaxzero.LeafLayout))
+    sharded = sum(lay.sharded for lay in lays)
+    assert sharded > 1
+    for kind in ("all-gather", "reduce-scatter"):
+        assert len([c for c in found if c.kind == kind]) == (sharded if bucket_mb is None else 1)
 
 
 # stage 0's gradients; the use_params backward; accumulated over micro-batches
