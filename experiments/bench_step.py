@@ -200,6 +200,9 @@ def parse_args(argv):
     p.add_argument("--runs", type=int, default=1, help="timing passes (compiled once)")
     p.add_argument("--remat", default="none")
     p.add_argument(
+        "--bucket-mb", type=float, help="Engine(bucket_mb=...) (default: the backend's choice)"
+    )
+    p.add_argument(
         "--peak-tflops",
         type=float,
         default=989.0,

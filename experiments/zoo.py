@@ -202,7 +202,9 @@ def build(args, mesh, tx) -> Built:
     tokens = rng.integers(0, args.vocab, (args.batch, args.seq_len + 1))
     tokens = tokens.astype(np.int32)
     lm_batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    kw = lambda stage, donate: dict(mesh=mesh, stage=stage, precision=args.precision, donate=donate)
+    kw = lambda stage, donate: dict(
+        mesh=mesh, stage=stage, precision=args.precision, donate=donate, bucket_mb=args.bucket_mb
+    )
     tokens_per_step = args.batch * args.seq_len
     gpt_flops = lambda n: (
         (6.0 * n + 12.0 * args.layers * args.d_model * args.seq_len) * (tokens_per_step)
