@@ -93,7 +93,7 @@ def takes_rng(loss_fn: Callable) -> bool:
     return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
-def row_keys(seed: int, step: jax.Array, first_row: jax.Array, rows: int) -> jax.Array:
+def row_keys(seed: int, step: jax.Array | int, first_row: jax.Array | int, rows: int) -> jax.Array:
     """One key per row: ``fold_in(fold_in(key(seed), step), first_row + i)``."""
     base = jax.random.fold_in(jax.random.key(seed), step)
     return jax.vmap(lambda r: jax.random.fold_in(base, r))(first_row + jnp.arange(rows))
