@@ -499,19 +499,16 @@ def main(argv=None) -> int:
                     else {}
                 )
             )
+
+    def donating_over_not(m: dict, s: int) -> float:
+        default, other = m[f"jaxzero {s}"], m[f"jaxzero {s} donate={not donates[s]}"]
+        return default / other if donates[s] else other / default
+
     if args.both_donations:
         print(
             "jaxzero's donating step / its non-donating one, median (range) over runs: "
             + ", ".join(
-                f"stage {s} "
-                + spread(
-                    [
-                        (lambda r: r if donates[s] else 1 / r)(
-                            m[f"jaxzero {s}"] / m[f"jaxzero {s} donate={not donates[s]}"]
-                        )
-                        for m in per_run
-                    ]
-                )
+                f"stage {s} " + spread([donating_over_not(m, s) for m in per_run])
                 for s in args.stages
             )
         )

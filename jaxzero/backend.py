@@ -40,7 +40,8 @@ from jax.sharding import Mesh, SingleDeviceSharding
 # --both-donations, docs/performance.md), jaxzero's donating step over its non-donating
 # one: stages 0-2, where the whole params are an input and an output, 0.91-1.39x,
 # geometric mean 1.06x (six models, three invocations at stage 0, one at stages 1-2);
-# stage 3, whose params are stored sharded, 0.93-1.05x. So on CPUs speed decides
+# stage 3, whose params are stored sharded, 0.93-1.05x (1.32x once, in a run the machine
+# shared with a compile job). So on CPUs speed decides
 # below stage 3 and memory (one copy of the state, not two) at stage 3, the stage a
 # user picks for memory; accelerators always donate.
 DONATE: dict[str, tuple[int, ...]] = {"cpu": (3,), "gpu": (0, 1, 2, 3), "tpu": (0, 1, 2, 3)}
