@@ -21,9 +21,11 @@ Models: the zoo of ``zoo.py`` (``--model``), written as users write them: ``user
 ``--invocations`` times, and prints per model and stage jaxzero's ratio to the faster
 plain-jit step and to GSPMD: the median and range over invocations. Nothing is timed
 unless every contestant's first-step loss is plain jit's (``--check`` stops there).
+``--profile`` says where each contestant's step spends its time instead (``step_profile.py``).
 
     python experiments/bench_step.py --zoo                    # all models, 3 invocations
     python experiments/bench_step.py --model user_gpt --runs 3
+    python experiments/bench_step.py --model user_gpt --profile --runs 3 --steps 3
     python experiments/bench_step.py --devices 1 --stages 0 3 --precision bf16 \
         --model gpt --d-model 1024 --layers 24 --seq-len 1024 --batch 8   # one GPU: MFU
 
@@ -42,6 +44,7 @@ import time
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
+import step_profile  # noqa: E402
 import zoo  # noqa: E402 - sibling scripts, not a package
 from results_io import read_csv, write_csv  # noqa: E402
 
@@ -215,6 +218,12 @@ def parse_args(argv):
     )
     p.add_argument(
         "--hlo", action="store_true", help="print what each compiled step is made of; no timing"
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="kernel time by kind of each contestant's step (jax.profiler, --runs rounds of "
+        "--steps); no timing",
     )
     p.add_argument("--csv", type=pathlib.Path, help="write per-run medians here")
     p.add_argument("--table", type=pathlib.Path, help="print README's table of a --csv file")
@@ -415,6 +424,25 @@ def main(argv=None) -> int:
     )
     if args.check:
         print(f"{args.model}: first-step losses agree: {first_losses}")
+        return 0
+    if args.profile:
+
+        def one_step(i: int):
+            def run() -> None:
+                _, step, _, b = runs[i]
+                states[i], m = step(states[i], b)
+                jax.block_until_ready((states[i], m))
+
+            return run
+
+        steps = {name: one_step(i) for i, (name, *_) in enumerate(runs)}
+        kernels, walls = step_profile.profile(steps, args.steps, args.runs, args.devices)
+        print(
+            f"{args.model}, {args.devices} {jax.default_backend()} device(s): kernel ms per "
+            f"device per step by kind, {args.runs} round(s) of {args.steps} steps under "
+            f"jax.profiler (step ms: wall, profiler included)"
+        )
+        print(step_profile.table(kernels, walls))
         return 0
 
     shape = (

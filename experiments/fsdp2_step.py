@@ -27,6 +27,16 @@ import time
 SHAPES = dict(d_model=256, layers=4, heads=4, seq_len=128, vocab=256, batch=16)
 
 
+def hand_attention(q, k, v):
+    """``zoo.user_gpt_attention`` in PyTorch: (B, heads, S, head dim) in and out."""
+    import torch
+
+    s = q.shape[-2]
+    att = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    return att.masked_fill(~causal, -1e9).softmax(-1) @ v
+
+
 def build(args):
     import torch
     import torch.nn.functional as F
@@ -51,9 +61,7 @@ def build(args):
             if args.attention == "sdpa":
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:
-                att = q @ k.transpose(-2, -1) / math.sqrt(d // args.heads)
-                causal = torch.ones(s, s, dtype=torch.bool).tril()
-                y = att.masked_fill(~causal, -1e9).softmax(-1) @ v
+                y = hand_attention(q, k, v)
             x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
             return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 

@@ -114,6 +114,12 @@ def _norm(x, p, eps=1e-5):
     return (x - mu) / jnp.sqrt(var + eps) * p["scale"] + p["bias"]
 
 
+def user_gpt_attention(q, k, v, causal):
+    """Attention by hand, as issue 22's user wrote it: (B, heads, S, head dim) in and out."""
+    att = q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(q.shape[-1])
+    return jax.nn.softmax(jnp.where(causal, att, -1e9), axis=-1) @ v
+
+
 def user_gpt_loss(params: dict, batch: dict, n_heads: int) -> jax.Array:
     tokens = batch["inputs"]
     b, s = tokens.shape
@@ -126,9 +132,7 @@ def user_gpt_loss(params: dict, batch: dict, n_heads: int) -> jax.Array:
             t.reshape(b, s, n_heads, d // n_heads).transpose(0, 2, 1, 3)
             for t in jnp.split(qkv, 3, axis=-1)
         )
-        att = q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(d // n_heads)
-        att = jax.nn.softmax(jnp.where(causal, att, -1e9), axis=-1)
-        y = (att @ v).transpose(0, 2, 1, 3).reshape(b, s, d)
+        y = user_gpt_attention(q, k, v, causal).transpose(0, 2, 1, 3).reshape(b, s, d)
         x = x + y @ blk["proj"]["w"] + blk["proj"]["b"]
         h = jax.nn.gelu(_norm(x, blk["ln2"]) @ blk["fc"]["w"] + blk["fc"]["b"])
         x = x + h @ blk["out"]["w"] + blk["out"]["b"]

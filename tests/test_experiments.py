@@ -193,3 +193,21 @@ def test_zoo_models_the_driver_test_skips_take_a_step_like_plain_jit(model):
         "--vocab", vocab, *shrink,
     )  # fmt: skip
     assert f"{model}: first-step losses agree" in out and "'jaxzero 3'" in out
+
+
+def test_bench_step_profile_says_where_each_step_spends_its_time():
+    """--profile reads every contestant's kernels from a jax.profiler trace: stage 3's
+    step spends time in collectives (its all-gathers and reduce-scatters), every step
+    in some kernel."""
+    shrink = ["--layers", "1", "--d-model", "16", "--seq-len", "8", "--batch", "8"]
+    out = _run(
+        "bench_step.py", "--profile", "--model", "embed", "--stages", "3", "--devices", "2",
+        "--vocab", "64", "--steps", "1", *shrink,
+    )  # fmt: skip
+    header, *rows = out.split("largest kernels")[0].strip().splitlines()[1:]
+    kinds = header.split()
+    assert kinds[:3] == ["step", "ms", "collectives"] and kinds[-1] == "sum"
+    cells = {r.rsplit(None, 6)[0].strip(): [float(x) for x in r.rsplit(None, 6)[1:]] for r in rows}
+    assert set(cells) >= {"plain jit, donate=False", "jaxzero 3", "GSPMD 3"}
+    assert cells["jaxzero 3"][1] > 0  # collectives
+    assert all(c[-1] > 0 for c in cells.values())  # kernel time summed over kinds
