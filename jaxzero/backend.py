@@ -50,13 +50,16 @@ DONATE: dict[str, tuple[int, ...]] = {"cpu": (3,), "gpu": (0, 1, 2, 3), "tpu": (
 # and all-gather of the whole model, and each per-layer use_params call's at stages 2-3.
 BUCKET_MB = 64
 
-# Engine(bucket_mb=None): the bucket of a per_layer=False model's one use_params call (the
-# whole tree gathered before the forward pass and reduce-scattered after the backward,
-# stages 2-3), per platform (others: BUCKET_MB). On XLA:CPU packing the whole tree costs
-# what packing a layer saves: at stage 3, interleaved in one process, issue 22's user_gpt
-# ran at 1.30x plain jit packed and 0.96x one collective a leaf (packing the gather alone
+# Engine(bucket_mb=None): the bucket of a per_layer=False model's stage-3 use_params call
+# (the whole tree gathered before the forward pass and reduce-scattered after the
+# backward), per platform (others: BUCKET_MB). On XLA:CPU packing the whole tree there
+# costs what packing a layer saves: interleaved in one process, issue 22's user_gpt ran
+# at 1.30x plain jit packed and 0.96x one collective a leaf (packing the gather alone
 # 1.12x, the reduce-scatter alone 1.06x), the plain GPT 1.13x and 1.11x; per layer, the
-# scanned Llama ran at 1.04x packed and 1.21x a leaf (docs/performance.md).
+# scanned Llama ran at 1.04x packed and 1.21x a leaf. Stage 2's whole-tree reduce-scatter
+# packs (BUCKET_MB), as stage 1's does: one a leaf measured 1.10x against 1.07x packed
+# (user_gpt), 1.12x / 1.06x (plain), 1.05x / 0.98x (convnet); only embed, whose 16 MiB
+# table the packing copies, was faster a leaf (0.77x / 0.94x) (docs/performance.md).
 WHOLE_TREE_BUCKET_MB: dict[str, float] = {"cpu": 0}
 
 # Whether gradients pass collectives.dot_barrier before reduction, per platform (others:
@@ -133,7 +136,7 @@ def donate(choice: bool | None, mesh: Mesh, stage: int) -> bool:
 
 def bucket_bytes(choice: float | None, mesh: Mesh) -> tuple[int, int]:
     """The largest packed collective, in bytes, of a layer (and of stages 1-2's end of
-    step) and of a whole-tree ``use_params`` call: ``choice`` MiB for both, or
+    step) and of a stage-3 whole-tree ``use_params`` call: ``choice`` MiB for both, or
     :data:`BUCKET_MB` and the platform's :data:`WHOLE_TREE_BUCKET_MB` when it is None."""
     if choice is None:
         whole = WHOLE_TREE_BUCKET_MB.get(platform(mesh), BUCKET_MB)

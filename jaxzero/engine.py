@@ -78,8 +78,9 @@ class Engine:
         ``use_params`` call's gather and reduce-scatter at stages 2–3. One rendezvous
         a bucket instead of one a leaf, for at most one bucket of extra memory. 0:
         one collective per leaf. None: the backend's default
-        (:data:`jaxzero.backend.BUCKET_MB`, 64; a ``per_layer=False`` model's whole-tree
-        call on CPUs one collective a leaf, :data:`jaxzero.backend.WHOLE_TREE_BUCKET_MB`).
+        (:data:`jaxzero.backend.BUCKET_MB`, 64; a ``per_layer=False`` model's stage-3
+        whole-tree call on CPUs one collective a leaf,
+        :data:`jaxzero.backend.WHOLE_TREE_BUCKET_MB`).
       donate: whether the step donates (consumes) its input state, so the new state
         reuses its buffers. None: the backend's default for the stage
         (:data:`jaxzero.backend.DONATE`: every stage on accelerators, stage 3 on CPUs).
@@ -622,7 +623,7 @@ class EngineLike(Protocol):
       micro_batches: gradient accumulation steps per optimizer step.
       per_layer: whether the model gathers (stage 3) and reduces per layer.
       bucket_bytes: the largest packed collective, in bytes.
-      whole_tree_bucket_bytes: the same in a ``per_layer=False`` model's one
+      whole_tree_bucket_bytes: the same in a ``per_layer=False`` model's stage-3
         ``use_params`` call (the whole tree).
       donate: whether the step donates its input state.
     """

@@ -83,7 +83,7 @@ class StepConfig:
     batch_axes: tuple[str, ...]
     batch_devices: int  # devices the global batch is split over
     bucket_bytes: int = 0  # pack gradient/param collectives up to this size
-    whole_tree_bucket_bytes: int = 0  # the same, in a per_layer=False model's one use_params
+    whole_tree_bucket_bytes: int = 0  # the same, in a per_layer=False model's stage-3 use_params
     dot_barrier: bool = False  # collectives.dot_barrier on each micro-batch's gradients
     rng_seed: int | None = None  # loss_fn(params, batch, rng) gets per-row keys from it
 
@@ -118,7 +118,11 @@ def model_view(
             cfg.stage == 3,
             jnp.dtype(cfg.reduce_dtype).name,
             cfg.extra_axes,
-            bucket_bytes=cfg.bucket_bytes if cfg.per_layer else cfg.whole_tree_bucket_bytes,
+            bucket_bytes=(
+                cfg.whole_tree_bucket_bytes
+                if cfg.stage == 3 and not cfg.per_layer
+                else cfg.bucket_bytes
+            ),
             dot_barrier=barrier,
             reduce=reduce,
         )

@@ -201,21 +201,23 @@ def test_bucket_defaults_per_platform(monkeypatch):
             backend.bucket_bytes(bad, mesh)
 
 
-@pytest.mark.parametrize("bucket_mb", [None, 64])
-def test_whole_tree_collectives_go_leaf_by_leaf_on_cpu_by_default(bucket_mb):
-    """A per_layer=False stage-3 step: by default (on CPUs) one all-gather and one
-    reduce-scatter per sharded leaf; an explicit bucket_mb packs them as asked."""
+@pytest.mark.parametrize("stage, bucket_mb", [(3, None), (3, 64), (2, None)])
+def test_whole_tree_collectives_go_leaf_by_leaf_at_stage_3_on_cpu_by_default(stage, bucket_mb):
+    """A per_layer=False step: by default (on CPUs) stage 3 sends one all-gather and one
+    reduce-scatter per sharded leaf; stage 2 packs its reduce-scatter (and its end-of-step
+    all-gather) into one, as stage 1 does; an explicit bucket_mb packs as asked."""
     params, batches = mlp_params(), mlp_batches(1)
     engine = jaxzero.Engine(
-        mlp_loss, optax.adam(1e-2), mesh=jaxzero.make_mesh(2), stage=3, bucket_mb=bucket_mb
+        mlp_loss, optax.adam(1e-2), mesh=jaxzero.make_mesh(2), stage=stage, bucket_mb=bucket_mb
     )
     state = engine.init(params)
     found = collectives_from_hlo(engine.compile(state, batches[0]).as_text()).collectives
     lays = jax.tree.leaves(engine.layouts, is_leaf=lambda x: isinstance(x, jaxzero.LeafLayout))
     sharded = sum(lay.sharded for lay in lays)
     assert sharded > 1
+    per_leaf = stage == 3 and bucket_mb is None
     for kind in ("all-gather", "reduce-scatter"):
-        assert len([c for c in found if c.kind == kind]) == (sharded if bucket_mb is None else 1)
+        assert len([c for c in found if c.kind == kind]) == (sharded if per_leaf else 1)
 
 
 # stage 0's gradients; the use_params backward; accumulated over micro-batches

@@ -585,7 +585,7 @@ def report(
         "reduce_dtype": str(np.dtype(reduce_dtype)),
         "micro_batches": k,
         "bucket_mb": engine.bucket_bytes / 2**20,
-        "whole_tree_bucket_mb": engine.whole_tree_bucket_bytes / 2**20,  # per_layer=False
+        "whole_tree_bucket_mb": engine.whole_tree_bucket_bytes / 2**20,  # per_layer=False, stage 3
         "donate": engine.donate,  # without donation the peak holds two states
         "num_params": psi,
         "padded_params": ex.padded_params,
