@@ -29,6 +29,7 @@ each timing ``--runs`` passes over the parts (a fresh random order each pass) of
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import pathlib
 import random
@@ -112,8 +113,10 @@ def jax_worker(a, work: pathlib.Path) -> dict:
         return (loss, *update(g, s, p))
 
     m = a.batch * a.seq_len
-    keys = iter(jax.random.split(jax.random.key(1), 64))
-    normal = lambda *shape: jax.random.normal(next(keys), shape)
+    draws = itertools.count()
+    normal = lambda *shape: jax.random.normal(
+        jax.random.fold_in(jax.random.key(1), next(draws)), shape
+    )
     mats = [(normal(m, i), normal(i, o), normal(m, o)) for i, o in dense_shapes(a)]
 
     @jax.jit

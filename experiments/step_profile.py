@@ -32,6 +32,8 @@ KINDS = {
 # An HLO instruction's name: lower case, digits, '_', '-', '.' (the profiler's own events,
 # ThunkExecutor::Execute, Rendezvous, "Wait: ...", python frames, are not).
 KERNEL = re.compile(r"^[a-z][a-z0-9_.\-]*$")
+# Control flow whose event spans the kernels it runs (a scan's loop): not counted again.
+CONTAINER = re.compile(r"^(while|conditional|call)(\.\d+)?$")
 
 
 def kind(kernel: str) -> str:
@@ -50,7 +52,7 @@ def kernel_times(trace_dir: str) -> collections.Counter:
     out: collections.Counter = collections.Counter()
     for line in ops or lines:
         for ev in line.events:
-            if KERNEL.match(ev.name):
+            if KERNEL.match(ev.name) and not CONTAINER.match(ev.name):
                 out[ev.name] += ev.duration_ns
     return out
 
