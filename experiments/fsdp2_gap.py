@@ -40,7 +40,6 @@ import sys
 import tempfile
 import time
 
-HERE = pathlib.Path(__file__).parent
 PARTS = ["dots", "attention", "forward+backward", "adamw", "step"]
 LR, WEIGHT_DECAY = 1e-4, 1e-4  # bench_step's optax.adamw(1e-4); fsdp2_step's AdamW
 
@@ -121,7 +120,8 @@ def jax_worker(a, work: pathlib.Path) -> dict:
 
     @jax.jit
     def dots(mats):
-        return [jax.vjp(jnp.matmul, x, w)[1](dy) for x, w, dy in mats]
+        # the forward product returned too, or XLA drops it (PyTorch computes it)
+        return [(y, f(dy)) for (y, f), dy in ((jax.vjp(jnp.matmul, x, w), dy) for x, w, dy in mats)]
 
     hd = a.d_model // a.heads
     causal = jnp.tril(jnp.ones((a.seq_len, a.seq_len), dtype=bool))
@@ -130,7 +130,7 @@ def jax_worker(a, work: pathlib.Path) -> dict:
     @jax.jit
     def attention(qkvs):
         att = lambda q, k, v: zoo.user_gpt_attention(q, k, v, causal)
-        return [jax.vjp(att, q, k, v)[1](dy) for q, k, v, dy in qkvs]
+        return [(y, f(dy)) for (y, f), dy in ((jax.vjp(att, q, k, v), dy) for q, k, v, dy in qkvs)]
 
     jit_update = jax.jit(update)
     ready = jax.block_until_ready
