@@ -1,9 +1,15 @@
-"""Helpers for tests that start processes: free ports, reports, and what is left of a run."""
+"""Helpers for tests that start processes: free ports, reports, what is left of a run, and
+``run``/``Child``, the only way a test starts a process (every one under a deadline)."""
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import time
+import weakref
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -41,3 +47,76 @@ def write_report(obj: object) -> None:
 
 def read_report(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+class Child(subprocess.Popen):
+    """A process a test starts: in a process group of its own, with a deadline from its
+    start that every ``wait``/``communicate`` keeps to, and killed with its whole group
+    (the launcher's workers, a worker's helpers) when the deadline passes. A hung
+    collective in a child then fails its test in minutes instead of eating CI's budget.
+    ``timeout`` is required: a test says how long its process may take."""
+
+    def __init__(self, args: Any, *, timeout: float, **kwargs: Any) -> None:
+        kwargs.setdefault("start_new_session", True)
+        super().__init__(args, **kwargs)
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.killed = False
+        _LIVE.add(self)
+
+    def _bounded(self, timeout: float | None) -> float | None:
+        if self.killed:
+            return timeout
+        left = max(self.deadline - time.monotonic(), 0.0)
+        return left if timeout is None else min(timeout, left)
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            return super().wait(self._bounded(timeout))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= self.deadline:
+                self.kill_group()
+            raise
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
+        try:
+            return super().communicate(input, self._bounded(timeout))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= self.deadline:
+                self.kill_group()
+                super().communicate()  # drain the pipes of the dead group
+            raise
+
+    def kill_group(self) -> None:
+        """SIGKILL to the child's process group (its own, from ``start_new_session``)."""
+        self.killed = True
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        subprocess.Popen.wait(self)
+
+
+_LIVE: "weakref.WeakSet[Child]" = weakref.WeakSet()
+
+
+def reap() -> list[str]:
+    """Kill what a test left running (its children's groups); the commands killed."""
+    left = [c for c in list(_LIVE) if c.poll() is None]
+    for c in left:
+        c.kill_group()
+    _LIVE.clear()
+    return [" ".join(map(str, c.args))[:200] for c in left]
+
+
+def run(args: Any, *, timeout: float, capture_output: bool = False, **kwargs: Any):
+    """``subprocess.run`` for tests: a ``Child`` (own process group, killed whole on
+    expiry, ``subprocess.TimeoutExpired`` raised)."""
+    stdin = kwargs.pop("input", None)
+    if stdin is not None:
+        kwargs["stdin"] = subprocess.PIPE
+    if capture_output:
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with Child(args, timeout=timeout, **kwargs) as proc:
+        out, err = proc.communicate(stdin)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from _procs import reap
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
@@ -58,6 +59,7 @@ MODULES = {
     "test_optimizers": "equivalence",
     "test_packing": "equivalence",
     "test_partition": "unit",
+    "test_procs": "unit",
     "test_run_edges": "system",
     "test_run_failures": "system",
     "test_step": "equivalence",
@@ -135,3 +137,33 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     workers inherited it and leave it alone)."""
     if _OWN_CACHE and not hasattr(config, "workerinput"):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test():
+    """A process a test started (``_procs.Child``) and left running is killed with its
+    group when the test ends, passed or failed: nothing it started goes on eating CPU."""
+    yield
+    reap()
+
+
+# CI's lane timeout (.ci/run) names the tests that were running when it fired: each test
+# process writes the test it is in to a file of its own in this folder while it runs.
+# (xdist's controller hears of its workers' tests too: only the process running one writes.)
+_RUNNING = os.environ.get("JAXZERO_TESTS_RUNNING")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _RUNNING
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        _RUNNING = None
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    if _RUNNING:
+        Path(_RUNNING, str(os.getpid())).write_text(nodeid + "\n")
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
+    if _RUNNING:
+        Path(_RUNNING, str(os.getpid())).unlink(missing_ok=True)

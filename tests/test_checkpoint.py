@@ -8,6 +8,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import _procs
 import jax
 import numpy as np
 import optax
@@ -236,9 +237,7 @@ CRASH = textwrap.dedent("""
 def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path):
     d = tmp_path / "ck"
     script = CRASH.format(tests=str(Path(__file__).parent), d=str(d))
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
-    )
+    proc = _procs.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL and "saving" in proc.stdout, proc.stderr[-2000:]
     assert any("tmp" in p.name for p in d.iterdir())  # the save was cut short mid-write
     ckpt = jaxzero.CheckpointManager(d)  # opening cleans the partial one up
@@ -264,7 +263,7 @@ def test_a_script_that_ends_without_wait_keeps_its_checkpoint_and_prints_nothing
     """The save in flight completes as the interpreter exits, without orbax's
     "cannot schedule new futures" / "Event loop is closed" tracebacks."""
     d = tmp_path / "ck"
-    proc = subprocess.run(
+    proc = _procs.run(
         [sys.executable, "-c", ENDS_WITHOUT_WAIT.format(d=str(d))],
         capture_output=True,
         text=True,
@@ -301,10 +300,10 @@ def _records(run: Path) -> dict[int, float]:
 
 def _run_until(
     cmd: list[str], run: Path, step: int, sig: int, saved: int | None = None
-) -> tuple[subprocess.Popen, str]:
+) -> tuple[_procs.Child, str]:
     """Start ``cmd``; once ``step`` is logged (and checkpoint ``saved`` committed), send
     ``sig``; return the finished process and its stderr."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _procs.Child(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         ready = saved is None or (run / "checkpoints" / str(saved)).is_dir()
@@ -319,7 +318,7 @@ def _run_until(
 @pytest.mark.system
 def test_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
     env = {**os.environ}
-    full = subprocess.run(_cmd(tmp_path, "full"), capture_output=True, text=True, env=env)
+    full = _procs.run(_cmd(tmp_path, "full"), capture_output=True, text=True, env=env, timeout=300)
     assert full.returncode == 0, full.stderr[-2000:]
     want = _records(tmp_path / "full")
 
@@ -330,8 +329,12 @@ def test_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
     )
     assert proc.returncode == -signal.SIGKILL
     assert max(_records(run)) < 8  # killed before the end
-    again = subprocess.run(
-        _cmd(tmp_path, "x")[:3] + ["--resume", str(run)], capture_output=True, text=True, env=env
+    again = _procs.run(
+        _cmd(tmp_path, "x")[:3] + ["--resume", str(run)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resume from" in again.stdout and "(step 4)" in again.stdout
@@ -347,12 +350,13 @@ def test_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
     assert "stopped by SIGTERM after step" in err and f"--resume {run}" in err
     stopped = max(_records(run))
     assert jaxzero.CheckpointManager(run / "checkpoints").latest_step() == stopped
-    again = subprocess.run(
+    again = _procs.run(
         _cmd(tmp_path, "x")[:3]
         + ["--resume", "--name", "term", "--set", f"logging.root={tmp_path}", "--stage", "1"],
         capture_output=True,
         text=True,
         env=env,
+        timeout=300,
     )
     assert again.returncode == 0, again.stderr[-2000:]
     assert "changed parallel.stage: 3 -> 1" in again.stdout

@@ -9,6 +9,7 @@ import time
 import uuid
 from pathlib import Path
 
+import _procs
 import pytest
 from _procs import alive_with
 
@@ -175,7 +176,7 @@ def test_child_env_sets_both_families():
 
 
 def _launch(*argv, env=None, timeout=60):
-    return subprocess.run(
+    return _procs.run(
         [sys.executable, "-m", "jaxzero.cli", "launch", *argv],
         capture_output=True,
         text=True,
@@ -292,7 +293,7 @@ def test_signals_are_forwarded_to_every_process(sig):
         "print('ready', flush=True)\n"
         "time.sleep(60)\n"
     )
-    proc = subprocess.Popen(
+    proc = _procs.Child(
         [
             sys.executable,
             "-m",
@@ -308,6 +309,7 @@ def test_signals_are_forwarded_to_every_process(sig):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        timeout=60,
     )
     ready = 0
     while ready < 2:

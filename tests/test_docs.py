@@ -10,6 +10,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import _procs
 import numpy as np
 import pytest
 
@@ -138,10 +139,9 @@ def _check_stage_table(rows, memory, comm):
 def _bench_table(model: str) -> str:
     """What ``experiments/bench_step.py --table`` prints for the results CSV of ``model``
     (the script's own command, run as a reader would: no import of the script here)."""
-    import subprocess
 
     csv = ROOT / "experiments" / "results" / f"bench_step_{model}.csv"
-    done = subprocess.run(
+    done = _procs.run(
         [sys.executable, str(ROOT / "experiments" / "bench_step.py"), "--table", str(csv)],
         capture_output=True,
         text=True,
@@ -209,12 +209,11 @@ def test_every_python_block_in_the_docs_runs_in_a_test_or_says_why_not():
 def test_getting_started_runs_in_a_fresh_python():
     """The page's blocks, pasted in order into a fresh Python (it simulates its own 4 CPU
     devices), print what the page shows."""
-    import subprocess
 
     page = PAGES["getting-started.md"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
+    proc = _procs.run(
         [sys.executable, "-c", "\n".join(_blocks(page, "python"))],
         capture_output=True,
         text=True,
@@ -261,14 +260,13 @@ def test_stages_page_own_loop_example_trains(capsys):
 def test_readme_library_example_runs_as_written_on_one_cpu_device():
     """Pasted into a fresh Python on a CPU-only machine (one device, nothing simulated), the
     example runs and prints the losses README shows."""
-    import subprocess
 
     section = _section("The library in")
     example = _blocks(section, "python")[0]
     printed = _blocks(section, "")[0]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
+    proc = _procs.run(
         [sys.executable, "-c", example], capture_output=True, text=True, env=env, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -289,12 +287,11 @@ def test_the_docs_site_builds_strictly(tmp_path):
     """mkdocs (the docs extra) builds every page and the API reference without a warning:
     a broken link or a docstring mkdocstrings cannot read fails here."""
     import shutil
-    import subprocess
 
     mkdocs = shutil.which("mkdocs") or str(Path(sys.executable).parent / "mkdocs")
     if not Path(mkdocs).exists():
         pytest.skip("mkdocs not installed: pip install -e '.[docs]'")
-    done = subprocess.run(
+    done = _procs.run(
         [mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")],
         cwd=ROOT,
         capture_output=True,

@@ -187,12 +187,17 @@ def test_untied_gpt_and_eval_loss():
 def test_batch_on_one_device_is_resharded(mlp_reference):
     params, batches, _ = mlp_reference
     engine = jaxzero.Engine(mlp_loss, TX, mesh=jaxzero.make_mesh(8), stage=3)
-    state = engine.init(params)
+    placed, m0 = engine.step(engine.init(params), batches[0])  # host batch, placed by the engine
     on_one = jax.device_put(batches[0], jax.devices()[3])
-    state, m1 = engine.step(state, on_one)
+    state, m1 = engine.step(engine.init(params), on_one)
     with pytest.raises(ValueError, match="global batch 12 is not divisible by 8 devices"):
         engine.step(state, jax.tree.map(lambda x: x[:12], on_one))
-    assert np.isfinite(float(m1["loss"]))
+    # the same rows, so the same step: the one-device batch was split over the 8, not misread
+    assert float(m1["loss"]) == float(m0["loss"]) and float(m1["grad_norm"]) == float(
+        m0["grad_norm"]
+    )
+    assert rel_diff(engine.gather_params(state), engine.gather_params(placed)) == 0.0
+    np.testing.assert_allclose(float(m1["loss"]), mlp_reference[2][0][0], rtol=1e-5)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -1,10 +1,10 @@
 """The estimator reproduces the ZeRO paper's and the slides' numbers to their printed precision."""
 
 import json
-import subprocess
 import sys
 from decimal import ROUND_HALF_UP, Decimal
 
+import _procs
 import pytest
 
 from jaxzero.accounting import estimate as est
@@ -161,10 +161,11 @@ def test_nonsense_exits_nonzero_with_one_line(argv, capsys):
 def test_cli_process_nonsense_has_no_traceback():
     """Through the real ``jaxzero`` dispatcher, in a fresh process."""
     code = "import sys; from jaxzero.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.run(
+    proc = _procs.run(
         [sys.executable, "-c", code, "estimate", "--params", "-1", "--optimizer", "adam"],
         capture_output=True,
         text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr

@@ -1,17 +1,17 @@
 """The speed scripts still run end to end (tiny shapes, a step or two: no timing asserted)."""
 
 import csv
-import subprocess
 import sys
 from pathlib import Path
 
+import _procs
 import pytest
 
 EXPERIMENTS = Path(__file__).parent.parent / "experiments"
 
 
 def _run(script: str, *args: str) -> str:
-    out = subprocess.run(
+    out = _procs.run(
         [sys.executable, str(EXPERIMENTS / script), *args],
         capture_output=True,
         text=True,

@@ -5,11 +5,11 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,7 +162,7 @@ MEASURE = textwrap.dedent("""
 
 def _export_peak(step_dir: Path, out: Path, how: str) -> int:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
+    proc = _procs.run(
         [sys.executable, "-c", MEASURE, str(step_dir), str(out), how],
         capture_output=True,
         text=True,
@@ -304,7 +304,7 @@ def test_cli_subprocess_error_has_no_traceback(saved, tmp_path):
     for f in (src / "0" / "state").rglob("*"):
         if f.parent.name == "d":
             f.write_bytes(f.read_bytes()[:10])
-    proc = subprocess.run(
+    proc = _procs.run(
         [sys.executable, "-m", "jaxzero.cli", "export", str(src), "--out", str(tmp_path / "o")],
         capture_output=True,
         text=True,

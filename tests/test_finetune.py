@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import _procs
 import jax
 import numpy as np
 import pytest
@@ -142,7 +143,6 @@ def test_a_fine_tune_killed_mid_epoch_resumes_with_the_same_batches(pairs, tmp_p
     """SIGKILL after step 6 (checkpoint of step 4): the resumed run reads exactly the packed,
     masked batches an uninterrupted one read, so its losses are the same bits."""
     import signal
-    import subprocess
     import sys
 
     from tests.test_checkpoint import _records, _run_until
@@ -182,16 +182,17 @@ def test_a_fine_tune_killed_mid_epoch_resumes_with_the_same_batches(pairs, tmp_p
             "checkpoint.every=4",
         ]
 
-    full = subprocess.run(cmd("full"), capture_output=True, text=True)
+    full = _procs.run(cmd("full"), capture_output=True, text=True, timeout=300)
     assert full.returncode == 0, full.stderr[-2000:]
     want = _records(tmp_path / "full")
     run = tmp_path / "killed"
     proc, _ = _run_until(cmd("killed"), run, 6, signal.SIGKILL, saved=4)
     assert proc.returncode == -signal.SIGKILL and max(_records(run)) < 8
-    again = subprocess.run(
+    again = _procs.run(
         [sys.executable, "-m", "jaxzero.train", "--resume", str(run)],
         capture_output=True,
         text=True,
+        timeout=300,
     )
     assert again.returncode == 0, again.stderr[-2000:]
     assert "(step 4)" in again.stdout

@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import jax
 import numpy as np
 import optax
@@ -203,12 +204,13 @@ def test_two_processes_read_their_own_slices_and_save_together(tmp_path):
     worker = Path(__file__).parent / "_mp_hf_worker.py"
     reports = [tmp_path / f"report{i}.json" for i in range(2)]
     procs = [
-        subprocess.Popen(
+        _procs.Child(
             [sys.executable, str(worker), str(i), str(port), str(src), str(out)],
             env={**env, REPORT: str(reports[i])},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            timeout=300,
         )
         for i in range(2)
     ]
@@ -281,7 +283,7 @@ MEASURE = textwrap.dedent("""
 
 def _load_peak(path: Path, how: str) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
+    proc = _procs.run(
         [sys.executable, "-c", MEASURE, str(path), how],
         capture_output=True,
         text=True,

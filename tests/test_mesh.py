@@ -1,6 +1,6 @@
-import subprocess
 import sys
 
+import _procs
 import jax
 import pytest
 
@@ -35,18 +35,20 @@ def test_backend_started_reads_a_private_jax_name_that_still_exists():
 @pytest.mark.system
 def test_simulate_devices_fails_loudly_after_backend_start():
     code = "import jax, jaxzero; jax.devices(); jaxzero.simulate_devices(3)"
-    out = subprocess.run(
+    out = _procs.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+        timeout=120,
     )
     assert out.returncode != 0 and "already initialised" in out.stderr
     code = "import jaxzero, jax; jaxzero.simulate_devices(3); print(jax.device_count())"
-    out = subprocess.run(
+    out = _procs.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+        timeout=120,
     )
     assert out.stdout.strip() == "3", out.stderr

@@ -10,6 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
+import _procs
 import numpy as np
 import optax
 import pytest
@@ -26,12 +27,13 @@ def test_two_processes_match_one_device(stage, tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     env[REPORT] = str(report)
     procs = [
-        subprocess.Popen(
+        _procs.Child(
             [sys.executable, str(HERE / "_mp_worker.py"), str(i), str(port), str(stage), str(out)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            timeout=300,
         )
         for i in range(2)
     ]
@@ -82,7 +84,7 @@ def test_torchrun_variables_alone_stage3_and_hybrid_match_one_process_of_4(tmp_p
 
     port, report = free_port(), tmp_path / "report.json"
     procs = [
-        subprocess.Popen(
+        _procs.Child(
             [sys.executable, str(HERE / "_mp_env_worker.py")],
             env=_torchrun_env(
                 i,
@@ -93,6 +95,7 @@ def test_torchrun_variables_alone_stage3_and_hybrid_match_one_process_of_4(tmp_p
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            timeout=300,
         )
         for i in range(2)
     ]
@@ -122,13 +125,14 @@ def _train_args(root: Path, name: str, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _launch(*argv: str, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
+def _launch(*argv: str, env: dict[str, str]) -> _procs.Child:
+    return _procs.Child(
         [sys.executable, "-m", "jaxzero.cli", "launch", *argv],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        timeout=300,
     )
 
 
@@ -219,7 +223,7 @@ def test_misconfiguration_is_one_clear_line_within_the_timeout(case, tmp_path):
     port = free_port()
     env = _torchrun_env(2 if case == "rank_too_big" else 1, port)
     started = time.monotonic()
-    proc = subprocess.run(
+    proc = _procs.run(
         [
             sys.executable,
             "-m",
@@ -254,12 +258,13 @@ def test_world_size_that_disagrees_with_the_processes_fails_within_the_timeout()
     code = "import jaxzero.distributed as d; d.initialize(init_timeout=4); print('joined')"
     started = time.monotonic()
     procs = [
-        subprocess.Popen(
+        _procs.Child(
             [sys.executable, "-c", code],
             env=_torchrun_env(i, port, world=3),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            timeout=300,
         )
         for i in range(2)
     ]
@@ -278,12 +283,13 @@ def test_without_a_launcher_the_survivor_stops_and_names_the_lost_rank():
     port = free_port()
     env = dict(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAXZERO_HEARTBEAT_TIMEOUT="10")
     procs = [
-        subprocess.Popen(
+        _procs.Child(
             [sys.executable, str(HERE / "_mp_loop_worker.py")],
             env=_torchrun_env(i, port, **env),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            timeout=300,
         )
         for i in range(2)
     ]
@@ -306,12 +312,13 @@ def test_world_sizes_that_differ_between_processes_are_refused():
     code = "import jaxzero.distributed as d; d.initialize(init_timeout=10); print('joined')"
     beat = {"JAXZERO_HEARTBEAT_TIMEOUT": "5"}
     procs = [
-        subprocess.Popen(
+        _procs.Child(
             [sys.executable, "-c", code],
             env=_torchrun_env(i, port, world=2 + i, **beat),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            timeout=300,
         )
         for i in range(2)
     ]
@@ -341,7 +348,7 @@ def test_a_store_holding_master_port_does_not_stop_a_torchrun_job(tmp_path):
     holder.listen()
     try:
         procs = [
-            subprocess.Popen(
+            _procs.Child(
                 [sys.executable, str(HERE / "_mp_env_worker.py")],
                 env=_torchrun_env(
                     i,
@@ -353,6 +360,7 @@ def test_a_store_holding_master_port_does_not_stop_a_torchrun_job(tmp_path):
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
+                timeout=300,
             )
             for i in range(2)
         ]
@@ -457,7 +465,7 @@ def test_under_the_real_torchrun_train_matches_one_process(tmp_path, capsys):
     from jaxzero.train import metrics
 
     args = _train_args(tmp_path, "torchrun", "--stage", "3", "--steps", "3")
-    done = subprocess.run(
+    done = _procs.run(
         [
             _torchrun(),
             "--nproc_per_node=2",

@@ -68,4 +68,9 @@ def test_layouts_follow_the_tree_and_paths():
     tree = {"a": {"kernel": np.zeros((16, 16))}, "b": [np.zeros(3)]}
     lays = layouts_for(tree, 8)
     assert lays["a"]["kernel"].path == "a/kernel" and lays["b"][0].path == "b/0"
-    assert 1.0 <= balance(lays) < 1.3
+    assert balance(lays) == 1.0  # 16 rows over 8 devices, and 3 replicated elements each
+    # 53 columns padded to 56: seven devices hold 7 x 37 real elements, the last 4 x 37; with
+    # the 3 replicated ones each, the largest (262) over the mean ((37 * 53 + 8 * 3) / 8)
+    padded = layouts_for({"w": np.zeros((37, 53)), "b": [np.zeros(3)]}, 8)
+    assert padded["w"].dim == 1
+    assert balance(padded) == pytest.approx((7 * 37 + 3) / ((37 * 53 + 8 * 3) / 8), rel=1e-12)

@@ -6,12 +6,14 @@ an interrupt during start-up that stops at once and keeps nothing."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import _procs
 import pytest
 
 from jaxzero import cli
@@ -21,35 +23,18 @@ ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "experiments" / "configs" / "tiny.yaml")
 
 
+def _train_argv(root: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "--config", TINY, "--name", name, "--devices", "2", "--set", f"logging.root={root}",
+        "--set", "logging.eval_every=100", "--set", "logging.sample_tokens=0",
+        "--set", "logging.log_every=1", "--set", "logging.tensorboard=false",
+        "--set", "data.max_bytes=60000", "--set", "model.d_model=32",
+        "--set", "model.seq_len=32", *extra,
+    ]  # fmt: skip
+
+
 def _train(root: Path, name: str, *extra: str) -> int:
-    return cli.main(
-        [
-            "train",
-            "--config",
-            TINY,
-            "--name",
-            name,
-            "--devices",
-            "2",
-            "--set",
-            f"logging.root={root}",
-            "--set",
-            "logging.eval_every=100",
-            "--set",
-            "logging.sample_tokens=0",
-            "--set",
-            "logging.log_every=1",
-            "--set",
-            "logging.tensorboard=false",
-            "--set",
-            "data.max_bytes=60000",
-            "--set",
-            "model.d_model=32",
-            "--set",
-            "model.seq_len=32",
-            *extra,
-        ]
-    )
+    return cli.main(["train", *_train_argv(root, name, *extra)])
 
 
 def _records(run: Path) -> dict[int, dict]:
@@ -116,16 +101,32 @@ def test_export_and_sample_name_the_step_and_warn_of_a_stale_checkpoint(tmp_path
     assert "warning: the run logged step 5, after its latest checkpoint" in err
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through read-only permissions")
-def test_unwritable_outputs_are_refused_in_one_line_before_compiling(tmp_path, capsys):
+# Root writes through permission bits by CAP_DAC_OVERRIDE (CI runs as root): the run then
+# goes without it (setpriv drops it from the capability bounding set), and obeys them.
+NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+
+
+@pytest.mark.skipif(
+    os.geteuid() == 0 and shutil.which("setpriv") is None,
+    reason="as root this needs setpriv (util-linux) to drop CAP_DAC_OVERRIDE",
+)
+def test_unwritable_outputs_are_refused_in_one_line_before_compiling(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
+    as_user = NO_DAC if os.geteuid() == 0 else []
+    argv = [sys.executable, "-m", "jaxzero.cli", "train", *_train_argv(tmp_path, "ro")]
     try:
-        rc = _train(tmp_path, "ro", "--steps", "2", "--set", f"checkpoint.dir={locked / 'c'}")
-        err = capsys.readouterr().err
-        assert rc == 2 and err.count("\n") == 1 and "cannot write checkpoints to" in err
+        done = _procs.run(
+            [*as_user, *argv, "--steps", "2", "--set", f"checkpoint.dir={locked / 'c'}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
+        assert "cannot write checkpoints to" in done.stderr and "Permission denied" in done.stderr
         assert not (tmp_path / "ro").exists()  # no half-made run directory
+        assert not (locked / "c").exists()
     finally:
         locked.chmod(0o700)
 
@@ -159,7 +160,7 @@ def test_ctrl_c_during_start_up_stops_at_once_and_keeps_nothing(tmp_path, reused
     run = tmp_path / "runs" / "early"
     if reused:
         (run / "checkpoints" / "4").mkdir(parents=True)
-    proc = subprocess.Popen(
+    proc = _procs.Child(
         [
             sys.executable,
             "-m",
@@ -182,6 +183,7 @@ def test_ctrl_c_during_start_up_stops_at_once_and_keeps_nothing(tmp_path, reused
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        timeout=300,
     )
     for line in proc.stdout:
         if line.startswith("  mesh "):  # the banner's last line: the first step compiles next

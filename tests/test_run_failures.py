@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
+import _procs
 import pytest
 
 from jaxzero.train import metrics
@@ -30,8 +30,10 @@ def _namespaces() -> bool:
     """A user and mount namespace of our own, where a small tmpfs is a real full disk."""
     if shutil.which("unshare") is None:
         return False
-    probe = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True
+    probe = _procs.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"],
+        capture_output=True,
+        timeout=120,
     )
     return probe.returncode == 0
 
@@ -44,7 +46,7 @@ needs_tmpfs = pytest.mark.skipif(
 
 def _in_namespace(script: str, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(
+    done = _procs.run(
         ["unshare", "-rm", "sh", "-ec", script],
         cwd=tmp_path,
         env=env,
@@ -129,7 +131,7 @@ def test_metrics_and_tensorboard_keep_every_step_when_killed(tmp_path):
         "    w.write({'step': step, 'loss': 1.0 / step})\n"
         "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    done = _procs.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr
     assert len(metrics.read_jsonl(tmp_path / metrics.METRICS_FILE)) == 50
     from tensorboardX.proto.event_pb2 import Event

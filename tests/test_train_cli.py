@@ -4,10 +4,10 @@ import contextlib
 import errno
 import io
 import math
-import subprocess
 import sys
 from pathlib import Path
 
+import _procs
 import numpy as np
 import pytest
 
@@ -240,7 +240,7 @@ def test_nan_loss_stops_training_naming_the_step(tmp_path, capsys):
 
 
 def test_cli_subprocess_error_exit_code(tmp_path):
-    proc = subprocess.run(
+    proc = _procs.run(
         [sys.executable, "-m", "jaxzero.cli", "train", "--data", str(tmp_path / "nope")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
