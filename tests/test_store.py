@@ -235,7 +235,10 @@ def test_train_on_jsonl_with_a_tokenizer_and_sample_with_it(tokenizer_dir, tmp_p
         "2",
     ]
     assert cli.main(argv) == 0
-    capsys.readouterr()
+    out = capsys.readouterr().out  # not a terminal: tokenizing says so in lines
+    run = out.index(f"jaxzero train: tok -> {tmp_path / 'tok'}\n")  # said first, then the rest
+    assert run < out.index(f"  tokenizing {data} (") < out.index("  tokenized 150 documents")
+    assert "EOS <|endoftext|> (id 0, eos_token of tokenizer_config.json)" in out
     assert cli.main(["sample", str(tmp_path / "tok"), "--prompt", "the cat", "--tokens", "5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("the cat") and len(out.split()) >= 2  # text, not ids
@@ -416,7 +419,7 @@ def test_the_store_key_covers_the_chat_template_and_the_eos(tokenizer_dir, tmp_p
 
 def test_templates_are_read_as_transformers_5_reads_them(tmp_path):
     """chat_template.jinja and additional_chat_templates/ replace tokenizer_config.json's
-    chat_template; the template used is the only one or the one named default."""
+    chat_template; the template used is the one named default (a lone file or string is)."""
     tok_dir = hf_tokenizer_dir(tmp_path)
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
     with pytest.raises(store_lib.StoreError, match=r"has none: no chat_template.jinja"):
@@ -435,8 +438,6 @@ def test_templates_are_read_as_transformers_5_reads_them(tmp_path):
     tok = Tokenizer.load(tok_dir)
     assert tok.chat_template.startswith("t3") and set(tok.templates) == {"default", "tool_use"}
     (tok_dir / "chat_template.jinja").unlink()  # named templates only, none the default
-    tok = Tokenizer.load(tok_dir)
-    assert tok.chat_template == "t6"  # the only one
     (named / "rag.jinja").write_text("t7")
     with pytest.raises(store_lib.StoreError, match=r"only named ones \(rag, tool_use, in"):
         store_lib.build(data, Tokenizer.load(tok_dir), progress=False)
@@ -447,6 +448,8 @@ def test_templates_are_read_as_transformers_5_reads_them(tmp_path):
     templates = [{"name": "tool_use", "template": "t6"}, {"name": "default", "template": "t5"}]
     set_config(tok_dir, chat_template=templates)  # the older list form
     assert Tokenizer.load(tok_dir).chat_template == "t5"
+    set_config(tok_dir, chat_template=templates[:1])  # named only: no default, as transformers
+    assert Tokenizer.load(tok_dir).chat_template is None
     assert tokenizer_lib.template_files(tok_dir) == []
     (named).mkdir()
     (named / "x.jinja").write_text("t4")

@@ -9,8 +9,8 @@ Chat templates are read as ``transformers`` 5 reads them (``PreTrainedTokenizerB
 from_pretrained`` and ``get_chat_template``): ``chat_template.jinja`` is the default
 template and ``additional_chat_templates/<name>.jinja`` are named ones; when either exists
 they replace whatever ``tokenizer_config.json`` holds, else its ``chat_template`` is read
-(a string, or a list of ``{name, template}``). The template used is the only one, or the
-one named ``default``.
+(a string, or a list of ``{name, template}``). The template used is the one named
+``default`` (``chat_template.jinja``, or a string in the config).
 """
 
 from __future__ import annotations
@@ -97,10 +97,9 @@ def read_templates(directory: str | Path) -> tuple[dict[str, str], str]:
 
 
 def pick_template(templates: dict[str, str]) -> str | None:
-    """The template a chat is rendered with: the only one, or the one named ``default``
-    (transformers' ``get_chat_template`` with no name and no tools)."""
-    if len(templates) == 1:
-        return next(iter(templates.values()))
+    """The template a chat is rendered with: the one named ``default`` (a lone template
+    file or string is that one), as transformers' ``get_chat_template`` picks with no
+    name and no tools; named templates alone give none (transformers refuses them too)."""
     return templates.get("default")
 
 
