@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxzero import cli
+from jaxzero.data import progress as progress_lib
 from jaxzero.data import store as store_lib
 from jaxzero.data import tokenizer as tokenizer_lib
 from jaxzero.data.tokenizer import Tokenizer, TokenizerError
@@ -511,7 +512,7 @@ def test_max_bytes_applies_to_jsonl_by_whole_lines(tokenizer_dir, tmp_path):
 def test_tokenizing_shows_its_progress_on_a_terminal_or_in_lines(
     tokenizer_dir, tmp_path, capsys, monkeypatch
 ):
-    monkeypatch.setattr(store_lib, "LINE_EVERY", 0.0)  # a line at every update
+    monkeypatch.setattr(progress_lib, "LINE_EVERY", 0.0)  # a line at every update
     tok = Tokenizer.load(tokenizer_dir)
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "the cat"}] * 30)
     store_lib.build(data, tok, progress=False)
@@ -531,7 +532,7 @@ def test_tokenizing_shows_its_progress_on_a_terminal_or_in_lines(
             return True
 
     screen = Terminal()
-    meter = store_lib.Meter(1000, "auto", "x", screen)  # a terminal: tqdm's bar
+    meter = progress_lib.Meter(1000, "auto", "x", screen)  # a terminal: tqdm's bar
     meter.update(500)
     meter.close("done")
     assert meter.mode == "bar" and "\rtokenizing:   0%|" in screen.getvalue()
