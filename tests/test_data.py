@@ -226,3 +226,34 @@ def test_eval_batches_are_fixed_and_spread_over_the_split():
         np.testing.assert_array_equal(x["inputs"], y["inputs"])
     starts = D.eval_starts(len(tokens), 16, 4, 3)
     assert starts[0, 0] == 0 and starts[-1, -1] == len(tokens) - 17
+
+
+def test_a_jsonl_file_without_a_tokenizer_is_refused(tmp_path):
+    """JSONL trained as raw bytes would learn its braces and keys: one line says what to do."""
+    (tmp_path / "d").mkdir()
+    for path in (tmp_path / "chat.jsonl", tmp_path / "d" / "a.ndjson"):
+        path.write_text('{"text": "hello there"}\n' * 50)
+    for where in (tmp_path / "chat.jsonl", tmp_path / "d"):  # a file, a directory holding one
+        with pytest.raises(
+            D.DataError, match=r"is JSONL, which needs a tokenizer: give --tok"
+        ) as e:
+            D.load_corpus(_cfg(where))
+        assert "\n" not in str(e.value)
+    corpus = D.load_corpus(_cfg(tmp_path / "chat.jsonl", format="bytes"))  # asked for
+    assert corpus.kind == "bytes"
+
+
+def test_max_bytes_caps_every_text_source_and_says_so(tmp_path):
+    """A text file too (it was read whole); the banner's data line says what was left out."""
+    path = _write(tmp_path / "big.txt", b"0123456789\n" * 1000)  # 11,000 bytes
+    corpus = D.load_corpus(_cfg(path, max_bytes=2000))
+    assert len(corpus.train) + len(corpus.val) == 2000
+    assert corpus.source.endswith("the first 2,000 of 11,000 bytes (data.max_bytes)")
+    whole = D.load_corpus(_cfg(path, max_bytes=None))
+    assert len(whole.train) + len(whole.val) == 11_000 and whole.source == str(path)
+    (tmp_path / "d").mkdir()
+    for name in "ab":
+        _write(tmp_path / "d" / f"{name}.txt", b"x" * 999 + b"\n")
+    cut = D.load_corpus(_cfg(tmp_path / "d", max_bytes=1500))
+    assert cut.source.endswith("the first 1,500 of 2,000 bytes (data.max_bytes)")
+    assert "data.max_bytes" not in D.load_corpus(_cfg(tmp_path / "d")).source

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from jaxzero import cli
+from jaxzero.data import progress as progress_lib
 from jaxzero.data import store as store_lib
+from jaxzero.data import tokenizer as tokenizer_lib
 from jaxzero.data.tokenizer import Tokenizer, TokenizerError
 from jaxzero.train import data as data_lib
 from jaxzero.train.config import DataConfig
@@ -171,6 +173,10 @@ def test_corpus_from_a_tokenizer_and_how_much_packing_saves(tokenizer_dir, tmp_p
         ('{"text": "ok"}\n{not json\n', r"bad.jsonl:2: not JSON"),
         ('{"txt": "typo"}\n', r"bad.jsonl:1: needs a string 'text'.*found txt"),
         ("[1, 2]\n", r"bad.jsonl:1: a line must be a JSON object"),
+        (
+            '{"text": "a", "prompt": "b", "completion": "c"}\n',
+            r"bad.jsonl:1: holds both 'text' and 'prompt/completion'",
+        ),
         ("\n\n", r"no documents in"),
         ('{"messages": [{"role": "user", "content": "hi"}]}\n', "ending with an assistant"),
     ],
@@ -230,7 +236,10 @@ def test_train_on_jsonl_with_a_tokenizer_and_sample_with_it(tokenizer_dir, tmp_p
         "2",
     ]
     assert cli.main(argv) == 0
-    capsys.readouterr()
+    out = capsys.readouterr().out  # not a terminal: tokenizing says so in lines
+    run = out.index(f"jaxzero train: tok -> {tmp_path / 'tok'}\n")  # said first, then the rest
+    assert run < out.index(f"  tokenizing {data} (") < out.index("  tokenized 150 documents")
+    assert "EOS <|endoftext|> (id 0, eos_token of tokenizer_config.json)" in out
     assert cli.main(["sample", str(tmp_path / "tok"), "--prompt", "the cat", "--tokens", "5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("the cat") and len(out.split()) >= 2  # text, not ids
@@ -348,3 +357,182 @@ def test_chat_templates_render_as_transformers_renders_them(tokenizer_dir, tmp_p
         r"\(no system\)",
     ):
         store_lib.build(tmp_path / "s.jsonl", tok, progress=False)
+
+
+HF_TOKENIZER = Path(__file__).parent / "fixtures" / "hf" / "llama_gqa" / "single"  # transformers'
+CHAT = [{"role": "user", "content": "t7 t8"}, {"role": "assistant", "content": "t9"}]
+
+
+def hf_tokenizer_dir(tmp_path: Path) -> Path:
+    """A copy of the tokenizer transformers 5 saved (WordLevel: <unk> 0, <s> 1, </s> 2, t3..)."""
+    import shutil
+
+    out = tmp_path / "hf-tok"
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(HF_TOKENIZER / name, out / name)
+    return out
+
+
+def set_config(directory: Path, **fields) -> None:
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps(config | fields))
+
+
+def test_the_store_key_covers_the_chat_template_and_the_eos(tokenizer_dir, tmp_path):
+    """The template (wherever it is read from) and the EOS change the tokens: a new store,
+    never the old tokens."""
+    import shutil
+
+    from tokenizers import Tokenizer as Raw
+
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, tok_dir)
+    raw = Raw.from_file(str(tok_dir / "tokenizer.json"))
+    raw.add_special_tokens(["</s>"])  # a second end-of-text token to choose
+    raw.save(str(tok_dir / "tokenizer.json"))
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}, {"text": "the cat"}])
+
+    def store_and_prompt(prompt: str):
+        tok = Tokenizer.load(tok_dir)
+        store = store_lib.build(data, tok, progress=False)
+        want = tok.encode(prompt) + tok.encode("t9") + [tok.eos_id]
+        np.testing.assert_array_equal(store.tokens[: len(want)], want)
+        return store
+
+    first = store_and_prompt("<|user|>t7 t8\n<|assistant|>")
+    set_config(tok_dir, chat_template="SYSTEM: be brief\n" + TEMPLATE)  # a changed system prompt
+    second = store_and_prompt("SYSTEM: be brief\n<|user|>t7 t8\n<|assistant|>")
+    assert second.path != first.path and len(second.tokens) > len(first.tokens)
+    (tok_dir / "chat_template.jinja").write_text("[{{ messages[0]['content'] }}]")  # wins
+    third = store_and_prompt("[t7 t8]")
+    (tok_dir / "chat_template.jinja").write_text("({{ messages[0]['content'] }})")  # edited
+    fourth = store_and_prompt("(t7 t8)")
+    assert len({first.path, second.path, third.path, fourth.path}) == 4
+    set_config(tok_dir, eos_token="</s>")
+    fifth = store_and_prompt("(t7 t8)")
+    eos = Tokenizer.load(tok_dir).eos_id
+    assert fifth.path != fourth.path and fifth.meta["eos_id"] == eos != fourth.meta["eos_id"]
+    ends = np.cumsum(np.load(fifth.path / "lengths.npy")) - 1
+    assert (fifth.tokens[ends] == eos).all()  # every document ends with the new EOS
+    assert store_lib.build(data, Tokenizer.load(tok_dir), progress=False).path == fifth.path
+
+
+def test_templates_are_read_as_transformers_5_reads_them(tmp_path):
+    """chat_template.jinja and additional_chat_templates/ replace tokenizer_config.json's
+    chat_template; the template used is the one named default (a lone file or string is)."""
+    tok_dir = hf_tokenizer_dir(tmp_path)
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    with pytest.raises(store_lib.StoreError, match=r"has none: no chat_template.jinja"):
+        store_lib.build(data, Tokenizer.load(tok_dir), progress=False)
+    (tok_dir / "chat_template.jinja").write_text("t3 {{ messages[0]['content'] }} t4 ")
+    tok = Tokenizer.load(tok_dir)  # what save_pretrained writes today: the .jinja file only
+    store = store_lib.build(data, tok, progress=False)
+    np.testing.assert_array_equal(store.tokens, [3, 7, 8, 4, 9, tok.eos_id])
+    np.testing.assert_array_equal(store.mask, [0, 0, 0, 0, 1, 1])
+
+    set_config(tok_dir, chat_template="t5 {{ messages[0]['content'] }}")
+    assert Tokenizer.load(tok_dir).chat_template.startswith("t3")  # the file wins over it
+    named = tok_dir / "additional_chat_templates"
+    named.mkdir()
+    (named / "tool_use.jinja").write_text("t6")
+    tok = Tokenizer.load(tok_dir)
+    assert tok.chat_template.startswith("t3") and set(tok.templates) == {"default", "tool_use"}
+    (tok_dir / "chat_template.jinja").unlink()  # named templates only, none the default
+    (named / "rag.jinja").write_text("t7")
+    with pytest.raises(store_lib.StoreError, match=r"only named ones \(rag, tool_use, in"):
+        store_lib.build(data, Tokenizer.load(tok_dir), progress=False)
+    (named / "default.jinja").write_text("t8")
+    assert Tokenizer.load(tok_dir).chat_template == "t8"
+
+    shutil_rmtree(named)
+    templates = [{"name": "tool_use", "template": "t6"}, {"name": "default", "template": "t5"}]
+    set_config(tok_dir, chat_template=templates)  # the older list form
+    assert Tokenizer.load(tok_dir).chat_template == "t5"
+    set_config(tok_dir, chat_template=templates[:1])  # named only: no default, as transformers
+    assert Tokenizer.load(tok_dir).chat_template is None
+    assert tokenizer_lib.template_files(tok_dir) == []
+    (named).mkdir()
+    (named / "x.jinja").write_text("t4")
+    (tok_dir / "chat_template.jinja").write_text("t3")
+    assert tokenizer_lib.template_files(tok_dir) == [
+        "chat_template.jinja",
+        "additional_chat_templates/x.jinja",
+    ]
+
+
+def shutil_rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path)
+
+
+def test_lossy_tokenization_is_said_once_with_the_figure(tmp_path):
+    """French text through a WordLevel vocabulary of t3..t63 is all <unk>: the banner warns;
+    data the vocabulary covers does not."""
+    from jaxzero.train import metrics
+    from jaxzero.train.config import Config
+
+    tok_dir = hf_tokenizer_dir(tmp_path)
+    tok = Tokenizer.load(tok_dir)
+    assert tok.unk_id == 0 and tokenizer_lib.unk_share(tok, [0, 5, 0, 7]) == 0.5
+    assert tokenizer_lib.unk_share(tok, []) == 0.0
+    assert tokenizer_lib.unk_warning(tok, 0.005, "the prompt") is None
+    french = write_jsonl(tmp_path / "fr.jsonl", [{"text": "le chat est sur le tapis"}] * 20)
+    corpus = data_lib.load_corpus(DataConfig(path=str(french), tokenizer=str(tok_dir)))
+    assert corpus.warnings == (
+        f"warning: 100.0% of the data's tokens are <unk>: {tok_dir / 'tokenizer.json'} cannot "
+        "represent that text, and the model never sees it; use a tokenizer that covers it",
+    )
+    banner = metrics.banner(Config(), corpus, 1000, None)
+    assert banner.count("warning: 100.0% of the data's tokens are <unk>") == 1
+    assert "EOS </s> (id 2, eos_token of tokenizer_config.json)" in banner.splitlines()[0]
+    covered = write_jsonl(tmp_path / "t.jsonl", [{"text": "t3 t4 t5 t6"}] * 20)
+    assert (
+        data_lib.load_corpus(DataConfig(path=str(covered), tokenizer=str(tok_dir))).warnings == ()
+    )
+
+
+def test_max_bytes_applies_to_jsonl_by_whole_lines(tokenizer_dir, tmp_path):
+    rows = [{"text": f"the cat {i}"} for i in range(100)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    size, line = data.stat().st_size, len(json.dumps(rows[0])) + 1
+    cfg = DataConfig(path=str(data), tokenizer=str(tokenizer_dir), max_bytes=10 * line + 3)
+    corpus = data_lib.load_corpus(cfg)
+    assert corpus.tokenizer is not None and "10 documents" in corpus.source
+    assert f"the first {10 * line:,} of {size:,} bytes (data.max_bytes)" in corpus.source
+    whole = data_lib.load_corpus(DataConfig(path=str(data), tokenizer=str(tokenizer_dir)))
+    assert "100 documents" in whole.source and "(data.max_bytes)" not in whole.source
+    tok = Tokenizer.load(tokenizer_dir)  # a cap above the data's size is no cut: the same store
+    assert store_lib.build(data, tok, False, size).path == store_lib.build(data, tok, False).path
+    with pytest.raises(store_lib.StoreError, match=r"no whole document within data.max_bytes=5"):
+        store_lib.build(data, tok, False, 5)
+
+
+def test_tokenizing_shows_its_progress_on_a_terminal_or_in_lines(
+    tokenizer_dir, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(progress_lib, "LINE_EVERY", 0.0)  # a line at every update
+    tok = Tokenizer.load(tokenizer_dir)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "the cat"}] * 30)
+    store_lib.build(data, tok, progress=False)
+    assert capsys.readouterr().out == ""
+    write_jsonl(data, [{"text": "the dog"}] * 30)
+    store_lib.build(data, tok, progress="auto")  # not a terminal: lines
+    lines = capsys.readouterr().out.splitlines()
+    size = data.stat().st_size
+    assert lines[0] == f"  tokenizing {data} ({size}B), once: the tokens are cached"
+    assert lines[1].startswith("  tokenizing: ") and f"B of {size}B (" in lines[1]
+    assert lines[-2] == f"  tokenizing: {size}B of {size}B (100%), " + lines[-2].split(", ")[1]
+    assert lines[-1].startswith("  tokenized 30 documents, 90 tokens in ")
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    meter = progress_lib.Meter(1000, "auto", "x", screen)  # a terminal: tqdm's bar
+    meter.update(500)
+    meter.close("done")
+    assert meter.mode == "bar" and "\rtokenizing:   0%|" in screen.getvalue()

@@ -3,17 +3,19 @@
 Sources: text files (a file is a document, read a megabyte of whole lines at a time)
 and JSONL, one document a line, as ``{"text": ...}``, ``{"prompt": ...,
 "completion": ...}`` or a chat ``{"messages": [...]}`` rendered with the tokenizer's
-chat template (the last assistant turn is the completion). Every document ends with
-the tokenizer's EOS, so packed windows know their boundaries. Prompt tokens carry no
-loss: a ``mask.bin`` beside ``tokens.bin`` holds 1 for every token a loss is taken on
-(the completion and its EOS).
+chat template (the last assistant turn is the completion); a line holding two of these
+forms is refused. Every document ends with the tokenizer's EOS, so packed windows know
+their boundaries. Prompt tokens carry no loss: a ``mask.bin`` beside ``tokens.bin`` holds
+1 for every token a loss is taken on (the completion and its EOS).
 
 The store is streamed: lines are read and tokenized a batch at a time (the
 ``tokenizers`` library spreads a batch over every core) and appended to the files,
-so a corpus of any size costs one batch of Python objects. It lives in
-``<data>.jaxzero-tokens/<key>/``, the key a hash of the sources (path, size,
-modification time), the tokenizer and this format; anything else is a new store, and
-a store is renamed into place only once complete.
+so a corpus of any size costs one batch of Python objects. ``max_bytes`` reads only the
+whole lines within that many bytes of the sources. It lives in
+``<data>.jaxzero-tokens/<key>/``, the key a hash of everything that changes the tokens:
+the sources (path, size, modification time), the tokenizer's fingerprint
+(``tokenizer.json``, EOS and BOS, the chat template used), the ``max_bytes`` cut, and this
+format; anything else is a new store, and a store is renamed into place only once complete.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
-from jaxzero.data.tokenizer import Tokenizer
+from jaxzero.data.progress import Meter
+from jaxzero.data.tokenizer import CONFIG, TEMPLATE_DIR, TEMPLATE_FILE, Tokenizer
 
-VERSION = 1
+VERSION = 2  # 2: the key covers the EOS, BOS, chat template and max_bytes
 BATCH = 512  # documents tokenized at once
 
 
@@ -51,6 +53,11 @@ class Document:
 
 
 PIECE = 1 << 20  # a text file is read and tokenized a megabyte of whole lines at a time
+FORMS = {
+    "text": ("text",),
+    "prompt/completion": ("prompt", "completion"),
+    "messages": ("messages",),
+}
 
 
 @dataclass(frozen=True)
@@ -98,15 +105,25 @@ def is_text(path: Path) -> bool:
         return b"\0" not in f.read(8192)
 
 
+JSONL_SUFFIXES = (".jsonl", ".ndjson")  # one JSON document a line
+
+
 def _is_jsonl(path: Path) -> bool:
-    return path.suffix in (".jsonl", ".ndjson")
+    return path.suffix in JSONL_SUFFIXES
 
 
 def _render_chat(tok: Tokenizer, messages: Any, where: str) -> Document:
     if not tok.chat_template:
+        home = str(Path(tok.source).parent) if tok.source else "the tokenizer"
+        if tok.templates:  # named templates, none of them the default
+            raise StoreError(
+                f"{where}: a 'messages' line needs a default chat template, and {home} has "
+                f"only named ones ({', '.join(sorted(tok.templates))}, in "
+                f"{tok.template_source}): add {TEMPLATE_FILE}"
+            )
         raise StoreError(
-            f"{where}: a 'messages' line needs a tokenizer with a chat template "
-            f"({tok.source} has none)"
+            f"{where}: a 'messages' line needs a tokenizer with a chat template ({home} has "
+            f"none: no {TEMPLATE_FILE}, {TEMPLATE_DIR}/ or chat_template in {CONFIG})"
         )
     if (
         not isinstance(messages, list)
@@ -142,23 +159,32 @@ def _render_chat(tok: Tokenizer, messages: Any, where: str) -> Document:
     return Document(prompt, messages[-1]["content"])
 
 
-def documents(path: Path, tok: Tokenizer) -> Iterator[tuple[Document, int]]:
-    """``(document, bytes read so far)`` of one source file, streamed."""
+def documents(
+    path: Path, tok: Tokenizer, limit: int | None = None
+) -> Iterator[tuple[Document, int]]:
+    """``(document, bytes read so far)`` of one source file, streamed; with ``limit``, only
+    the whole lines within its first ``limit`` bytes."""
     if not _is_jsonl(path):  # one document, streamed in pieces that end at a newline
-        done, piece, size = 0, [], 0
+        done, piece, size, cut = 0, [], 0, False
         with open(path, "rb") as f:
             for line in f:
+                if limit is not None and done + len(line) > limit:
+                    cut = True
+                    break
                 piece.append(line)
                 done += len(line)
                 size += len(line)
                 if size >= PIECE:
                     yield Document("", b"".join(piece).decode(errors="replace"), False), done
                     piece, size = [], 0
-        yield Document("", b"".join(piece).decode(errors="replace")), done
+        if done or not cut:  # a file cut before its first line gives no document
+            yield Document("", b"".join(piece).decode(errors="replace")), done
         return
     done = 0
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
+            if limit is not None and done + len(line) > limit:
+                return
             done += len(line)
             if not line.strip():
                 continue
@@ -170,6 +196,13 @@ def documents(path: Path, tok: Tokenizer) -> Iterator[tuple[Document, int]]:
                 raise StoreError(f"{where}: not JSON ({why})") from None
             if not isinstance(row, dict):
                 raise StoreError(f"{where}: a line must be a JSON object")
+            forms = [name for name, keys in FORMS.items() if any(k in row for k in keys)]
+            if len(forms) > 1:  # which one to train on is the user's call, not ours
+                raise StoreError(
+                    f"{where}: holds both {' and '.join(repr(f) for f in forms)}: keep one form "
+                    "a line ('text' takes a loss on every token, 'prompt'/'completion' on the "
+                    "completion only)"
+                )
             if isinstance(row.get("text"), str):
                 yield Document("", row["text"]), done
             elif isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
@@ -183,9 +216,11 @@ def documents(path: Path, tok: Tokenizer) -> Iterator[tuple[Document, int]]:
                 )
 
 
-def store_key(files: list[Path], tok: Tokenizer) -> str:
+def store_key(files: list[Path], tok: Tokenizer, limit: int | None = None) -> str:
+    """Everything that changes the tokens: the sources, the tokenizer's fingerprint (its
+    file, EOS, BOS and chat template), the ``max_bytes`` cut (None: whole files), the format."""
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    blob = json.dumps([VERSION, stats, tok.fingerprint]).encode()
+    blob = json.dumps([VERSION, stats, tok.fingerprint, limit]).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -194,23 +229,36 @@ def cache_root(path: Path) -> Path:
     return path.parent / f"{path.name}.jaxzero-tokens"
 
 
-def build(path: str | Path, tok: Tokenizer, progress: bool = True) -> TokenStore:
-    """The store of ``path`` for ``tok``: opened from the cache, or tokenized now."""
+def build(
+    path: str | Path,
+    tok: Tokenizer,
+    progress: bool | str = True,
+    max_bytes: int | None = None,
+) -> TokenStore:
+    """The store of ``path`` for ``tok``: opened from the cache, or tokenized now.
+
+    ``progress``: ``"bar"`` (tqdm), ``"lines"`` (one every ``progress.LINE_EVERY`` s),
+    ``"none"``/False, or ``"auto"``/True (a bar on a terminal, lines otherwise).
+    ``max_bytes``: read only the whole lines (JSONL: documents) within that many bytes of
+    the sources, in order (None: everything).
+    """
     path = Path(path).expanduser()
     if not path.exists():
         raise StoreError(f"data path {str(path)!r} does not exist")
     files = sources_of(path)
     if not files:
         raise StoreError(f"data directory {str(path)!r} holds no text or JSONL files")
+    total = sum(f.stat().st_size for f in files)
+    limit = max_bytes if max_bytes is not None and max_bytes < total else None
     root = cache_root(path)
-    out = root / store_key(files, tok)
+    out = root / store_key(files, tok, limit)
     if (out / "meta.json").is_file():
         return TokenStore.open(out)
     tmp = root / f".{out.name}.partial-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _write(files, tok, tmp, progress)
+        _write(files, tok, tmp, progress, limit)
         os.replace(tmp, out)
     except FileExistsError:
         pass  # another process finished the same store first
@@ -242,23 +290,19 @@ def _abandoned(name: str) -> bool:
     return False
 
 
-def _write(files: list[Path], tok: Tokenizer, out: Path, progress: bool) -> None:
+def _write(
+    files: list[Path], tok: Tokenizer, out: Path, progress: bool | str, limit: int | None = None
+) -> None:
     total = sum(f.stat().st_size for f in files)
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        desc="tokenizing",
-        leave=False,
-        disable=None if progress else True,
-    )
-    n_tokens = n_docs = current = 0
+    what = str(files[0]) if len(files) == 1 else f"{len(files)} files in {files[0].parent}"
+    bar = Meter(total if limit is None else limit, progress, what)
+    n_tokens = n_docs = current = n_unk = read = 0
     masked = False
     lengths: list[int] = []
     with open(out / "tokens.bin", "wb") as ft, open(out / "mask.bin", "wb") as fm:
 
         def flush(batch: list[Document]) -> None:
-            nonlocal n_tokens, n_docs, current, masked
+            nonlocal n_tokens, n_docs, current, masked, n_unk
             prompts = tok.encode_batch([d.prompt for d in batch])
             texts = tok.encode_batch([d.text for d in batch])
             for d, p, t in zip(batch, prompts, texts, strict=True):
@@ -270,6 +314,8 @@ def _write(files: list[Path], tok: Tokenizer, out: Path, progress: bool) -> None
                     ).tobytes()
                 )
                 masked |= bool(p)
+                if tok.unk_id is not None:  # the EOS is never unknown
+                    n_unk += int(np.count_nonzero(ids[: len(ids) - d.eos] == tok.unk_id))
                 n_tokens += len(ids)
                 current += len(ids)
                 if d.eos:
@@ -277,22 +323,31 @@ def _write(files: list[Path], tok: Tokenizer, out: Path, progress: bool) -> None
                     lengths.append(current)
                     current = 0
 
-        seen = 0
         for file in files:
+            left = None if limit is None else limit - read
+            if left is not None and left <= 0:
+                break
             batch: list[Document] = []
-            for doc, done in documents(file, tok):
+            done = 0
+            for doc, done in documents(file, tok, left):
                 batch.append(doc)
                 if len(batch) == BATCH:
                     flush(batch)
                     batch = []
-                bar.update(seen + done - bar.n)
+                bar.update(read + done)
             if batch:
                 flush(batch)
-            seen += file.stat().st_size
-            bar.update(seen - bar.n)
-    bar.close()
+            read += done if left is not None else file.stat().st_size
+            bar.update(read)
+    bar.close(f"tokenized {n_docs:,} documents, {n_tokens:,} tokens")
     if n_docs == 0:
-        raise StoreError(f"no documents in {', '.join(map(str, files[:3]))}")
+        where = ", ".join(map(str, files[:3]))
+        if limit is not None:
+            raise StoreError(
+                f"no whole document within data.max_bytes={limit:,} bytes of {where}: "
+                "raise data.max_bytes"
+            )
+        raise StoreError(f"no documents in {where}")
     if not masked:
         (out / "mask.bin").unlink()
     lens = np.asarray(lengths, np.int64)
@@ -304,6 +359,11 @@ def _write(files: list[Path], tok: Tokenizer, out: Path, progress: bool) -> None
         "documents": n_docs,
         "masked": masked,
         "eos_id": tok.eos_id,
+        "eos_token": tok.eos_token,
+        "unk_tokens": n_unk,
+        "bytes": read,  # of the sources' total_bytes; fewer when max_bytes cut them
+        "total_bytes": total,
+        "max_bytes": limit,
         "vocab_size": tok.vocab_size,
         "tokenizer": tok.source,
         "tokenizer_fingerprint": tok.fingerprint,

@@ -68,7 +68,9 @@ class DataConfig:
     # with a tokenizer: False gives each document a row of its own (padded, cut at seq_len
     # + 1 tokens) instead of packed windows
     packing: bool = True
-    max_bytes: int = 4_000_000  # cap on the stdlib/text-directory corpus (deterministic prefix)
+    # cap on the text read, whatever its source (stdlib, text files, JSONL with a tokenizer;
+    # whole lines then), the first bytes in file order; not token files; null: everything
+    max_bytes: int | None = 4_000_000
     val_fraction: float = 0.05  # tail of the corpus held out when there is no val.bin
 
 
@@ -383,7 +385,6 @@ def validate(config: Config) -> Config:
         "logging.log_every": lg.log_every,
         "logging.eval_every": lg.eval_every,
         "logging.eval_batches": lg.eval_batches,
-        "data.max_bytes": config.data.max_bytes,
     }
     for key, value in positive.items():
         if value < 1:
@@ -396,6 +397,7 @@ def validate(config: Config) -> Config:
         "mesh.group_size": config.mesh.group_size if config.mesh.group_size != "node" else None,
         "train.peak_flops_per_device": t.peak_flops_per_device,
         "optimizer.max_grad_norm": o.max_grad_norm,
+        "data.max_bytes": config.data.max_bytes,
     }
     for key, limit in optional_positive.items():
         if limit is not None and limit <= 0:

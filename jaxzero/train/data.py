@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxzero.data import store as store_lib
 from jaxzero.data.store import is_text, text_files
-from jaxzero.data.tokenizer import Tokenizer, TokenizerError
+from jaxzero.data.tokenizer import Tokenizer, TokenizerError, unk_warning
 from jaxzero.train.config import DataConfig
 
 TOKEN_SUFFIX = ".bin"  # nanoGPT's uint16 token files
@@ -73,6 +73,7 @@ class Corpus:
     tokenizer: Any = None  # a jaxzero.data.tokenizer.Tokenizer for tokenizer data
     train_docs: np.ndarray | None = None  # [n, 2] document start/end (packing off only)
     val_docs: np.ndarray | None = None
+    warnings: tuple[str, ...] = ()  # said once, under the banner's data line
 
 
 # --------------------------------------------------------------------------- reading
@@ -185,14 +186,26 @@ def data_kind(cfg: DataConfig) -> Kind:
     return "uint16" if path.suffix == TOKEN_SUFFIX else "bytes"
 
 
-def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
+def cut_note(read: int, total: int) -> str:
+    """What ``data.max_bytes`` left out, for the banner ("" when it left out nothing)."""
+    if read >= total:
+        return ""
+    return f", the first {read:,} of {total:,} bytes (data.max_bytes)"
+
+
+def load_corpus(
+    cfg: DataConfig, vocab_size: int | None = None, progress: bool | str = True
+) -> Corpus:
     """Reads the corpus ``cfg`` names.
 
     Args:
       cfg: ``path`` None (stdlib sources), a text file, a directory of text
         files, a ``.bin`` token file, or a directory holding ``train.bin`` (and
         optionally ``val.bin``). ``format`` forces bytes or uint16 reading.
+        ``max_bytes`` caps every text source (bytes or tokenized), not token files.
       vocab_size: for uint16 data, the model's vocab; None scans for the largest token.
+      progress: how a token store being built shows its progress
+        (:func:`jaxzero.data.store.build`).
 
     Returns:
       The train/validation :class:`Corpus`.
@@ -201,17 +214,27 @@ def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
       DataError: the path does not exist, holds no tokens, or is a binary file read as text.
     """
     if cfg.tokenizer is not None:
-        return _tokenized_corpus(cfg, vocab_size)
+        return _tokenized_corpus(cfg, vocab_size, progress)
     if cfg.path is None:
         files = stdlib_files()
+        chunks = read_files(files, _cap(cfg))
         source = f"python stdlib sources ({sysconfig.get_paths()['stdlib']})"
         return _bytes_corpus(
-            *split_files(read_files(files, cfg.max_bytes), cfg.val_fraction), source
+            *split_files(chunks, cfg.val_fraction), source + _files_note(chunks, files)
         )
     path = Path(cfg.path).expanduser()
     if not path.exists():
         raise DataError(f"data path {str(path)!r} does not exist")
     kind = data_kind(cfg)
+    if kind == "bytes" and cfg.format == "auto":
+        candidates = [path] if path.is_file() else text_files(path)
+        jsonl = [f for f in candidates if f.suffix in store_lib.JSONL_SUFFIXES]
+        if jsonl:
+            raise DataError(
+                f"{str(jsonl[0])!r} is JSONL, which needs a tokenizer: give --tokenizer "
+                "(a tokenizer.json or a model directory) or --init-from hf:DIR; without one "
+                "it would be trained on as raw bytes, braces and keys included"
+            )
     if path.is_dir():
         if kind == "uint16":
             if not (path / "train.bin").is_file():
@@ -228,9 +251,10 @@ def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
         files = text_files(path)
         if not files:
             raise DataError(f"data directory {str(path)!r} holds no text files")
-        chunks = read_files(files, cfg.max_bytes)
+        chunks = read_files(files, _cap(cfg))
         return _bytes_corpus(
-            *split_files(chunks, cfg.val_fraction), f"{len(files)} files in {path}"
+            *split_files(chunks, cfg.val_fraction),
+            f"{len(files)} files in {path}" + _files_note(chunks, files),
         )
     if kind == "uint16":
         return _token_corpus(*split(read_tokens(path), cfg.val_fraction), vocab_size, str(path))
@@ -240,11 +264,23 @@ def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
             "files a data directory skips: give a text file, a uint16 token file (.bin), "
             "or --set data.format=bytes to train on its raw bytes"
         )
-    data = np.memmap(path, np.uint8, "r") if path.stat().st_size else np.zeros(0, np.uint8)
-    return _bytes_corpus(*split(data, cfg.val_fraction), str(path))
+    size = path.stat().st_size
+    data = np.memmap(path, np.uint8, "r") if size else np.zeros(0, np.uint8)
+    data = data[: _cap(cfg)]
+    return _bytes_corpus(*split(data, cfg.val_fraction), str(path) + cut_note(len(data), size))
 
 
-def _tokenized_corpus(cfg: DataConfig, vocab_size: int | None) -> Corpus:
+def _cap(cfg: DataConfig) -> int:
+    """``data.max_bytes`` as a slice bound (None: no cap)."""
+    return cfg.max_bytes if cfg.max_bytes is not None else 1 << 62
+
+
+def _files_note(chunks: list[bytes], files: list[Path]) -> str:
+    """:func:`cut_note` of files read by :func:`read_files` (which ends each with a newline)."""
+    return cut_note(sum(len(c) for c in chunks), sum(f.stat().st_size for f in files))
+
+
+def _tokenized_corpus(cfg: DataConfig, vocab_size: int | None, progress: bool | str) -> Corpus:
     """Text or JSONL through a tokenizer, from the cached token store; the validation
     split is the tail of the document stream."""
     assert cfg.tokenizer is not None  # load_corpus comes here only with a tokenizer
@@ -252,7 +288,7 @@ def _tokenized_corpus(cfg: DataConfig, vocab_size: int | None) -> Corpus:
         raise DataError("data.tokenizer needs data.path (text files or JSONL)")
     try:
         tok = Tokenizer.load(cfg.tokenizer)
-        store = store_lib.build(cfg.path, tok)
+        store = store_lib.build(cfg.path, tok, progress, cfg.max_bytes)
     except (TokenizerError, store_lib.StoreError) as e:
         raise DataError(str(e)) from None
     if vocab_size is not None and tok.vocab_size > vocab_size:
@@ -268,7 +304,13 @@ def _tokenized_corpus(cfg: DataConfig, vocab_size: int | None) -> Corpus:
     n_val = min(len(docs) - 1, max(1, round(len(docs) * cfg.val_fraction)))
     cut = int(docs[-n_val, 0])  # the validation split starts at a document
     mask = store.mask
-    source = f"{cfg.path} ({store.meta['documents']:,} documents, {tok.source})"
+    meta = store.meta
+    source = (
+        f"{cfg.path} ({meta['documents']:,} documents, {tok.source}, EOS "
+        f"{tok.describe_eos()}{cut_note(meta['bytes'], meta['total_bytes'])})"
+    )
+    share = meta["unk_tokens"] / max(1, meta["tokens"] - meta["documents"])  # EOS aside
+    warning = unk_warning(tok, share, "the data")
     train_docs = val_docs = None
     if not cfg.packing:
         train_docs, val_docs = docs[:-n_val], docs[-n_val:] - cut
@@ -284,6 +326,7 @@ def _tokenized_corpus(cfg: DataConfig, vocab_size: int | None) -> Corpus:
         tok,
         train_docs,
         val_docs,
+        (warning,) if warning else (),
     )
 
 

@@ -240,7 +240,20 @@ def _train(
     pretrained = None
     if resume is None and finetune.source(cfg) is not None:
         cfg, pretrained = finetune.resolve(cfg)  # its model fields and tokenizer
-    corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size)
+    mesh, simulated = setup_devices(cfg.parallel, job, cfg.mesh.group_size)
+    n_dev = mesh.size
+    need = n_dev * cfg.parallel.micro_batches
+    if cfg.train.batch_size % need:
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} must be a multiple of "
+            f"{n_dev} devices x {cfg.parallel.micro_batches} micro-batches = {need}"
+        )
+    cfg = resolve_run(cfg, n_dev, simulated, cfg.model.vocab_size)  # the name, said first
+    is_main = jax.process_index() == 0
+    shown = cfg.logging.progress if is_main else "none"
+    if shown != "none":
+        print(metrics_lib.run_line(cfg), flush=True)
+    corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size, shown)
     seq = cfg.model.seq_len
     if corpus.train_docs is None:  # packed windows need seq_len + 1 tokens
         data_lib.check_length(corpus.train, seq, "training")
@@ -258,17 +271,7 @@ def _train(
         raise ConfigError(
             f"model.vocab_size={vocab} is smaller than the data's {corpus.vocab_size}"
         )
-
-    mesh, simulated = setup_devices(cfg.parallel, job, cfg.mesh.group_size)
-    n_dev = mesh.size
-    need = n_dev * cfg.parallel.micro_batches
-    if cfg.train.batch_size % need:
-        raise ConfigError(
-            f"train.batch_size={cfg.train.batch_size} must be a multiple of "
-            f"{n_dev} devices x {cfg.parallel.micro_batches} micro-batches = {need}"
-        )
     cfg = resolve_run(cfg, n_dev, simulated, vocab)
-    is_main = jax.process_index() == 0
     if is_main and cfg.checkpoint.dir:  # before the run directory, and any compiling
         resume_lib.check_writable(Path(cfg.checkpoint.dir))
     fresh = is_main and resume is None  # this process creates the run's directory
@@ -315,7 +318,7 @@ def _train(
                 state = engine.init_from(model.init, jax.random.key(cfg.train.seed))
             per_run = None if job.multi else simulated  # multi-process: the mesh line says it
             progress.print(
-                metrics_lib.banner(cfg, corpus, engine.num_params, per_run, run_dir)
+                metrics_lib.banner(cfg, corpus, engine.num_params, per_run)
                 + "\n  mesh   "
                 + _mesh_line(job, mesh)
             )

@@ -385,8 +385,15 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def banner(cfg: Config, corpus: Any, num_params: int, simulated: int | None, run_dir: Path) -> str:
-    """What is about to run: data, model, ZeRO layout (printed before the first step)."""
+def run_line(cfg: Config) -> str:
+    """The banner's first line, the run and where it writes: printed before the data is
+    read, so that tokenizing a large corpus never starts in silence."""
+    return f"jaxzero train: {cfg.logging.name} -> {Path(cfg.logging.root) / str(cfg.logging.name)}"
+
+
+def banner(cfg: Config, corpus: Any, num_params: int, simulated: int | None) -> str:
+    """What is about to run: data, model, ZeRO layout (printed before the first step, under
+    :func:`run_line`)."""
     p, m = cfg.parallel, cfg.model
     unit = "bytes" if corpus.kind == "bytes" else f"{corpus.kind} tokens"
     dev = f"{p.devices} device(s)"
@@ -394,9 +401,9 @@ def banner(cfg: Config, corpus: Any, num_params: int, simulated: int | None, run
         dev = f"{p.devices} of {simulated} simulated CPU devices (--simulate-devices {simulated})"
     return "\n".join(
         [
-            f"jaxzero train: {cfg.logging.name} -> {run_dir}",
             f"  data   {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} val "
             f"{unit}, vocab {corpus.vocab_size}",
+            *(f"  data   {w}" for w in corpus.warnings),
             f"  model  {m.arch.upper() if m.arch == 'gpt' else m.arch.capitalize()} "
             f"{m.n_layers} layers x {m.d_model} wide, {m.n_heads} heads"
             f"{f' ({m.n_kv_heads} kv)' if m.n_kv_heads else ''}, "
