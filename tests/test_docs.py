@@ -98,6 +98,27 @@ def test_readme_plot_commands_write_under_runs():
     assert "runs/" in (ROOT / ".gitignore").read_text().split()
 
 
+@pytest.mark.unit
+def test_every_jaxzero_command_the_docs_name_exists():
+    """`jaxzero config` was named where `jaxzero train --print-config` is meant."""
+    from jaxzero import cli
+
+    named = set()
+    for text in [README, *PAGES.values()]:
+        named |= set(re.findall(r"(?:`|^    )(?:\.venv/bin/)?jaxzero ([a-z][\w-]*)", text, re.M))
+    assert "train" in named and named <= set(cli.COMMANDS), named - set(cli.COMMANDS)
+
+
+@pytest.mark.unit
+def test_the_training_page_exports_checkpoints_its_own_runs_save():
+    """Its runs (no checkpoint.every: a checkpoint at the end only) save their last step."""
+    page = PAGES["training.md"]
+    saved = {int(n) for n in re.findall(r"^\s*jaxzero train [^\n]*--steps (\d+)", page, re.M)}
+    used = [int(n) for n in re.findall(r"jaxzero (?:export|sample) runs/\S+/(\d+)\b", page)]
+    assert saved and used
+    assert set(used) <= saved, f"the page's runs save steps {saved}, it uses {used}"
+
+
 def _md_rows(text: str) -> list[list[str]]:
     """The cells of a markdown table's body rows (header and rule skipped)."""
     rows = [
