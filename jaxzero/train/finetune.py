@@ -27,10 +27,11 @@ HF_CONFIG = "hf_config.json"
 
 # Fine-tuning defaults, where a fine-tune differs from the byte GPT's pre-training ones.
 # Full fine-tuning (every weight trains) as TRL's SFTTrainer does it: its SFTConfig defaults
-# to learning_rate 2e-5 and max_length 1024, on transformers' TrainingArguments (weight
-# decay 0); Stanford Alpaca's full fine-tunes used 2e-5 with 3% of the steps warming up.
-# (2e-4, axolotl's usual figure, is for LoRA adapters.) 1024 tokens hold most chat turns
-# and cost 16x fewer attention FLOPs than a 4k window; the model's own context caps it.
+# to learning_rate 2e-5 and max_length 1024, over transformers' TrainingArguments (weight
+# decay 0); Stanford Alpaca's published full fine-tune: 2e-5, weight decay 0, warmup_ratio
+# 0.03, cosine. (2e-4, common in axolotl configs, is for LoRA adapters.) 1024 tokens hold
+# most chat turns, and a longer window costs more per token (attention grows with it),
+# which a CPU feels; a model with a shorter context keeps its own.
 SEQ_LEN_CAP = 1024
 LR = 2e-5
 WEIGHT_DECAY = 0.0
