@@ -6,6 +6,7 @@ import importlib
 import math
 import os
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -98,6 +99,27 @@ def test_readme_plot_commands_write_under_runs():
     assert "runs/" in (ROOT / ".gitignore").read_text().split()
 
 
+@pytest.mark.unit
+def test_every_jaxzero_command_the_docs_name_exists():
+    """`jaxzero config` was named where `jaxzero train --print-config` is meant."""
+    from jaxzero import cli
+
+    named = set()
+    for text in [README, *PAGES.values()]:
+        named |= set(re.findall(r"(?:`|^    )(?:\.venv/bin/)?jaxzero ([a-z][\w-]*)", text, re.M))
+    assert "train" in named and named <= set(cli.COMMANDS), named - set(cli.COMMANDS)
+
+
+@pytest.mark.unit
+def test_the_training_page_exports_checkpoints_its_own_runs_save():
+    """Its runs (no checkpoint.every: a checkpoint at the end only) save their last step."""
+    page = PAGES["training.md"]
+    saved = {int(n) for n in re.findall(r"^\s*jaxzero train [^\n]*--steps (\d+)", page, re.M)}
+    used = [int(n) for n in re.findall(r"jaxzero (?:export|sample) runs/\S+/(\d+)\b", page)]
+    assert saved and used
+    assert set(used) <= saved, f"the page's runs save steps {saved}, it uses {used}"
+
+
 def _md_rows(text: str) -> list[list[str]]:
     """The cells of a markdown table's body rows (header and rule skipped)."""
     rows = [
@@ -171,11 +193,28 @@ def test_models_page_speed_table_quotes_the_benchmark_results():
     assert table in (ROOT / "docs" / "models.md").read_text(), table
 
 
-# pages whose python blocks run in order in this process, and what they must print
-IN_PROCESS = {"models.md": ["(16, 1)", "loss "], "runs.md": ["restored step 0 first"]}
+# pages whose python blocks run in order in one fresh Python, and what they must print
+FRESH = {"models.md": ["(16, 1)", "loss "], "runs.md": ["restored step 0 first"]}
 # every python block of these runs in a test below; on any other page each block says on
 # the line above it that a named test of this module runs it, or why nothing does
-EXECUTED = {"README.md", "getting-started.md", *IN_PROCESS}
+EXECUTED = {"README.md", "getting-started.md", *FRESH}
+
+
+def _as_a_reader(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``code`` in a fresh Python started in the repository root on a CPU-only machine:
+    one CPU device, nothing simulated (this process's XLA_FLAGS simulate 8)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    return _procs.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
 NOT_RUN = re.compile(r"^<!-- not run: \S.* -->$")
 RUN_BY = re.compile(r"^<!-- run by tests/test_docs.py::(\w+) -->$")
 
@@ -209,18 +248,8 @@ def test_every_python_block_in_the_docs_runs_in_a_test_or_says_why_not():
 def test_getting_started_runs_in_a_fresh_python():
     """The page's blocks, pasted in order into a fresh Python (it simulates its own 4 CPU
     devices), print what the page shows."""
-
     page = PAGES["getting-started.md"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = _procs.run(
-        [sys.executable, "-c", "\n".join(_blocks(page, "python"))],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        cwd=ROOT,
-    )
+    proc = _as_a_reader("\n".join(_blocks(page, "python")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     shown = "".join(_blocks(page, ""))
     printed = proc.stdout
@@ -231,17 +260,16 @@ def test_getting_started_runs_in_a_fresh_python():
     np.testing.assert_allclose(_losses(printed), _losses(shown), rtol=0.05, atol=5e-4)
 
 
-@pytest.mark.parametrize("page", sorted(IN_PROCESS))
-def test_docs_pages_code_runs(page, monkeypatch, capsys):
-    """Every python block of a docs/ page, in order in one namespace, from the repo root."""
-    monkeypatch.chdir(ROOT)
+@pytest.mark.parametrize("page", sorted(FRESH))
+def test_docs_pages_code_runs_in_a_fresh_python(page):
+    """Every python block of a docs/ page, pasted in order into one fresh Python (one
+    process a page, not a block), from the repo root: a page that needs devices this
+    test process simulates, and the reader's would not, fails here."""
     blocks = _blocks((ROOT / "docs" / page).read_text(), "python")
     assert blocks, f"docs/{page} has no python blocks"
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, f"docs/{page}", "exec"), namespace)
-    out = capsys.readouterr().out
-    assert all(p in out for p in IN_PROCESS[page]), out
+    proc = _as_a_reader("\n".join(blocks))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(p in proc.stdout for p in FRESH[page]), proc.stdout
 
 
 def test_stages_page_own_loop_example_trains(capsys):
@@ -260,15 +288,10 @@ def test_stages_page_own_loop_example_trains(capsys):
 def test_readme_library_example_runs_as_written_on_one_cpu_device():
     """Pasted into a fresh Python on a CPU-only machine (one device, nothing simulated), the
     example runs and prints the losses README shows."""
-
     section = _section("The library in")
     example = _blocks(section, "python")[0]
     printed = _blocks(section, "")[0]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = _procs.run(
-        [sys.executable, "-c", example], capture_output=True, text=True, env=env, timeout=300
-    )
+    proc = _as_a_reader(example, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _losses(proc.stdout) == _losses(printed)
 

@@ -121,7 +121,8 @@ def test_an_override_that_contradicts_the_checkpoint_is_refused(pairs, tmp_path,
 
 
 def test_the_sft_config_takes_its_model_from_the_checkpoint(capsys):
-    """experiments/configs/sft.yaml with a checkpoint: --print-config shows its fields."""
+    """experiments/configs/sft.yaml with a tiny checkpoint: --print-config shows its fields,
+    and the window is the model's own context (128 tokens), not one the model refuses."""
     root = Path(__file__).parent.parent
     argv = [
         "train",
@@ -129,14 +130,13 @@ def test_the_sft_config_takes_its_model_from_the_checkpoint(capsys):
         str(root / "experiments/configs/sft.yaml"),
         "--init-from",
         f"hf:{FIXTURES / 'llama_gqa/single'}",
-        "--set",
-        "model.seq_len=64",
         "--print-config",
     ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "arch: llama" in out and "d_model: 32" in out and "n_kv_heads: 2" in out
-    assert "init_from: hf:" in out and "lr: 2.0e-05" in out
+    assert "init_from: hf:" in out and "lr: 2.0e-05" in out and "seq_len: 128" in out
+    assert "weight_decay: 0.0" in out and "warmup_steps: 30" in out  # 3% of its 1000 steps
 
 
 def test_a_fine_tune_killed_mid_epoch_resumes_with_the_same_batches(pairs, tmp_path):
@@ -198,3 +198,92 @@ def test_a_fine_tune_killed_mid_epoch_resumes_with_the_same_batches(pairs, tmp_p
     assert "(step 4)" in again.stdout
     got = _records(run)
     assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]
+
+
+def _configured(*argv: str):
+    """The config ``jaxzero train ARGV`` would run (nothing is read but config files)."""
+    from jaxzero.train import args as train_args
+
+    return train_args.config_from_args(train_args.build_parser().parse_args(list(argv)))
+
+
+@pytest.mark.unit
+def test_a_fine_tune_gets_fine_tuning_defaults_and_every_setting_given_wins(tmp_path):
+    """Not the byte GPT's seq_len 64, lr 4e-3, weight decay 0.1, 30 warmup steps and
+    prompt 'def ': the model's context (capped), TRL's 2e-5, no decay, 3% warmup, a
+    validation prompt. A value from a config file, a flag or --set is kept as given."""
+    src = f"hf:{FIXTURES / 'llama_gqa/single'}"  # max_position_embeddings 128
+    cfg = _configured("--init-from", src)
+    assert cfg.model.seq_len == 128 and cfg.optimizer.lr == 2e-5
+    assert cfg.optimizer.weight_decay == 0.0 and cfg.optimizer.warmup_steps == 24  # 3% of 800
+    assert cfg.logging.sample_prompt is None and cfg.data.max_bytes is None  # all the data
+    assert cfg.optimizer.b2 == 0.99 and cfg.train.batch_size == 32  # the rest: Config's
+    big = tmp_path / "big"  # a 4k context: the window is capped at 1024
+    big.mkdir()
+    raw = json.loads((FIXTURES / "llama_gqa/single/config.json").read_text())
+    (big / "config.json").write_text(json.dumps({**raw, "max_position_embeddings": 4096}))
+    assert _configured("--init-from", f"hf:{big}").model.seq_len == 1024
+
+    file = tmp_path / "ft.yaml"  # train.init_from from a file, beside settings of its own
+    file.write_text(f"train: {{init_from: '{src}'}}\noptimizer: {{lr: 1.0e-4}}\n")
+    cfg = _configured(
+        "--config", str(file), "--steps", "100", "--set", "model.seq_len=32",
+        "--set", "optimizer.weight_decay=0.1", "--set", "logging.sample_prompt=Once",
+    )  # fmt: skip
+    assert (cfg.optimizer.lr, cfg.optimizer.weight_decay) == (1e-4, 0.1)
+    assert cfg.model.seq_len == 32 and cfg.logging.sample_prompt == "Once"
+    assert cfg.optimizer.warmup_steps == 3  # 3% of the 100 steps asked for
+    assert (
+        _configured(
+            "--config", str(file), "--set", "optimizer.warmup_steps=0"
+        ).optimizer.warmup_steps
+        == 0
+    )
+    scratch = _configured()  # a run from scratch keeps the pre-training defaults
+    assert (scratch.model.seq_len, scratch.optimizer.lr) == (64, 4e-3)
+    assert scratch.logging.sample_prompt == "def " and scratch.data.max_bytes == 4_000_000
+
+
+def test_print_config_says_which_values_are_fine_tuning_defaults(capsys):
+    src = f"hf:{FIXTURES / 'llama_gqa/single'}"
+    assert (
+        cli.main(["train", "--init-from", src, "--set", "optimizer.lr=1e-4", "--print-config"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "seq_len: 128" in out and "lr: 0.0001" in out and "sample_prompt: null" in out
+    (note,) = [line for line in out.splitlines() if line.startswith("# fine-tuning defaults")]
+    assert "model.seq_len (the checkpoint's context, at most 1024)" in note
+    assert "optimizer.weight_decay" in note and "optimizer.lr" not in note  # 1e-4 was given
+    assert "data.max_bytes (null: all of the data)" in note
+
+
+@pytest.mark.unit
+def test_the_end_of_run_sample_starts_from_the_first_validation_prompt():
+    """logging.sample_prompt null: the first validation document's prompt (its tokens before
+    the first one a loss is taken on); unmasked data: its first tokens, at most half."""
+    from jaxzero.train import config as config_lib
+    from jaxzero.train import loop
+
+    eos = 0
+    val = np.array([7, 8, 9, 4, 5, eos, 6, 6, eos], np.uint16)  # prompt 7 8 9, reply 4 5
+    mask = np.array([0, 0, 0, 1, 1, 1, 0, 1, 1], np.uint8)
+    corpus = data_lib.Corpus(val, val, "uint16", 10, "t", mask, mask, eos)
+    np.testing.assert_array_equal(data_lib.val_prompt(corpus), [7, 8, 9])
+    plain = data_lib.Corpus(val, val, "uint16", 10, "t", eos=eos)
+    np.testing.assert_array_equal(data_lib.val_prompt(plain), [7, 8])  # half of 5 tokens
+    np.testing.assert_array_equal(data_lib.val_prompt(plain, max_tokens=1), [7])
+
+    prompts = []
+
+    class Model:
+        def generate(self, params, prompt, n, rng, temperature):
+            prompts.append(prompt[0].tolist())
+            return prompt
+
+    engine = type("Engine", (), {"gather_params": lambda self, state: None})()
+    cfg = config_lib.Config()
+    ft = config_lib.override(cfg, "logging.sample_prompt", None)
+    assert loop._sample(ft, engine, None, Model(), corpus) == "7 8 9"
+    bytes_corpus = data_lib.Corpus(np.frombuffer(b"x = 1\n", np.uint8), val, "bytes", 256, "b")
+    assert loop._sample(cfg, engine, None, Model(), bytes_corpus) == "def "
+    assert prompts == [[7, 8, 9], list(b"def ")]

@@ -362,12 +362,26 @@ def test_metrics_writer_nulls_non_finite_values(tmp_path):
 
 
 @pytest.mark.unit
-def test_mfu_against_a_configured_or_nominal_peak():
+def test_mfu_against_a_configured_or_data_sheet_peak_and_none_on_cpus():
+    """A CPU has no peak to divide by (a nominal 80 GFLOP/s a core printed "MFU 80.6%" on
+    an AVX-512 machine): its summary says so and how to give one, and prints no MFU."""
     cpu = type("Device", (), {"platform": "cpu", "device_kind": "cpu"})()
     gpu = type("Device", (), {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"})()
-    assert metrics.peak_flops_per_device(gpu, None, 8)[0] == 989e12
-    assert metrics.peak_flops_per_device(gpu, 1e12, 8) == (1e12, "train.peak_flops_per_device")
-    peak, source = metrics.peak_flops_per_device(cpu, None, 8)
-    assert "nominal" in source and peak > 0
+    assert metrics.peak_flops_per_device(gpu, None)[0] == 989e12
+    assert metrics.peak_flops_per_device(gpu, 1e12) == (1e12, "train.peak_flops_per_device")
+    assert metrics.peak_flops_per_device(cpu, 1e12) == (1e12, "train.peak_flops_per_device")
+    peak, source = metrics.peak_flops_per_device(cpu, None)
+    assert peak is None and "set train.peak_flops_per_device" in source
     assert metrics.mfu(6e6, 1000.0, 1e10, 2) == pytest.approx(6e9 / 2e10)
     assert metrics.mfu(6e6, 1000.0, None, 2) is None
+    summary = {
+        "name": "r", "stage": 3, "devices": 8, "params": 10, "steps": 1, "tokens": 64,
+        "wall_s": 1.0, "train_s": 1.0, "tokens_per_s": 1000.0, "flops_per_token": 6e6,
+        "flops_formula": "6*N", "achieved_flops": 6e9, "peak_flops_per_device": None,
+        "peak_flops_source": source, "mfu": None, "final_loss": 1.0, "final_val_loss": 1.0,
+        "peak_memory_bytes_per_device": None,
+    }  # fmt: skip
+    (line,) = [x for x in metrics.format_summary(summary).splitlines() if "MFU" in x]
+    assert line == f"throughput 1,000 tokens/s | 6.00 GFLOP/s | MFU n/a ({source})"
+    line = metrics.format_summary({**summary, "peak_flops_per_device": 1e10, "mfu": 0.075})
+    assert "| MFU 7.5% of 1e+10 FLOP/s per device" in line

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from jaxzero.cli import ArgError, Parser
 from jaxzero.train import config as config_lib
+from jaxzero.train import finetune
 from jaxzero.train import metrics as metrics_lib
 from jaxzero.train import resume as resume_lib
 from jaxzero.train.config import Config
@@ -73,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> Config:
     """The config file, then the typed shortcuts, then ``--set`` (later wins); validated.
 
-    With ``--resume`` the base is the run's own saved config instead of a file.
+    They are laid over :class:`Config`'s defaults, or for a fine-tune (``train.init_from``
+    set anywhere) over :func:`jaxzero.train.finetune.defaults`, so a value the user
+    gives always wins and one left out takes the fine-tuning default. With
+    ``--resume`` the base is the run's own saved config instead of a file.
     Otherwise a name that comes from the config file (a run's own ``config.yaml``,
     say) is a default: if that run directory already holds a run, this run is
     named ``NAME-TIMESTAMP`` instead, so rerunning a saved config just works. A
@@ -87,7 +91,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
                 cfg = config_lib.override(cfg, key, value)
         return config_lib.validate(config_lib.apply_overrides(cfg, args.assignments))
 
-    base = lambda: config_lib.load_file(args.config) if args.config else Config()
+    def base(defaults: Config | None = None) -> Config:
+        defaults = defaults or Config()
+        return config_lib.load_file(args.config, defaults) if args.config else defaults
+
     if not args.resume and os.environ.get("JAXZERO_RESTART_COUNT", "0") != "0":
         args.resume = _restarted_run(apply(base()))
         args.config = None if args.resume else args.config
@@ -98,6 +105,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         cfg, args.resume_changes = resume_lib.resumed_config(run, apply)
         return cfg
     cfg = apply(base())
+    if finetune.source(cfg) is not None:  # the same settings over a fine-tune's defaults
+        cfg = apply(base(finetune.defaults(cfg)))
     lg = cfg.logging
     if lg.name is not None and not _names_the_run(args) and not lg.overwrite:
         if metrics_lib.holds_run(Path(lg.root) / lg.name):

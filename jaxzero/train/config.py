@@ -151,7 +151,10 @@ class LoggingConfig:
     progress: Literal["auto", "bar", "lines", "none"] = "auto"
     tensorboard: bool = True
     sample_tokens: int = 200  # length of the text sample generated at the end; 0: none
-    sample_prompt: str = "def "
+    # null: the start of the first validation document (for prompt/completion and chat
+    # data its prompt: the tokens before the first one a loss is taken on); fine-tunes
+    # default to null
+    sample_prompt: str | None = "def "
     sample_temperature: float = 0.8
 
 
@@ -162,7 +165,8 @@ class TrainConfig:
     steps: int = 800
     batch_size: int = 32  # global rows per optimizer step
     seed: int = 0
-    peak_flops_per_device: float | None = None  # None: a nominal figure for the backend
+    # None: the data-sheet figure of a known accelerator; on CPUs none (no MFU is printed)
+    peak_flops_per_device: float | None = None
     # "hf:PATH": fine-tune a Hugging Face checkpoint; its config sets the model fields and
     # its tokenizer the data's (jaxzero.train.finetune)
     init_from: str | None = None
@@ -260,13 +264,15 @@ _Loader.add_implicit_resolver(
 )
 
 
-def from_dict(data: dict[str, Any], cls: type = Config, prefix: str = "") -> Any:
+def from_dict(data: dict[str, Any], cls: type = Config, prefix: str = "", base: Any = None) -> Any:
     """Builds ``cls`` from nested dicts, rejecting unknown keys and ill-typed values.
 
     Args:
       data: nested mapping, e.g. parsed YAML. Missing keys keep their defaults.
       cls: the dataclass to build.
       prefix: dotted path of ``data`` inside the whole config, for error messages.
+      base: an instance of ``cls`` whose values are the defaults (None: the class's own;
+        a fine-tune's defaults differ, see :func:`jaxzero.train.finetune.defaults`).
 
     Returns:
       An instance of ``cls``.
@@ -283,10 +289,11 @@ def from_dict(data: dict[str, Any], cls: type = Config, prefix: str = "") -> Any
             raise ConfigError(f"unknown config key {key!r}")
         annotation = hints[name]
         if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
-            kwargs[name] = from_dict(value, annotation, f"{key}.")
+            inner = None if base is None else getattr(base, name)
+            kwargs[name] = from_dict(value, annotation, f"{key}.", inner)
         else:
             kwargs[name] = _check_value(key, value, annotation)
-    return cls(**kwargs)
+    return cls(**kwargs) if base is None else dataclasses.replace(base, **kwargs)
 
 
 def to_dict(config: Any) -> dict[str, Any]:
@@ -294,8 +301,9 @@ def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
-def load_file(path: str | Path) -> Config:
-    """Reads a YAML or JSON config file (YAML parses JSON too)."""
+def load_file(path: str | Path, base: Config | None = None) -> Config:
+    """Reads a YAML or JSON config file (YAML parses JSON too); what it leaves out keeps
+    ``base``'s value (default: :class:`Config`'s)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -305,7 +313,7 @@ def load_file(path: str | Path) -> Config:
         raise ConfigError(
             f"config file {str(path)!r} is not valid YAML/JSON{_yaml_where(e)}"
         ) from None
-    return from_dict({} if data is None else data)
+    return from_dict({} if data is None else data, base=base)
 
 
 def _yaml_where(e: yaml.YAMLError) -> str:

@@ -381,6 +381,27 @@ def encode(text: str, kind: Kind, tokenizer: Any = None) -> np.ndarray:
     return np.zeros(0, np.int32)
 
 
+def val_prompt(corpus: Corpus, max_tokens: int = 32, window: int = 1 << 16) -> np.ndarray:
+    """The sample prompt of ``logging.sample_prompt: null``: the first validation document's
+    start, text the model did not train on and in the shape the data has.
+
+    With a loss mask (prompt/completion and chat data) it is the document's prompt, the
+    tokens before the first one a loss is taken on, so the model writes the reply;
+    otherwise its first ``max_tokens`` tokens, at most half of it, so the model goes on
+    with it. Only the first ``window`` tokens of the split are read.
+    """
+    head = np.asarray(corpus.val[:window], np.int32)
+    if corpus.eos is not None:
+        ends = np.flatnonzero(head == corpus.eos)
+        head = head[: ends[0]] if ends.size else head
+    if corpus.val_mask is not None and head.size:
+        trained = np.flatnonzero(np.asarray(corpus.val_mask[: head.size]))
+        if trained.size and trained[0] > 0:
+            return head[: trained[0]]
+    prompt = head[: min(max_tokens, head.size // 2)]
+    return prompt if prompt.size else np.asarray(corpus.val[:1], np.int32)
+
+
 # --------------------------------------------------------------------------- batching
 
 
@@ -389,7 +410,8 @@ def check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
     if len(tokens) < seq_len + 1:
         raise DataError(
             f"model.seq_len={seq_len} needs at least {seq_len + 1} tokens, but the "
-            f"{what} split has {len(tokens)}"
+            f"{what} split has {len(tokens)}: lower model.seq_len or give more data"
+            + (" (or raise data.val_fraction)" if what == "validation" else "")
         )
 
 

@@ -5,20 +5,37 @@ override that contradicts it is refused, naming the field) and is copied into th
 run directory, which ``model.hf_config`` then names, so export, sample and
 ``--resume`` rebuild exactly this architecture without the source. Its
 ``tokenizer.json``, when it has one, is the data's tokenizer unless one is given.
+
+A fine-tune also starts from other defaults than a pre-training run (:func:`defaults`):
+the command line layers the config file, the flags and ``--set`` over them, so every
+value a user gives wins.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from jaxzero import hf
-from jaxzero.hf.config import hf_config
+from jaxzero.hf.config import CONFIG, hf_config, llama_config, read_json
 from jaxzero.train.config import Config, ConfigError, ModelConfig
 
 HF_CONFIG = "hf_config.json"
+
+# Fine-tuning defaults, where a fine-tune differs from the byte GPT's pre-training ones.
+# Full fine-tuning (every weight trains) as TRL's SFTTrainer does it: its SFTConfig defaults
+# to learning_rate 2e-5 and max_length 1024, over transformers' TrainingArguments (weight
+# decay 0); Stanford Alpaca's published full fine-tune: 2e-5, weight decay 0, warmup_ratio
+# 0.03, cosine. (2e-4, common in axolotl configs, is for LoRA adapters.) 1024 tokens hold
+# most chat turns, and a longer window costs more per token (attention grows with it),
+# which a CPU feels; a model with a shorter context keeps its own.
+SEQ_LEN_CAP = 1024
+LR = 2e-5
+WEIGHT_DECAY = 0.0
+WARMUP_FRACTION = 0.03
 
 
 def source(cfg: Config) -> Path | None:
@@ -29,6 +46,60 @@ def source(cfg: Config) -> Path | None:
     if not spec.startswith("hf:") or len(spec) == 3:
         raise ConfigError(f"train.init_from={spec!r}: use hf:PATH (a Hugging Face model directory)")
     return Path(spec[3:]).expanduser()
+
+
+def defaults(cfg: Config) -> Config:
+    """The defaults of a fine-tune of ``cfg``'s checkpoint: the model's context (at most
+    ``SEQ_LEN_CAP`` tokens), lr ``LR``, no weight decay, ``WARMUP_FRACTION`` of the
+    schedule's steps warming up, all of the data (no ``data.max_bytes``: the byte cap is
+    for the built-in corpus), and a sample prompt from the validation data.
+
+    Everything else is :class:`Config`'s default. ``cfg`` (what the user asked for)
+    gives the checkpoint and the length of the schedule only: the caller lays the
+    user's own settings over the result, so they always win.
+    """
+    path = source(cfg)
+    if path is None:
+        raise ConfigError("finetune.defaults needs train.init_from=hf:PATH")
+    try:
+        context = llama_config(read_json(path / CONFIG)).max_position_embeddings
+    except hf.HFError as e:
+        raise ConfigError(f"train.init_from: {e}") from None
+    horizon = cfg.optimizer.decay_steps or cfg.train.steps
+    base = Config()
+    return dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, seq_len=min(context, SEQ_LEN_CAP)),
+        optimizer=dataclasses.replace(
+            base.optimizer,
+            lr=LR,
+            weight_decay=WEIGHT_DECAY,
+            warmup_steps=math.ceil(WARMUP_FRACTION * horizon),
+        ),
+        data=dataclasses.replace(base.data, max_bytes=None),  # the user's data, all of it
+        logging=dataclasses.replace(base.logging, sample_prompt=None),
+    )
+
+
+def defaults_note(cfg: Config) -> str:
+    """``--print-config``'s comment: which of ``cfg``'s values are fine-tuning defaults."""
+    ours = defaults(cfg)
+    why = {
+        "model.seq_len": f"the checkpoint's context, at most {SEQ_LEN_CAP}",
+        "optimizer.warmup_steps": f"{WARMUP_FRACTION:.0%} of the steps",
+        "logging.sample_prompt": "null: the first validation document's prompt",
+        "data.max_bytes": "null: all of the data",
+    }
+    kept = []
+    for key in ("model.seq_len", "optimizer.lr", "optimizer.weight_decay",
+                "optimizer.warmup_steps", "data.max_bytes", "logging.sample_prompt"):  # fmt: skip
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value == getattr(getattr(ours, section), name):
+            kept.append(f"{key} ({why[key]})" if key in why else key)
+    if not kept:
+        return ""
+    return f"# fine-tuning defaults (train.init_from; a value you set wins): {', '.join(kept)}\n"
 
 
 def resolve(cfg: Config) -> tuple[Config, Any]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import shutil
 import socket
 import struct
@@ -50,9 +49,11 @@ PEAK_FLOPS = (
     ("TPU v5p", 459e12),
     ("TPU v6", 918e12),
 )
-# Nominal CPU core: two 256-bit FMA units = 32 fp32 FLOP/cycle, at 2.5 GHz. A yardstick only:
-# clocks vary, and AVX-512 parts can do twice this.
-CPU_FLOPS_PER_CORE = 32 * 2.5e9
+# CPUs get no MFU unless train.peak_flops_per_device is set: a nominal per-core figure was
+# off by 2x and more (AVX-512 parts, boost clocks, cores shared with other work: "MFU 80.6%"
+# for a bf16 fine-tune), and a matmul timed at start-up measures the load of the moment,
+# not a peak, so neither is a number to divide by.
+NO_CPU_PEAK = "no peak for CPUs: set train.peak_flops_per_device to get one"
 
 
 class MetricsWriter:
@@ -326,7 +327,7 @@ def summarize(
     local = jax.local_devices()
     n_dev = engine.mesh.size
     flops_per_token = model.flops_per_token(engine.num_params)
-    peak, source = peak_flops_per_device(local[0], cfg.train.peak_flops_per_device, len(local))
+    peak, source = peak_flops_per_device(local[0], cfg.train.peak_flops_per_device)
     tps = watch.tokens_per_s
     m = cfg.model
     return {
@@ -366,7 +367,8 @@ def format_summary(s: dict) -> str:
     """The end-of-run report, a few lines a person reads."""
     fmt = format_duration
     mfu = "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
-    peak = "n/a" if s["peak_flops_per_device"] is None else f"{s['peak_flops_per_device']:.3g}"
+    peak = s["peak_flops_per_device"]
+    against = "" if peak is None else f" of {peak:.3g} FLOP/s per device"
     mem = s["peak_memory_bytes_per_device"]
     lines = [
         "",
@@ -374,7 +376,7 @@ def format_summary(s: dict) -> str:
         f"steps {s['steps']} | tokens {s['tokens']:,} | wall {fmt(s['wall_s'])} (training "
         f"{fmt(s['train_s'])}; the rest is start-up, compilation, evaluation and sampling)",
         f"throughput {s['tokens_per_s']:,.0f} tokens/s | {s['achieved_flops'] / 1e9:.2f} GFLOP/s "
-        f"| MFU {mfu} of {peak} FLOP/s per device ({s['peak_flops_source']})",
+        f"| MFU {mfu}{against} ({s['peak_flops_source']})",
         f"FLOPs per token {s['flops_per_token']:.4g} = {s['flops_formula']} (attention term)",
         f"final loss: train {s['final_loss']:.4f} | val {s['final_val_loss']:.4f} nats/token",
         "peak memory per device: "
@@ -417,23 +419,16 @@ def banner(cfg: Config, corpus: Any, num_params: int, simulated: int | None) -> 
 # --------------------------------------------------------------------------- throughput
 
 
-def peak_flops_per_device(
-    device: Any, configured: float | None, num_local_devices: int
-) -> tuple[float | None, str]:
+def peak_flops_per_device(device: Any, configured: float | None) -> tuple[float | None, str]:
     """The FLOP/s one device is measured against for MFU, and where the figure came from.
 
-    Simulated CPU devices share the host's cores, so each gets its share of a
-    nominal host figure; the result is a rough yardstick, and says so.
+    A configured figure wins; a known accelerator gets its data-sheet peak; a CPU gets
+    none (see ``NO_CPU_PEAK``), so no MFU is printed for it.
     """
     if configured is not None:
         return configured, "train.peak_flops_per_device"
     if device.platform == "cpu":
-        cores = os.cpu_count() or 1
-        host = cores * CPU_FLOPS_PER_CORE
-        return host / num_local_devices, (
-            f"nominal CPU peak: {cores} cores x {CPU_FLOPS_PER_CORE / 1e9:.0f} GFLOP/s, shared by "
-            f"{num_local_devices} device(s)"
-        )
+        return None, NO_CPU_PEAK
     kind = getattr(device, "device_kind", "")
     for name, flops in PEAK_FLOPS:
         if name.lower() in kind.lower():
