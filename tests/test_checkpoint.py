@@ -233,6 +233,7 @@ CRASH = textwrap.dedent("""
 """)
 
 
+@pytest.mark.every_lane
 @pytest.mark.system
 def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path):
     d = tmp_path / "ck"
@@ -258,6 +259,7 @@ ENDS_WITHOUT_WAIT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.every_lane
 @pytest.mark.system
 def test_a_script_that_ends_without_wait_keeps_its_checkpoint_and_prints_nothing(tmp_path):
     """The save in flight completes as the interpreter exits, without orbax's
@@ -315,6 +317,7 @@ def _run_until(
     return proc, err
 
 
+@pytest.mark.every_lane
 @pytest.mark.system
 def test_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
     env = {**os.environ}

@@ -183,6 +183,7 @@ def test_a_model_built_here_saves_as_its_architecture(tmp_path):
     assert rel_diff(hf.read_params(out), params) == 0.0
 
 
+@pytest.mark.every_lane
 @pytest.mark.system
 def test_two_processes_read_their_own_slices_and_save_together(tmp_path):
     """2 processes x 2 devices at stage 3: each reads about half of every sharded param

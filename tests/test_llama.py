@@ -95,6 +95,7 @@ def test_train_config_builds_either_model():
         C.validate(C.Config(model=C.ModelConfig(arch="llama", n_kv_heads=3)))
 
 
+@pytest.mark.every_lane
 @pytest.mark.system
 def test_llama_1b_config_estimates_and_compiles_abstractly(capsys):
     """Llama 3.2 1B's shapes: counted exactly by jaxzero estimate, and its stage-3 step

@@ -32,6 +32,7 @@ def test_backend_started_reads_a_private_jax_name_that_still_exists():
     assert backend_started() is True
 
 
+@pytest.mark.every_lane
 @pytest.mark.system
 def test_simulate_devices_fails_loudly_after_backend_start():
     code = "import jax, jaxzero; jax.devices(); jaxzero.simulate_devices(3)"
