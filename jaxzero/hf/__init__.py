@@ -166,7 +166,9 @@ def _reader(path: Path, m: Llama) -> tuple[Any, Any]:
     """The params' shapes and ``read(layout, index) -> fp32 slice`` over the checkpoint,
     every tensor checked for presence and shape first."""
     weights = Weights(path)
-    shapes = jax.eval_shape(m.init, jax.random.key(0))
+    # the key made inside the trace: this starts no JAX backend, so a run can check a
+    # checkpoint before it sets up (simulated) devices
+    shapes = jax.eval_shape(lambda: m.init(jax.random.key(0)))
     names = _sources(m, weights, jax.tree.leaves(layouts_for(shapes, 1), is_leaf=is_layout))
 
     def read(lay: LeafLayout, index: tuple[slice, ...]) -> np.ndarray:
