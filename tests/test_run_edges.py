@@ -217,6 +217,9 @@ def test_a_resumed_longer_run_decays_from_where_its_horizon_ended():
     assert lr[:4] == pytest.approx(trained)
     assert all(a > b for a, b in zip(lr[3:], lr[4:], strict=False))  # no step at the peak again
     assert lr[-1] == pytest.approx(4e-4)
+    _, again = optimizer.make_optimizer(dataclasses.replace(opt, decay_steps=4), 12)
+    twice = [float(again(c)) for c in range(12)]  # extended again: no trained rate changes
+    assert twice[:8] == pytest.approx(lr) and twice[8:] == pytest.approx([4e-4] * 4)
     decayed = dataclasses.replace(opt, warmup_steps=2, decay_steps=6)
     lr = [float(optimizer.make_optimizer(decayed, 9)[1](c)) for c in range(9)]
     fresh = optimizer.lr_schedule(dataclasses.replace(decayed, decay_steps=None), 6)

@@ -35,9 +35,10 @@ def lr_schedule(opt: config_lib.OptimizerConfig, steps: int):
 
     Steps after the horizon (a run resumed with more ``--steps`` keeps the horizon it
     was trained with, so the rate never jumps back up) go on from the rate of step
-    ``H`` by a cosine down to the floor at step ``steps``: the floor throughout when
-    the horizon had decayed to it, a decay over the added steps when it ended at or
-    near the peak (a run whose warmup filled it).
+    ``H`` by a cosine down to the floor at step ``2H``, then stay there: the floor
+    throughout when the horizon had decayed to it, the decay it never had when its
+    warmup filled it. The tail depends on ``H`` only, not on ``steps``, so extending a
+    run again changes no rate it already trained with.
     """
     horizon = opt.decay_steps or steps
     warmup, floor = min(opt.warmup_steps, horizon), opt.lr * opt.min_lr_ratio
@@ -57,7 +58,7 @@ def lr_schedule(opt: config_lib.OptimizerConfig, steps: int):
         rate = within(count, jnp)
         if steps <= horizon:
             return rate
-        after = cosine(end, (count - horizon + 1) / (steps - horizon), jnp)
+        after = cosine(end, (count - horizon + 1) / horizon, jnp)
         return jnp.where(count < horizon, rate, after)
 
     return schedule

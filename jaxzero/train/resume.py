@@ -92,7 +92,8 @@ def resumed_config(run: Path, apply: Any) -> tuple[Config, list[str]]:
     More ``--steps`` extend the run but not its learning-rate horizon
     (``optimizer.decay_steps``, recorded here), so the rate never jumps back up at the
     resume step; the added steps go on from the rate the horizon ended at down to the
-    floor (:func:`jaxzero.train.optimizer.lr_schedule`).
+    floor (:func:`jaxzero.train.optimizer.lr_schedule`), the same however often the run
+    is extended.
 
     The saved ``parallel.devices`` is the count the run resolved on its devices: a
     command that changes ``parallel.simulate_devices`` without choosing
@@ -122,8 +123,8 @@ def resumed_config(run: Path, apply: Any) -> tuple[Config, list[str]]:
         )
         said.append(
             f"optimizer.decay_steps: None -> {saved.train.steps} (the learning-rate "
-            "schedule keeps its horizon, then decays from where it ended to the floor at "
-            "the last step; --set optimizer.decay_steps=N to change it)"
+            "schedule keeps its horizon, then decays from where it ended to the floor "
+            f"by step {2 * saved.train.steps}; --set optimizer.decay_steps=N to change it)"
         )
     return new, said
 
