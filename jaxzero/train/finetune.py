@@ -81,9 +81,9 @@ def resolve(cfg: Config) -> tuple[Config, Any]:
     if data.tokenizer is None:
         if not (path / TOKENIZER).is_file() and data_kind(data) == "bytes":
             raise ConfigError(
-                f"train.init_from: {path} has no tokenizer ({TOKENIZER}), and text is "
-                "tokenized with the model's: pass --tokenizer PATH (a tokenizer.json or "
-                "a model directory holding one)"
+                f"train.init_from: {path} has no tokenizer (no {TOKENIZER}) to read the "
+                "text data with: pass --tokenizer PATH (a tokenizer.json or a model "
+                "directory holding one)"
             )
         if (path / TOKENIZER).is_file():
             data = dataclasses.replace(data, tokenizer=str(path))
