@@ -3,7 +3,11 @@ weights are what the first step starts from, and the run exports as the same arc
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import shutil
+import sys
 from pathlib import Path
 
 import _procs
@@ -11,9 +15,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import cli, hf
+from jaxzero import cli, hf, make_mesh
 from jaxzero.data.tokenizer import Tokenizer
+from jaxzero.hf import safetensors
 from jaxzero.train import data as data_lib
+from jaxzero.train import finetune
+from jaxzero.train import loop as train_loop
+from jaxzero.train.config import Config, ConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -287,3 +295,163 @@ def test_the_end_of_run_sample_starts_from_the_first_validation_prompt():
     bytes_corpus = data_lib.Corpus(np.frombuffer(b"x = 1\n", np.uint8), val, "bytes", 256, "b")
     assert loop._sample(cfg, engine, None, Model(), bytes_corpus) == "def "
     assert prompts == [[7, 8, 9], list(b"def ")]
+
+
+# --------------------------------------------------------------------------- bad checkpoints
+
+
+def _copy(name: str, root: Path, to: str) -> Path:
+    return Path(shutil.copytree(FIXTURES / name, root / to))
+
+
+def _rewrite(path: Path, change) -> None:
+    """Rewrites a safetensors file with ``change(dict of tensors)`` applied."""
+    tensors = change(safetensors.read_all(path))
+    entries = [(k, v.dtype, v.shape) for k, v in tensors.items()]
+    safetensors.write(path, entries, iter(tensors.values()), {"format": "pt"})
+
+
+def _damaged(root: Path) -> dict[str, tuple[Path, str]]:
+    """Checkpoint directories damaged as downloads and hand edits damage them, each with
+    what its one line must say."""
+    out = {}
+    d = _copy("llama_gqa/single", root, "truncated")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[:-1000])
+    out["truncated"] = d, "model.safetensors is truncated"
+    d = _copy("llama_gqa/single", root, "garbage")
+    (d / "model.safetensors").write_bytes(b"\x00garbage" * 100)
+    out["garbage"] = d, "truncated or not safetensors"
+    d = _copy("llama_gqa/single", root, "shape")
+    k = "model.layers.0.self_attn.k_proj.weight"
+    _rewrite(d / "model.safetensors", lambda t: {n: v[:8] if n == k else v for n, v in t.items()})
+    out["shape"] = d, f"tensor {k} has shape [8, 32]; the config needs [16, 32]"
+    d = _copy("llama_gqa/single", root, "missing")
+    up = "model.layers.1.mlp.up_proj.weight"
+    _rewrite(d / "model.safetensors", lambda t: {n: v for n, v in t.items() if n != up})
+    out["missing"] = d, f"tensor {up} is missing"
+    d = _copy("llama_gqa/single", root, "int32")
+    raw = (d / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header["model.norm.weight"]["dtype"] = "I32"
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (d / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+    out["int32"] = d, "tensor model.norm.weight has dtype I32"
+    d = _copy("llama_gqa/sharded", root, "shard")
+    sorted(d.glob("model-*.safetensors"))[1].unlink()
+    out["shard"] = d, "model-00002-of-00004.safetensors is missing (listed in"
+    d = _copy("llama_gqa/sharded", root, "index")
+    (d / "model.safetensors.index.json").write_text("{not json")
+    out["index"] = d, "model.safetensors.index.json is unreadable (JSONDecodeError"
+    d = _copy("llama_gqa/single", root, "bin")
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")
+    out["bin"] = d, "no safetensors weights (found pytorch_model.bin); jaxzero reads safetensors"
+    return out
+
+
+def _finetune_config(src: Path, data: Path, tokenizer: Path | None) -> Config:
+    cfg = Config()
+    return dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, init_from=f"hf:{src}"),
+        data=dataclasses.replace(
+            cfg.data, path=str(data), tokenizer=None if tokenizer is None else str(tokenizer)
+        ),
+    )
+
+
+@pytest.mark.unit
+def test_damaged_checkpoints_are_refused_in_one_line_before_anything_is_built(pairs, tmp_path):
+    """What jaxzero sample says in one line, train says too, from the config's resolution
+    (before a run directory or a compile); each message names the file or tensor."""
+    tok = FIXTURES / "llama_gqa/single"
+    for case, (path, says) in _damaged(tmp_path).items():
+        with pytest.raises(ConfigError) as e:
+            finetune.resolve(_finetune_config(path, pairs, tok))
+        msg = str(e.value)
+        assert msg.startswith("train.init_from: ") and says in msg, (case, msg)
+        assert "\n" not in msg, case
+    notok = _copy("llama_gqa/sharded", tmp_path, "notok")  # no tokenizer.json of its own
+    with pytest.raises(ConfigError, match="notok has no tokenizer .*pass --tokenizer PATH"):
+        finetune.resolve(_finetune_config(notok, pairs, None))
+    cfg, _ = finetune.resolve(_finetune_config(notok, pairs, tok))  # given one, it trains
+    assert cfg.data.tokenizer == str(tok)
+
+
+@pytest.mark.unit
+def test_explicit_cudnn_attention_off_a_gpu_is_refused_in_one_line():
+    from jaxzero.models.common import cudnn_refusal
+
+    assert cudnn_refusal("auto", np.float32, "cpu") is None
+    assert "16-bit inputs, not float32" in str(cudnn_refusal("cudnn", np.float32, "gpu"))
+    assert cudnn_refusal("cudnn", jax.numpy.bfloat16, "gpu") is None
+    cfg = Config()
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, attention="cudnn", vocab_size=256)
+    )
+    with pytest.raises(ConfigError, match=r"^model.attention=cudnn needs an NVIDIA GPU \(this"):
+        train_loop.build(cfg, make_mesh(1))
+
+
+def test_a_nan_in_the_weights_is_one_line_naming_the_tensor(pairs, tmp_path, capsys):
+    """Not "loss is nan ... Lower optimizer.lr" at step 1: the tensor, as it loads."""
+    src = _copy("llama_gqa/single", tmp_path, "nan")
+    up = "model.layers.1.mlp.up_proj.weight"
+
+    def poison(t):
+        t[up] = t[up].copy()
+        t[up][0, 3] = np.nan
+        return t
+
+    _rewrite(src / "model.safetensors", poison)
+    rc = _train(tmp_path, "nan", "--init-from", f"hf:{src}", "--data", str(pairs))
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"jaxzero train: error: train.init_from: {src}: tensor {up} holds NaN" in err
+
+
+# --------------------------------------------------------------------------- several processes
+
+
+@pytest.mark.unit
+def test_no_process_reads_the_architecture_another_writes(tmp_path):
+    """pin_architecture on a process other than 0 writes nothing, and that process's
+    model is built from what it computed, not from rank 0's file (not there yet)."""
+    src = FIXTURES / "qwen2_tied/sharded"  # an untied head: the copy differs from the source
+    cfg, pretrained = finetune.resolve(
+        _finetune_config(src, tmp_path / "absent.jsonl", FIXTURES / "llama_gqa/single")
+    )
+    cfg, raw = finetune.pin_architecture(cfg, pretrained, tmp_path, is_main=False)
+    assert not (tmp_path / finetune.HF_CONFIG).exists()
+    model, _, _ = train_loop.build(cfg, make_mesh(1), raw)
+    assert model.config == pretrained.config and model.hf_config == raw
+    assert raw["tie_word_embeddings"] is False
+    finetune.pin_architecture(cfg, pretrained, tmp_path, is_main=True)  # what resume reads
+    assert json.loads((tmp_path / finetune.HF_CONFIG).read_text()) == raw
+
+
+def test_a_fine_tune_under_launch_with_two_processes(pairs, tmp_path):
+    """Both ranks start from a fresh copy of the data (each builds the token store) and
+    the checkpoint; rank 1 once read rank 0's hf_config.json before it was written."""
+    data = tmp_path / "pairs.jsonl"
+    shutil.copyfile(pairs, data)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # 2 devices a process
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = _procs.run(
+        [sys.executable, "-m", "jaxzero.cli", "launch", "--nproc-per-node", "2",
+         "--simulate-devices", "2", "--", "jaxzero", "train",
+         "--init-from", f"hf:{FIXTURES / 'llama_gqa/single'}", "--data", str(data),
+         "--steps", "2", "--name", "mp", "--set", f"logging.root={tmp_path}",
+         "--set", "model.seq_len=16", "--set", "train.batch_size=8",
+         "--set", "logging.sample_tokens=0", "--set", "logging.tensorboard=false",
+         "--set", "logging.eval_batches=1"],
+        env=env, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[rank 0] step 2/2" in proc.stdout
+    assert "2 process(es) x 2 local device(s) = 4 devices" in proc.stdout
+    run = tmp_path / "mp"
+    assert json.loads((run / finetune.HF_CONFIG).read_text())["architectures"]
+    assert len(json.loads((run / "summary.json").read_text())) > 0

@@ -430,6 +430,16 @@ def test_bad_tensors_are_named(tmp_path):
         hf.load(cut, engine(hf.model(cut)))
     _one_line(e)
 
+    nan = _copy("llama_gqa/single", tmp_path)
+    _rewrite(
+        nan / "model.safetensors",
+        lambda t: {k: v * np.inf if k == "model.norm.weight" else v for k, v in t.items()},
+    )
+    for read in (lambda: hf.read_params(nan), lambda: hf.load(nan, engine(hf.model(nan)))):
+        with pytest.raises(HFError, match="tensor model.norm.weight holds inf") as e:
+            read()  # as sample and train read it; not a non-finite loss at step 1
+        _one_line(e)
+
 
 def test_save_refuses_a_non_empty_directory(tmp_path):
     src = FIXTURES / "llama_gqa/single"

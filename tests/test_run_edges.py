@@ -5,6 +5,7 @@ an interrupt during start-up that stops at once and keeps nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -200,3 +201,59 @@ def test_ctrl_c_during_start_up_stops_at_once_and_keeps_nothing(tmp_path, reused
         assert (run / "checkpoints" / "4").is_dir()
     else:
         assert not run.exists()
+
+
+@pytest.mark.unit
+def test_a_resumed_longer_run_decays_from_where_its_horizon_ended():
+    """A 4-step run whose warmup (30) filled its horizon, resumed with --steps 8: steps 1-4
+    as trained, then a decay from the peak to the floor at step 8 (not the peak again at
+    step 5, then the floor); a horizon that decayed to the floor stays there."""
+    from jaxzero.train import optimizer
+    from jaxzero.train.config import OptimizerConfig
+
+    opt = OptimizerConfig(lr=4e-3, warmup_steps=30, min_lr_ratio=0.1)
+    trained = [float(optimizer.lr_schedule(opt, 4)(c)) for c in range(4)]
+    assert trained == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3])
+    _, resumed = optimizer.make_optimizer(dataclasses.replace(opt, decay_steps=4), 8)
+    lr = [float(resumed(c)) for c in range(8)]
+    assert lr[:4] == pytest.approx(trained)
+    assert all(a > b for a, b in zip(lr[3:], lr[4:], strict=False))  # no step at the peak again
+    assert lr[-1] == pytest.approx(4e-4)
+    _, again = optimizer.make_optimizer(dataclasses.replace(opt, decay_steps=4), 12)
+    twice = [float(again(c)) for c in range(12)]  # extended again: no trained rate changes
+    assert twice[:8] == pytest.approx(lr) and twice[8:] == pytest.approx([4e-4] * 4)
+    decayed = dataclasses.replace(opt, warmup_steps=2, decay_steps=6)
+    lr = [float(optimizer.make_optimizer(decayed, 9)[1](c)) for c in range(9)]
+    fresh = optimizer.lr_schedule(dataclasses.replace(decayed, decay_steps=None), 6)
+    assert lr[:6] == pytest.approx([float(fresh(c)) for c in range(6)])
+    assert lr[5:] == pytest.approx([4e-4] * 4)
+
+
+@pytest.mark.unit
+def test_resume_with_other_simulated_devices_trains_on_all_of_them(tmp_path):
+    """A run trained on 1 simulated device, resumed with --simulate-devices 8: the saved
+    device count (resolved from the old setup) no longer pins the run to 1 of the 8."""
+    from jaxzero.train import args as args_lib
+    from jaxzero.train import config as config_lib
+
+    run = tmp_path / "one"
+    run.mkdir()
+    cfg = config_lib.Config()
+    saved = dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, devices=1, simulate_devices=1)
+    )
+    (run / "config.yaml").write_text(config_lib.dump_yaml(saved))
+
+    def resume(*argv: str) -> tuple[config_lib.Config, list[str]]:
+        args = args_lib.build_parser().parse_args(["--resume", str(run), *argv])
+        return args_lib.config_from_args(args), args.resume_changes
+
+    cfg, said = resume("--stage", "3", "--simulate-devices", "8")
+    assert (cfg.parallel.devices, cfg.parallel.simulate_devices) == (None, 8)
+    assert "parallel.devices: 1 -> None (all devices: parallel.simulate_devices changed" in (
+        " ".join(said)
+    )
+    cfg, _ = resume("--simulate-devices", "8", "--devices", "1")  # chosen: kept
+    assert (cfg.parallel.devices, cfg.parallel.simulate_devices) == (1, 8)
+    cfg, said = resume("--stage", "1")  # the same devices: the saved count stands
+    assert cfg.parallel.devices == 1 and said == ["parallel.stage: 3 -> 1"]

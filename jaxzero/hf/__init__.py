@@ -42,7 +42,7 @@ from jaxzero.models.llama import Llama
 from jaxzero.partition import LeafLayout, is_layout, layouts_for
 from jaxzero.state import TrainState
 
-__all__ = ["HFError", "SafetensorsError", "load", "model", "read_params", "save"]
+__all__ = ["HFError", "SafetensorsError", "check", "load", "model", "read_params", "save"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -109,12 +109,16 @@ class Weights:
             self.where = {name: path / SINGLE for name in self._file(path / SINGLE).names()}
         else:
             found = sorted(p.name for p in path.glob("*.safetensors"))[:3]
+            other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pth"))[:3]
             raise HFError(
                 f"{path} has neither {SINGLE} nor {INDEX}"
                 + (
                     f" (found {', '.join(found)})"
                     if found
-                    else ": no safetensors weights (.bin/.pth checkpoints are not read)"
+                    else ": no safetensors weights"
+                    + (f" (found {', '.join(other)})" if other else "")
+                    + "; jaxzero reads safetensors only: save the model with transformers' "
+                    "save_pretrained, which writes them"
                 )
             )
 
@@ -162,21 +166,47 @@ def _reader(path: Path, m: Llama) -> tuple[Any, Any]:
     """The params' shapes and ``read(layout, index) -> fp32 slice`` over the checkpoint,
     every tensor checked for presence and shape first."""
     weights = Weights(path)
-    shapes = jax.eval_shape(m.init, jax.random.key(0))
+    # the key made inside the trace: this starts no JAX backend, so a run can check a
+    # checkpoint before it sets up (simulated) devices
+    shapes = jax.eval_shape(lambda: m.init(jax.random.key(0)))
     names = _sources(m, weights, jax.tree.leaves(layouts_for(shapes, 1), is_leaf=is_layout))
 
     def read(lay: LeafLayout, index: tuple[slice, ...]) -> np.ndarray:
         srcs = names[lay.path]
+        stacked = lay.path.startswith("layers/")
+        parts = srcs[index[0]] if stacked else srcs[:1]
         try:
-            if lay.path.startswith("layers/"):
-                return np.stack(
-                    [weights.tensor(n)[index[1:]].astype(np.float32) for n in srcs[index[0]]]
-                )
-            return weights.tensor(srcs[0])[index].astype(np.float32)
+            out = [weights.tensor(n)[index[1:] if stacked else index] for n in parts]
+            out = [_finite(x.astype(np.float32), n, path) for x, n in zip(out, parts, strict=True)]
         except OSError as e:  # a file that shrank or vanished after its header was read
             raise HFError(f"{path}: reading {srcs[0]} failed ({e})") from None
+        return np.stack(out) if stacked else out[0]
 
     return shapes, read
+
+
+def _finite(x: np.ndarray, name: str, path: Path) -> np.ndarray:
+    """``x``, or an error naming the tensor: a NaN or inf in the weights would otherwise
+    surface as a non-finite loss at step 1, which reads as a learning-rate problem."""
+    if not np.isfinite(x).all():
+        bad = np.count_nonzero(~np.isfinite(x))
+        kind = "NaN" if np.isnan(x).any() else "inf"
+        raise HFError(
+            f"{path}: tensor {name} holds {kind} ({bad:,} non-finite value(s) in the part "
+            "read): the checkpoint is damaged; re-download or re-export it"
+        )
+    return x
+
+
+def check(path: str | Path, m: Llama | None = None) -> Llama:
+    """``m`` (default: :func:`model` of ``path``) once every tensor it needs is found in
+    ``path`` with its shape and a dtype jaxzero reads: what :func:`load` refuses, refused
+    before anything is built or compiled. Values (non-finite ones) are checked as they load.
+    """
+    path = Path(path)
+    m = model(path) if m is None else m
+    _reader(path, m)
+    return m
 
 
 def load(path: str | Path, engine: Any) -> TrainState:

@@ -24,16 +24,21 @@ def llama_ff(d_model: int) -> int:
     return 32 * math.ceil(8 * d_model / 3 / 32)
 
 
-def from_fields(fields: dict[str, Any]) -> Any:
+def from_fields(fields: dict[str, Any], hf_raw: dict[str, Any] | None = None) -> Any:
     """A ``GPT`` or ``Llama`` from a run's model fields (``ModelConfig`` as a dict;
-    absent fields take their defaults, ``vocab_size`` must be set)."""
+    absent fields take their defaults, ``vocab_size`` must be set).
+
+    ``hf_raw``: the contents of the ``config.json`` that ``fields["hf_config"]`` names,
+    when the caller has it already (a fine-tune's processes compute it; reading the
+    file that one of them writes would race it).
+    """
     arch = fields.get("arch") or "gpt"
     get = lambda k, default=None: default if fields.get(k) is None else fields[k]
-    if fields.get("hf_config"):  # the exact architecture of a fine-tuned checkpoint
+    if fields.get("hf_config") or hf_raw is not None:  # a fine-tuned checkpoint's
         # here, not at the top: jaxzero.hf.config imports jaxzero.models.llama (a cycle)
         from jaxzero.hf.config import llama_config, read_json
 
-        raw = read_json(Path(fields["hf_config"]).expanduser())
+        raw = read_json(Path(fields["hf_config"]).expanduser()) if hf_raw is None else hf_raw
         model = Llama(
             llama_config(
                 raw,

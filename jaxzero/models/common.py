@@ -31,6 +31,26 @@ def attention_impl(choice: str, dtype: Any, backend: str | None = None) -> str:
     return "cudnn" if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 else "xla"
 
 
+def cudnn_refusal(choice: str, dtype: Any, backend: str | None = None) -> str | None:
+    """Why an explicit ``attention="cudnn"`` cannot run here (None: it can, or the choice
+    is another): cuDNN's fused attention needs an NVIDIA GPU and 16-bit inputs, and JAX
+    would say so only from deep inside the first step's trace."""
+    if choice != "cudnn":
+        return None
+    backend = backend or jax.default_backend()
+    if backend != "gpu":
+        return (
+            f"attention=cudnn needs an NVIDIA GPU (this backend is {backend}): "
+            "use auto (cuDNN where it can run, else XLA) or xla"
+        )
+    if jnp.dtype(dtype).itemsize != 2:
+        return (
+            f"attention=cudnn needs 16-bit inputs, not {jnp.dtype(dtype).name}: "
+            "use bf16 compute, or attention auto or xla"
+        )
+    return None
+
+
 def causal_attention(
     q_BxSxHxK: jax.Array,
     k_BxSxHxK: jax.Array,

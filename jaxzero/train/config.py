@@ -87,7 +87,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     max_grad_norm: float | None = 1.0  # global-norm clipping inside the engine; None: off
     # the cosine's horizon (None: train.steps); a resume with more --steps keeps the
-    # original one (the rate stays at its floor after it) unless this is set
+    # original one unless this is set, then decays from its last rate to the floor by 2x it
     decay_steps: int | None = None
 
 

@@ -9,6 +9,12 @@ run directory, which ``model.hf_config`` then names, so export, sample and
 A fine-tune also starts from other defaults than a pre-training run (:func:`defaults`):
 the command line layers the config file, the flags and ``--set`` over them, so every
 value a user gives wins.
+
+A damaged checkpoint (a missing, truncated or wrong-shaped tensor, a missing shard, an
+unreadable index, non-finite values) stops the run with one line, as ``jaxzero sample``
+does: the tensors are checked before anything is created or compiled, their values as
+they load. Every process computes the architecture it trains from the checkpoint
+itself; none reads back the copy process 0 writes (a second process would race it).
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from typing import Any
 from jaxzero import hf
 from jaxzero.hf.config import CONFIG, hf_config, llama_config, read_json
 from jaxzero.train.config import Config, ConfigError, ModelConfig
+from jaxzero.train.data import data_kind
 
 HF_CONFIG = "hf_config.json"
+TOKENIZER = "tokenizer.json"
 
 # Fine-tuning defaults, where a fine-tune differs from the byte GPT's pre-training ones.
 # Full fine-tuning (every weight trains) as TRL's SFTTrainer does it: its SFTConfig defaults
@@ -108,8 +116,14 @@ def resolve(cfg: Config) -> tuple[Config, Any]:
     if path is None:
         raise ConfigError("finetune.resolve needs train.init_from=hf:PATH")
     try:
-        model = hf.model(
-            path, seq_len=cfg.model.seq_len, remat=cfg.model.remat, attention=cfg.model.attention
+        model = hf.check(
+            path,
+            hf.model(
+                path,
+                seq_len=cfg.model.seq_len,
+                remat=cfg.model.remat,
+                attention=cfg.model.attention,
+            ),
         )
     except (hf.HFError, hf.SafetensorsError) as e:
         raise ConfigError(f"train.init_from: {e}") from None
@@ -135,20 +149,45 @@ def resolve(cfg: Config) -> tuple[Config, Any]:
                 f"(train.init_from={cfg.train.init_from}): drop the override"
             )
     data = cfg.data
-    if data.tokenizer is None and (path / "tokenizer.json").is_file():
-        data = dataclasses.replace(data, tokenizer=str(path))
+    if data.tokenizer is None:
+        if not (path / TOKENIZER).is_file() and data_kind(data) == "bytes":
+            raise ConfigError(
+                f"train.init_from: {path} has no tokenizer (no {TOKENIZER}) to read the "
+                "text data with: pass --tokenizer PATH (a tokenizer.json or a model "
+                "directory holding one)"
+            )
+        if (path / TOKENIZER).is_file():
+            data = dataclasses.replace(data, tokenizer=str(path))
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, **theirs), data=data
     ), model
 
 
-def pin_architecture(cfg: Config, model: Any, run_dir: Path, is_main: bool) -> Config:
-    """Copies the checkpoint's effective ``config.json`` into the run and names it in
-    ``model.hf_config``."""
+def pin_architecture(
+    cfg: Config, model: Any, run_dir: Path, is_main: bool
+) -> tuple[Config, dict[str, Any]]:
+    """The config naming the run's copy of the checkpoint's effective ``config.json``
+    (``model.hf_config``, which process 0 writes), and that config itself.
+
+    Every process builds its model from the returned dict, computed here from the
+    checkpoint it already read, never from the file: another process may not have
+    written it yet.
+    """
     out = run_dir / HF_CONFIG
+    raw = hf_config(model.config, "float32", model.hf_config)
     if is_main:
-        raw = hf_config(model.config, "float32", model.hf_config)
         out.write_text(json.dumps(raw, indent=2) + "\n")
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, hf_config=str(out.absolute()))
-    )
+    ), raw
+
+
+def load(cfg: Config, engine: Any) -> Any:
+    """The train state with the checkpoint's weights (:func:`jaxzero.hf.load`); a file
+    that fails as it is read, or a non-finite value, is one line (ConfigError)."""
+    path = source(cfg)
+    assert path is not None  # a fine-tune's config
+    try:
+        return hf.load(path, engine)
+    except (hf.HFError, hf.SafetensorsError) as e:
+        raise ConfigError(f"train.init_from: {e}") from None

@@ -89,23 +89,42 @@ def check_changes(diff: dict[str, tuple[Any, Any]]) -> list[str]:
 def resumed_config(run: Path, apply: Any) -> tuple[Config, list[str]]:
     """The run's saved config with this command's overrides (``apply(cfg) -> cfg``).
 
-    More ``--steps`` extend the run but not its learning-rate schedule: the cosine keeps
-    the horizon it was trained with (``optimizer.decay_steps``, recorded here), so the
-    rate never jumps back up at the resume step.
+    More ``--steps`` extend the run but not its learning-rate horizon
+    (``optimizer.decay_steps``, recorded here), so the rate never jumps back up at the
+    resume step; the added steps go on from the rate the horizon ended at down to the
+    floor (:func:`jaxzero.train.optimizer.lr_schedule`), the same however often the run
+    is extended.
+
+    The saved ``parallel.devices`` is the count the run resolved on its devices: a
+    command that changes ``parallel.simulate_devices`` without choosing
+    ``parallel.devices`` trains on all the devices it asked for (the checkpoint
+    reshards), not on the old count.
     """
     saved = config_lib.load_file(run / "config.yaml")
     saved = dataclasses.replace(
         saved, logging=dataclasses.replace(saved.logging, root=str(run.parent), name=run.name)
     )
     new = apply(saved)
+    unpinned = dataclasses.replace(saved.parallel, devices=None)
+    chosen = apply(dataclasses.replace(saved, parallel=unpinned)).parallel.devices
+    if new.parallel.simulate_devices != saved.parallel.simulate_devices and chosen is None:
+        new = dataclasses.replace(new, parallel=dataclasses.replace(new.parallel, devices=None))
     said = check_changes(changes(saved, new))
+    if new.parallel.devices is None and saved.parallel.devices is not None:
+        said = [
+            c + " (all devices: parallel.simulate_devices changed; --devices N to choose)"
+            if c.startswith("parallel.devices:")
+            else c
+            for c in said
+        ]
     if new.train.steps != saved.train.steps and saved.optimizer.decay_steps is None:
         new = dataclasses.replace(
             new, optimizer=dataclasses.replace(new.optimizer, decay_steps=saved.train.steps)
         )
         said.append(
             f"optimizer.decay_steps: None -> {saved.train.steps} (the learning-rate "
-            "schedule keeps its horizon; --set optimizer.decay_steps=N to change it)"
+            "schedule keeps its horizon, then decays from where it ended to the floor "
+            f"by step {2 * saved.train.steps}; --set optimizer.decay_steps=N to change it)"
         )
     return new, said
 
