@@ -136,17 +136,18 @@ class Decoder(Protocol):
 
 
 @functools.partial(jax.jit, static_argnames=("decode", "top_k"), donate_argnames=("cache",))
-def _step(decode, params, tokens_1xT, start, last, cache, key, temperature, top_k):
+def _step(decode, params, tokens_1xT, start, last, cache, rng, temperature, top_k):
     """Runs ``tokens`` through the cached model and draws the next token from the
-    logits at index ``last``: ``(token, those logits, the cache)``. One program per
-    model, T and top_k; the cache's buffers are reused in place (donated)."""
+    logits at index ``last``: ``(token, those logits, the cache, the next rng)``. One
+    program per model, T and top_k; the cache's buffers are reused in place (donated)."""
+    rng, key = jax.random.split(rng)
     logits_1xV, cache = decode(params, tokens_1xT, start, cache, last)
     logits = logits_1xV[0]
     scaled = logits / jnp.maximum(temperature, 1e-6)
     if top_k is not None:
         kth = jax.lax.top_k(scaled, top_k)[0][-1]
         scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-    return jax.random.categorical(key, scaled), logits, cache
+    return jax.random.categorical(key, scaled), logits, cache, rng
 
 
 def _prefill_length(n: int, room: int) -> int:
@@ -182,9 +183,8 @@ def decode_steps(
         n = len(pending)
         buf = np.zeros((1, n if n == 1 else _prefill_length(n, window - filled)), np.int32)
         buf[0, :n] = pending
-        rng, key = jax.random.split(rng)
-        token, logits, cache = _step(
-            model.decode, params, buf, np.int32(filled), np.int32(n - 1), cache, key, temp, top_k
+        token, logits, cache, rng = _step(
+            model.decode, params, buf, np.int32(filled), np.int32(n - 1), cache, rng, temp, top_k
         )
         token = int(token)
         yield token, logits, np.asarray(context, np.int32)
@@ -215,7 +215,7 @@ def generate(
     stops after the first token in ``eos`` (an id or several; None: never), which is
     kept, as ``transformers``' ``generate`` does.
     """
-    stop = {eos} if isinstance(eos, int) else set(eos or ())
+    stop = {int(e) for e in (eos if isinstance(eos, Iterable) else [eos]) if e is not None}
     tokens = list(np.asarray(prompt).reshape(-1)) or [0]
     steps = decode_steps(model, window, params, prompt, rng, temperature, top_k)
     for token, _, _ in itertools.islice(steps, max_new_tokens):
