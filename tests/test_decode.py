@@ -122,10 +122,10 @@ def test_the_end_of_run_sample_stops_at_the_datas_eos():
     params = _params(model)
     cfg = C.Config(logging=C.LoggingConfig(sample_tokens=12))
     val = np.array([7, 1, 2, 3], np.int32)
-    corpus = Corpus(val, val, "uint16", 64, "test")  # ids: the prompt is val's first token
+    corpus = Corpus(val, val, "uint16", 64, "test")  # token ids, printed as ids
     engine = types.SimpleNamespace(gather_params=lambda state: params)
     free = loop._sample(cfg, engine, None, model, corpus).split()
-    assert len(free) == 1 + 12
-    i = _first_repeat_free(free[1:])
-    corpus = dataclasses.replace(corpus, eos=int(free[1 + i]))
-    assert loop._sample(cfg, engine, None, model, corpus).split() == free[: 2 + i]
+    p = len(free) - 12  # the prompt's tokens
+    i = _first_repeat_free(free[p:])
+    corpus = dataclasses.replace(corpus, eos=int(free[p + i]))
+    assert loop._sample(cfg, engine, None, model, corpus).split() == free[: p + i + 1]
