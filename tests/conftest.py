@@ -41,6 +41,7 @@ MODULES = {
     "test_collectives": "equivalence",
     "test_config": "unit",
     "test_data": "unit",
+    "test_decode": "equivalence",
     "test_distributed": "unit",
     "test_docs": "system",
     "test_engine": "equivalence",

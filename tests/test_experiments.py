@@ -211,3 +211,22 @@ def test_bench_step_profile_says_where_each_step_spends_its_time():
     assert set(cells) >= {"plain jit, donate=False", "jaxzero 3", "GSPMD 3"}
     assert cells["jaxzero 3"][1] > 0  # collectives
     assert all(c[-1] > 0 for c in cells.values())  # kernel time summed over kinds
+
+
+def test_sample_speed_script_times_the_uncached_and_cached_loops():
+    out = _run(
+        "sample_speed.py",
+        "--shape",
+        "tiny",
+        "--window",
+        "16",
+        "--prompt-len",
+        "4",
+        "--tokens",
+        "6",
+        "--old-tokens",
+        "2",
+    )
+    assert "uncached:" in out and "ms/token" in out and "speed-up per token" in out
+    assert "the first 2 of 2 uncached tokens are the cached loop's" in out
+    assert float(out.rsplit("max |diff| ", 1)[1].split()[0]) < 1e-4

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -16,10 +17,12 @@ import pytest
 
 import jaxzero
 from jaxzero import cli, hf
+from jaxzero.data.tokenizer import Tokenizer
 from jaxzero.models import from_fields
 from jaxzero.models.llama import Llama, LlamaConfig, rope_frequencies
 from jaxzero.train import config as C
 from jaxzero.train import export as ex
+from jaxzero.train import sample as sm
 from tests._models import params_of, rel_diff, train_reference
 
 ROOT = Path(__file__).parent.parent
@@ -210,6 +213,38 @@ def test_export_hf_of_a_gpt_run_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1
     assert "--format hf needs a model.arch=llama run" in err
+
+
+@pytest.mark.system
+def test_sample_stops_at_the_models_eos_unless_told_to_go_on(tmp_path, capsys):
+    """`jaxzero sample` ends after an end-of-text token (kept): the tokenizer's, or one
+    that config.json or generation_config.json names (a list, as Llama 3 ships);
+    ``--ignore-eos`` samples every token asked for."""
+    path = tmp_path / "model"
+    shutil.copytree(FIXTURES / "llama_gqa" / "single", path)
+    full, full_text = sm.sample(path, "t5 t9", 16, seed=1, ignore_eos=True)
+    assert len(full) == 16
+    i = next(i for i in range(2, 16) if full[i] not in full[:i])
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(
+        json.dumps({**gen, "eos_token_id": [int(full[i])]})
+    )
+    stop = {
+        Tokenizer.load(path).eos_id,
+        json.loads((path / "config.json").read_text())["eos_token_id"],
+    }
+    j = next(k for k, t in enumerate(full) if t in stop | {full[i]})
+    new, text = sm.sample(path, "t5 t9", 16, seed=1)
+    np.testing.assert_array_equal(new, full[: j + 1])
+
+    argv = ["sample", str(path), "--prompt", "t5 t9", "--tokens", "16", "--seed", "1"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == text + "\n"
+    assert f"stopped at the end-of-text token {full[j]} after {j + 1} of 16 tokens" in err, err
+    assert cli.main([*argv, "--ignore-eos"]) == 0
+    out, err = capsys.readouterr()
+    assert out == full_text + "\n" and err == ""
 
 
 @pytest.mark.system

@@ -1,9 +1,12 @@
-"""What the reference models share: remat policies, causal attention, sampling."""
+"""What the reference models share: remat policies, causal attention, sampling with
+a key/value cache."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import functools
+import itertools
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -104,8 +107,118 @@ def token_loss(logits_BxSxV: jax.Array, batch: dict[str, jax.Array]) -> Any:
     return Weighted(jnp.sum(ce * mask), jnp.sum(mask))
 
 
+class LayerCache:
+    """One layer's keys and values at every position of the sampling window
+    (``B x W x G x K``, G key/value heads), and the position this call's tokens start at.
+
+    Built inside the traced decode step and handed through the layer, which returns
+    the one with its tokens written in (:meth:`attend`).
+    """
+
+    def __init__(self, k_BxWxGxK: jax.Array, v_BxWxGxK: jax.Array, start: jax.Array):
+        self.k, self.v, self.start = k_BxWxGxK, v_BxWxGxK, start
+
+    def attend(
+        self, q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array
+    ) -> tuple[jax.Array, LayerCache]:
+        """Attention of T new tokens (positions ``start .. start+T-1``) to every position
+        up to their own: theirs, written into the cache first, and the earlier ones held
+        there. Slots past a token's position (never written, or stale) are masked."""
+        at = (0, self.start, 0, 0)
+        k = jax.lax.dynamic_update_slice(self.k, k_BxTxGxK.astype(self.k.dtype), at)
+        v = jax.lax.dynamic_update_slice(self.v, v_BxTxGxK.astype(self.v.dtype), at)
+        w, t = k.shape[1], q_BxTxHxK.shape[1]
+        mask_TxW = jnp.arange(w)[None, :] <= self.start + jnp.arange(t)[:, None]
+        # XLA's: cuDNN's fused kernel gains nothing on a few query rows and refuses masks
+        out = jax.nn.dot_product_attention(
+            q_BxTxHxK, k, v, mask=mask_TxW[None, None], implementation="xla"
+        )
+        return out, LayerCache(k, v, self.start)
+
+
+KVCache = tuple[jax.Array, jax.Array]  # every layer's keys and values, L x B x W x G x K
+
+
+def new_cache(layers: int, window: int, kv_heads: int, head_dim: int, dtype: Any) -> KVCache:
+    """An empty key/value cache of one sequence, in the activations' dtype."""
+    shape = (layers, 1, window, kv_heads, head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)  # two buffers: both are donated
+
+
+class Decoder(Protocol):
+    """What :func:`generate` needs of a model (:class:`GPT` and :class:`Llama` have it)."""
+
+    def new_cache(self, params: Any) -> KVCache: ...
+
+    def decode(
+        self, params: Any, tokens_BxT: jax.Array, start: jax.Array, cache: KVCache, last: jax.Array
+    ) -> tuple[jax.Array, KVCache]: ...
+
+
+@functools.partial(jax.jit, static_argnames=("decode", "top_k"), donate_argnames=("cache",))
+def _step(decode, params, tokens_1xT, start, last, cache, rng, temperature, top_k):
+    """Runs ``tokens`` through the cached model and draws the next token from the
+    logits at index ``last``: ``(token, those logits, the cache, the next rng)``. One
+    program per model, T and top_k; the cache's buffers are reused in place (donated)."""
+    rng, key = jax.random.split(rng)
+    logits_1xV, cache = decode(params, tokens_1xT, start, cache, last)
+    logits = logits_1xV[0]
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    if top_k is not None:
+        kth = jax.lax.top_k(scaled, top_k)[0][-1]
+        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+    return jax.random.categorical(key, scaled), logits, cache, rng
+
+
+def _prefill_length(n: int, room: int) -> int:
+    """Prompts are padded to a power of two (at least 16, at most the room left), so a
+    handful of prefill programs serve every prompt length."""
+    return min(room, max(16, 1 << (n - 1).bit_length()))
+
+
+def decode_steps(
+    model: Decoder,
+    window: int,
+    params: Any,
+    prompt: np.ndarray,
+    rng: jax.Array,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+) -> Iterator[tuple[int, jax.Array, np.ndarray]]:
+    """Endless sampling after ``prompt``: each next token, the logits it was drawn from,
+    and the context those logits saw (the tokens in the cache, positions from 0).
+
+    The prompt's last ``window`` tokens are run once (prefill) into a key/value cache,
+    then each new token alone at the next position. When the window is full, its
+    later half (new token included) is run again from position 0 and sampling goes on
+    from there, so every token sees between ``window // 2`` and ``window`` tokens,
+    at positions the model was trained at.
+    """
+    params = jax.tree.map(jnp.asarray, params)
+    tokens = [int(t) for t in np.asarray(prompt).reshape(-1)] or [0]
+    context = tokens[-window:]  # what the cache holds once `pending` is in
+    pending, filled, cache = list(context), 0, model.new_cache(params)
+    temp = jnp.float32(temperature)
+    while True:
+        n = len(pending)
+        buf = np.zeros((1, n if n == 1 else _prefill_length(n, window - filled)), np.int32)
+        buf[0, :n] = pending
+        token, logits, cache, rng = _step(
+            model.decode, params, buf, np.int32(filled), np.int32(n - 1), cache, rng, temp, top_k
+        )
+        token = int(token)
+        yield token, logits, np.asarray(context, np.int32)
+        filled += n
+        context.append(token)
+        if filled < window:
+            pending = [token]
+        else:  # the window is full: start again from its later half
+            context = context[-max(1, window // 2) :]
+            pending, filled = list(context), 0
+
+
 def generate(
-    apply: Callable[[Any, jax.Array], jax.Array],
+    model: Decoder,
     window: int,
     params: Any,
     prompt: np.ndarray,
@@ -113,28 +226,43 @@ def generate(
     rng: jax.Array,
     temperature: float = 0.8,
     top_k: int | None = None,
+    eos: int | Iterable[int] | None = None,
 ) -> np.ndarray:
-    """Sample ``max_new_tokens`` after ``prompt`` (int array ``[1, P]``) with
-    ``apply(params, tokens_1xS) -> logits``, the context a sliding ``window`` of tokens.
+    """``prompt`` (int array ``[1, P]``) and up to ``max_new_tokens`` sampled after it,
+    with a key/value cache over a ``window`` of tokens (:func:`decode_steps`).
 
-    ``top_k`` keeps only the k likeliest tokens of each step (None: all).
+    ``top_k`` keeps only the k likeliest tokens of each step (None: all). Sampling
+    stops after the first token in ``eos`` (an id or several; None: never), which is
+    kept, as ``transformers``' ``generate`` does.
     """
-    params = jax.tree.map(jnp.asarray, params)
-
-    @jax.jit  # params are an argument, not constants baked into the program
-    def next_token(params, window_1xS, pos, key):
-        logits = apply(params, window_1xS)[0, pos] / max(temperature, 1e-6)
-        if top_k is not None:
-            kth = jax.lax.top_k(logits, top_k)[0][-1]
-            logits = jnp.where(logits < kth, -jnp.inf, logits)
-        return jax.random.categorical(key, logits)
-
+    stop = {int(e) for e in (eos if isinstance(eos, Iterable) else [eos]) if e is not None}
     tokens = list(np.asarray(prompt).reshape(-1)) or [0]
-    for _ in range(max_new_tokens):
-        ctx = tokens[-window:]
-        buf = np.zeros((1, window), np.int32)
-        buf[0, : len(ctx)] = ctx
-        rng, key = jax.random.split(rng)
-        pos = np.int32(len(ctx) - 1)  # traced, so one compilation serves every position
-        tokens.append(int(next_token(params, buf, pos, key)))
+    steps = decode_steps(model, window, params, prompt, rng, temperature, top_k)
+    for token, _, _ in itertools.islice(steps, max_new_tokens):
+        tokens.append(token)
+        if token in stop:
+            break
     return np.asarray(tokens, np.int32)[None]
+
+
+class CachedSampling:
+    """``generate`` for a model with ``new_cache``, ``decode`` and ``config.seq_len``
+    (the window): :class:`GPT` and :class:`Llama` share it."""
+
+    config: Any
+
+    def generate(
+        self: Any,
+        params: Any,
+        prompt: np.ndarray,
+        max_new_tokens: int,
+        rng: jax.Array,
+        temperature: float = 0.8,
+        top_k: int | None = None,
+        eos: int | Iterable[int] | None = None,
+    ) -> np.ndarray:
+        """``prompt`` (int array ``[1, P]``) and up to ``max_new_tokens`` sampled after it
+        over the ``seq_len`` window, stopping after a token in ``eos``
+        (:func:`generate`); ``top_k`` keeps the k likeliest tokens (None: all)."""
+        window = self.config.seq_len
+        return generate(self, window, params, prompt, max_new_tokens, rng, temperature, top_k, eos)

@@ -23,9 +23,12 @@ from jaxzero.hooks import remat_layer, use_params
 from jaxzero.models.common import (  # noqa: F401 - attention_impl: part of this API
     ATTENTION,
     REMAT_POLICIES,
+    CachedSampling,
+    KVCache,
+    LayerCache,
     attention_impl,
     causal_attention,
-    generate,
+    new_cache,
     positions,
     token_loss,
 )
@@ -62,12 +65,20 @@ class GPTConfig:
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x)).
+
+    With a ``cache`` (sampling) the tokens attend to it instead, and the block returns
+    it with their keys and values written in; in training it is None throughout."""
 
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, x_BxSxD: jax.Array, segment_ids_BxS: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        x_BxSxD: jax.Array,
+        segment_ids_BxS: jax.Array | None = None,
+        cache: LayerCache | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
         cfg, dt = self.cfg, x_BxSxD.dtype
         b, s, d = x_BxSxD.shape
         h, dh = cfg.n_heads, d // cfg.n_heads
@@ -77,16 +88,19 @@ class Block(nn.Module):
         # no qkv bias: the key bias has no gradient (softmax ignores it), only noise
         qkv_BxSx3D = nn.Dense(3 * d, dtype=dt, use_bias=False, kernel_init=init, name="qkv")(y)
         q, k, v = jnp.split(qkv_BxSx3D.reshape(b, s, 3 * h, dh), 3, axis=2)
-        att_BxSxHxK = causal_attention(q, k, v, cfg.attention, segment_ids_BxS)
+        if cache is None:
+            att_BxSxHxK = causal_attention(q, k, v, cfg.attention, segment_ids_BxS)
+        else:
+            att_BxSxHxK, cache = cache.attend(q, k, v)
         x_BxSxD = x_BxSxD + nn.Dense(d, dtype=dt, kernel_init=out_init, name="proj")(
             att_BxSxHxK.reshape(b, s, d)
         )
         y = nn.LayerNorm(dtype=dt, name="ln2")(x_BxSxD)
         y_BxSxF = nn.gelu(nn.Dense(cfg.ff, dtype=dt, kernel_init=init, name="fc")(y))
-        return x_BxSxD + nn.Dense(d, dtype=dt, kernel_init=out_init, name="out")(y_BxSxF)
+        return x_BxSxD + nn.Dense(d, dtype=dt, kernel_init=out_init, name="out")(y_BxSxF), cache
 
 
-class GPT:
+class GPT(CachedSampling):
     """Token + position embeddings, ``n_layers`` scanned blocks, final LN, LM head.
 
     Params (a plain nested dict)::
@@ -131,13 +145,17 @@ class GPT:
         x_BxSxD = emb["wte"][tokens_BxS] + emb["wpe"][positions(tokens_BxS, segment_ids_BxS)]
 
         def layer(x, p):
-            return self.block.apply({"params": use_params(p)}, x, segment_ids_BxS), None
+            return self.block.apply({"params": use_params(p)}, x, segment_ids_BxS)[0], None
 
         layer = remat_layer(layer, REMAT_POLICIES[c.remat])  # stage 3: re-gather in backward
         x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, params["blocks"])
+        return self._logits(params, emb["wte"], x_BxSxD)
+
+    def _logits(self, params: dict[str, Any], wte: jax.Array, x_BxSxD: Any) -> jax.Array:
+        """Final LN and the LM head (tied: ``wte``), fp32 logits."""
         ln_f = use_params(params["ln_f"])
         x_BxSxD = nn.LayerNorm(dtype=x_BxSxD.dtype).apply({"params": ln_f}, x_BxSxD)
-        head_DxV = emb["wte"].T if c.tie_embeddings else use_params(params["head"])["kernel"]
+        head_DxV = wte.T if self.config.tie_embeddings else use_params(params["head"])["kernel"]
         return jnp.einsum("bsd,dv->bsv", x_BxSxD, head_DxV).astype(jnp.float32)
 
     def loss_fn(self, params: dict[str, Any], batch: dict[str, jax.Array]) -> Any:
@@ -162,22 +180,35 @@ class GPT:
             num_params = self.num_params(jax.eval_shape(self.init, jax.random.key(0)))
         return 6.0 * num_params + 12.0 * c.n_layers * c.d_model * c.seq_len
 
-    def generate(
-        self,
-        params: Any,
-        prompt: np.ndarray,
-        max_new_tokens: int,
-        rng: jax.Array,
-        temperature: float = 0.8,
-        top_k: int | None = None,
-    ) -> np.ndarray:
-        """Sample ``max_new_tokens`` after ``prompt`` (int array ``[1, P]``), sliding window.
-
-        ``top_k`` keeps only the k likeliest tokens of each step (None: all).
-        """
-        return generate(
-            self.apply, self.config.seq_len, params, prompt, max_new_tokens, rng, temperature, top_k
+    def new_cache(self, params: dict[str, Any]) -> KVCache:
+        """An empty key/value cache over the ``seq_len`` window (sampling)."""
+        c = self.config
+        return new_cache(
+            c.n_layers, c.seq_len, c.n_heads, c.d_model // c.n_heads, params["wte"].dtype
         )
+
+    def decode(
+        self,
+        params: dict[str, Any],
+        tokens_BxT: jax.Array,
+        start: jax.Array,
+        cache: KVCache,
+        last: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        """Logits (fp32, ``B x V``) of the token at index ``last`` of ``tokens``, which sit
+        at positions ``start ..`` after the ones in ``cache``; and the cache with
+        them in. The blocks are :meth:`apply`'s, so the logits are its logits."""
+        pos_T = start + jnp.arange(tokens_BxT.shape[1])
+        x_BxTxD = params["wte"][tokens_BxT] + params["wpe"][pos_T][None]
+
+        def layer(x, p_and_kv):
+            p, k, v = p_and_kv
+            out: Any = self.block.apply({"params": p}, x, None, LayerCache(k, v, start))
+            return out[0], (out[1].k, out[1].v)
+
+        x_BxTxD, cache = jax.lax.scan(layer, x_BxTxD, (params["blocks"], *cache))
+        x_Bx1xD = jax.lax.dynamic_slice_in_dim(x_BxTxD, last, 1, axis=1)
+        return self._logits(params, params["wte"], x_Bx1xD)[:, 0], cache
 
 
 @functools.partial(jax.jit, static_argnums=0)

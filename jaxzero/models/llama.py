@@ -17,7 +17,6 @@ one layer at a time and the program has one layer body whatever the depth.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +31,16 @@ from jaxzero.hooks import remat_layer, use_params
 from jaxzero.models.common import (
     ATTENTION,
     REMAT_POLICIES,
+    CachedSampling,
+    KVCache,
+    LayerCache,
     causal_attention,
-    generate,
+    new_cache,
     positions,
     token_loss,
 )
+from jaxzero.models.rope import ROPE_TYPES, apply_rotary, rope_frequencies, rotary
 from jaxzero.nnx import bind, split, use
-
-ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,43 +122,6 @@ class LlamaConfig:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
-def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
-    """Inverse frequencies (``head_dim / 2``, fp32), computed as ``transformers`` does."""
-    dim = cfg.head_size
-    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv = (np.float32(1.0) / np.float32(cfg.rope_theta) ** exponent).astype(np.float32)
-    rs = cfg.rope_scaling or {}
-    kind = rs.get("rope_type", "default")
-    if kind == "linear":
-        inv = inv / np.float32(rs["factor"])
-    elif kind == "llama3":  # Llama 3.1: low frequencies slowed by factor, a smooth band between
-        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-        old = rs["original_max_position_embeddings"]
-        wavelen = np.float32(2 * math.pi) / inv
-        scaled = np.where(wavelen > old / low, inv / np.float32(factor), inv)
-        smooth = ((old / wavelen - low) / (high - low)).astype(np.float32)
-        smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
-        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-        inv = np.where(medium, smoothed, scaled)
-    return inv.astype(np.float32)
-
-
-def rotary(positions_BxS: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """``cos``, ``sin`` (``B x S x head_dim``, fp32) for the positions."""
-    freqs = positions_BxS[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rotary(x_BxSxHxK: jax.Array, cos_BxSxK: jax.Array, sin_BxSxK: jax.Array) -> jax.Array:
-    """``x * cos + rotate_half(x) * sin``, ``rotate_half`` swapping the two halves."""
-    half = x_BxSxHxK.shape[-1] // 2
-    rotated = jnp.concatenate([-x_BxSxHxK[..., half:], x_BxSxHxK[..., :half]], axis=-1)
-    cos = cos_BxSxK[:, :, None].astype(x_BxSxHxK.dtype)
-    sin = sin_BxSxK[:, :, None].astype(x_BxSxHxK.dtype)
-    return x_BxSxHxK * cos + rotated * sin
-
-
 # --------------------------------------------------------------------------- modules
 
 
@@ -201,15 +165,21 @@ class Attention(nnx.Module):
         cos: jax.Array,
         sin: jax.Array,
         segment_ids_BxS: jax.Array | None = None,
-    ) -> jax.Array:
+        cache: LayerCache | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        """With a ``cache`` (sampling) the tokens attend to it instead, and it comes
+        back with their (rotated) keys and values written in."""
         b, s, _ = x_BxSxD.shape
         q = self.q_proj(x_BxSxD).reshape(b, s, self.heads, self.head_dim)
         k = self.k_proj(x_BxSxD).reshape(b, s, self.kv_heads, self.head_dim)
         v = self.v_proj(x_BxSxD).reshape(b, s, self.kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # grouped-query: the kv heads are shared
-        out_BxSxHxK = causal_attention(q, k, v, self.impl, segment_ids_BxS)
-        return self.o_proj(out_BxSxHxK.reshape(b, s, self.heads * self.head_dim))
+        if cache is None:
+            out_BxSxHxK = causal_attention(q, k, v, self.impl, segment_ids_BxS)
+        else:
+            out_BxSxHxK, cache = cache.attend(q, k, v)
+        return self.o_proj(out_BxSxHxK.reshape(b, s, self.heads * self.head_dim)), cache
 
 
 class MLP(nnx.Module):
@@ -233,10 +203,16 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids_BxS: jax.Array | None = None
-    ) -> jax.Array:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids_BxS)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        segment_ids_BxS: jax.Array | None = None,
+        cache: LayerCache | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        y, cache = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids_BxS, cache)
+        x = x + y
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
 class Embedding(nnx.Module):
@@ -283,21 +259,45 @@ class LlamaModule(nnx.Module):
 
         def layer(x, params):
             layer = nnx.merge(graphdef, use_params(params), rest)
-            return layer(x, cos, sin, segment_ids_BxS), None
+            return layer(x, cos, sin, segment_ids_BxS)[0], None
 
         layer = remat_layer(layer, REMAT_POLICIES[cfg.remat])  # stage 3: re-gather in backward
         x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, stacked)
+        return self._logits(embed, x_BxSxD)
+
+    def _logits(self, embed_VxD: jax.Array, x_BxSxD: jax.Array) -> jax.Array:
+        """Final norm and the LM head (tied: the embedding), fp32 logits."""
         x_BxSxD = use(self.norm)(x_BxSxD)
-        head_VxD = embed if self.lm_head is None else use(self.lm_head).weight[...]
+        head_VxD = embed_VxD if self.lm_head is None else use(self.lm_head).weight[...]
         return jnp.einsum("bsd,vd->bsv", x_BxSxD, head_VxD.astype(x_BxSxD.dtype)).astype(
             jnp.float32
         )
+
+    def decode(
+        self, tokens_BxT: jax.Array, start: jax.Array, cache: KVCache, last: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        """Logits (fp32, ``B x V``) of the token at index ``last`` of ``tokens``, which sit
+        at positions ``start ..`` (rotary angles included) after the ones in ``cache``;
+        and the cache with them in. The layers are :meth:`__call__`'s."""
+        embed = self.embed_tokens.weight[...]
+        pos_BxT = jnp.broadcast_to(start + jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+        cos, sin = rotary(pos_BxT, rope_frequencies(self.cfg))
+        graphdef, stacked, rest = nnx.split(self.layers, nnx.Param, ...)  # type: ignore[misc]
+
+        def layer(x, params_and_kv):
+            params, k, v = params_and_kv
+            x, kv = nnx.merge(graphdef, params, rest)(x, cos, sin, None, LayerCache(k, v, start))
+            return x, (kv.k, kv.v)
+
+        x_BxTxD, cache = jax.lax.scan(layer, embed[tokens_BxT], (stacked, *cache))
+        x_Bx1xD = jax.lax.dynamic_slice_in_dim(x_BxTxD, last, 1, axis=1)
+        return self._logits(embed, x_Bx1xD)[:, 0], cache
 
 
 # --------------------------------------------------------------------------- protocol
 
 
-class Llama:
+class Llama(CachedSampling):
     """The model protocol the engine, the CLI and :mod:`jaxzero.hf` use (as :class:`GPT`).
 
     Params are a plain nested dict in Hugging Face's names::
@@ -383,17 +383,13 @@ class Llama:
         attn = 12.0 * c.num_hidden_layers * c.seq_len * c.num_attention_heads * c.head_size
         return 6.0 * (num_params - lookup) + attn
 
-    def generate(
-        self,
-        params: Any,
-        prompt: np.ndarray,
-        max_new_tokens: int,
-        rng: jax.Array,
-        temperature: float = 0.8,
-        top_k: int | None = None,
-    ) -> np.ndarray:
-        """Sample ``max_new_tokens`` after ``prompt`` (int array ``[1, P]``), with a sliding
-        window of ``seq_len`` tokens. ``top_k`` keeps the k likeliest tokens (None: all)."""
-        return generate(
-            self.apply, self.config.seq_len, params, prompt, max_new_tokens, rng, temperature, top_k
-        )
+    def new_cache(self, params: dict[str, Any]) -> KVCache:
+        """An empty key/value cache over the ``seq_len`` window (sampling), grouped-query:
+        one slot per key/value head, not per query head."""
+        c = self.config
+        dtype = params["embed_tokens"]["weight"].dtype
+        return new_cache(c.num_hidden_layers, c.seq_len, c.kv_heads, c.head_size, dtype)
+
+    def decode(self, params: dict[str, Any], *step: Any) -> tuple[jax.Array, KVCache]:
+        """One step of cached sampling with these params (:meth:`LlamaModule.decode`)."""
+        return self.module(params).decode(*step)

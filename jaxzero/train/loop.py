@@ -567,6 +567,7 @@ def _sample(cfg: Config, engine, state, model, corpus) -> str | None:
         cfg.logging.sample_tokens,
         jax.random.key(cfg.train.seed + 1),
         temperature=cfg.logging.sample_temperature,
+        eos=corpus.eos,  # the data's end of document: where a reply ends
     )
     return data_lib.decode(tokens[0], corpus.kind, corpus.tokenizer)
 

@@ -22,6 +22,7 @@ from jaxzero.checkpoint import LeafReader, nest, param_entries, read_metadata
 from jaxzero.cli import ArgError, Parser
 from jaxzero.data.tokenizer import Tokenizer, TokenizerError
 from jaxzero.hf import safetensors
+from jaxzero.hf.config import GENERATION_CONFIG
 from jaxzero.models import from_fields
 from jaxzero.partition import path_str
 from jaxzero.train.data import decode
@@ -131,6 +132,23 @@ def find_tokenizer(path: str | Path, step: int | None = None) -> Path | None:
     return Path(name).expanduser() if name else None
 
 
+def eos_ids(path: str | Path, model: Any, tok: Tokenizer | None) -> set[int]:
+    """The tokens that end a reply: the tokenizer's EOS and the ``eos_token_id`` (an id or
+    a list) of the model's ``config.json`` and of a ``generation_config.json`` beside the
+    weights, where ``transformers``' ``generate`` reads it. Byte and bare-id models: none."""
+    ids = set() if tok is None else {tok.eos_id}
+    path = Path(path)
+    configs = [getattr(model, "hf_config", None) or {}]
+    if path.is_dir():
+        configs.append(_json(path / GENERATION_CONFIG))
+    for config in configs:
+        value = config.get("eos_token_id")
+        for i in value if isinstance(value, list) else [value]:
+            if isinstance(i, int) and not isinstance(i, bool):
+                ids.add(i)
+    return ids
+
+
 def sample(
     path: str | Path,
     prompt: str = "def ",
@@ -140,11 +158,13 @@ def sample(
     seed: int = 0,
     step: int | None = None,
     tokenizer: str | Path | None = None,
+    ignore_eos: bool = False,
 ) -> tuple[np.ndarray, str]:
     """``(generated token ids, prompt + generated text)``; deterministic given ``seed``.
 
     Text goes through ``tokenizer`` (default: the model's own, :func:`find_tokenizer`);
-    without one, byte models read bytes and token models ids.
+    without one, byte models read bytes and token models ids. Sampling stops after an
+    end-of-text token (:func:`eos_ids`, kept in the output) unless ``ignore_eos``.
     """
     model, params, kind = load_model(path, step)
     tokenizer = tokenizer or find_tokenizer(path, step)
@@ -166,13 +186,14 @@ def sample(
         )
     if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
         raise ExportError(f"--top-k must be in 1..{model.config.vocab_size}, got {top_k}")
+    eos = set() if ignore_eos else eos_ids(path, model, tok)
     device = jax.devices()[0]  # one device: sampling needs no sharding
     params = jax.device_put(params, device)
     with jax.default_device(device):
         out = model.generate(
-            params, ids[None], tokens, jax.random.key(seed), temperature=temperature, top_k=top_k
+            params, ids[None], tokens, jax.random.key(seed), temperature, top_k, eos
         )[0]
-    new = out[len(out) - tokens :] if tokens else out[:0]
+    new = out[max(ids.size, 1) :]  # an empty prompt starts from token 0
     return new, decode(out if ids.size else new, kind, tok)
 
 
@@ -193,6 +214,11 @@ def _sample_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens only")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="go on past the end-of-text token (default: stop after it, as transformers does)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     p.add_argument(
@@ -211,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _sample_parser().parse_args(sys.argv[1:] if argv is None else argv)
         if args.tokens < 0 or args.temperature < 0:
             raise ArgError("--tokens and --temperature must be >= 0")
-        _, text = sample(
+        new, text = sample(
             args.path,
             args.prompt,
             args.tokens,
@@ -220,8 +246,15 @@ def main(argv: list[str] | None = None) -> int:
             args.seed,
             args.step,
             args.tokenizer,
+            args.ignore_eos,
         )
         print(text)
+        if len(new) < args.tokens:  # only an end-of-text token stops it early
+            print(
+                f"stopped at the end-of-text token {int(new[-1])} after {len(new)} of "
+                f"{args.tokens} tokens (--ignore-eos goes on)",
+                file=sys.stderr,
+            )
         path = Path(args.path)
         if not (path / CONFIG).is_file():  # a run or checkpoint, not an export or HF dir
             print(describe_source(path, args.step), file=sys.stderr)

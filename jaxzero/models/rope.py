@@ -1,0 +1,51 @@
+"""Rotary position embeddings as ``transformers`` computes them (Llama, Qwen2, Mistral):
+the inverse frequencies with ``rope_theta`` and ``linear`` or ``llama3`` scaling, and
+the half-split ``rotate_half`` rotation. Training and cached sampling both use them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_frequencies(cfg: Any) -> np.ndarray:
+    """Inverse frequencies (``head_dim / 2``, fp32), computed as ``transformers`` does."""
+    dim = cfg.head_size
+    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv = (np.float32(1.0) / np.float32(cfg.rope_theta) ** exponent).astype(np.float32)
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / np.float32(rs["factor"])
+    elif kind == "llama3":  # Llama 3.1: low frequencies slowed by factor, a smooth band between
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = np.float32(2 * math.pi) / inv
+        scaled = np.where(wavelen > old / low, inv / np.float32(factor), inv)
+        smooth = ((old / wavelen - low) / (high - low)).astype(np.float32)
+        smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def rotary(positions_BxS: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """``cos``, ``sin`` (``B x S x head_dim``, fp32) for the positions."""
+    freqs = positions_BxS[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rotary(x_BxSxHxK: jax.Array, cos_BxSxK: jax.Array, sin_BxSxK: jax.Array) -> jax.Array:
+    """``x * cos + rotate_half(x) * sin``, ``rotate_half`` swapping the two halves."""
+    half = x_BxSxHxK.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BxSxHxK[..., half:], x_BxSxHxK[..., :half]], axis=-1)
+    cos = cos_BxSxK[:, :, None].astype(x_BxSxHxK.dtype)
+    sin = sin_BxSxK[:, :, None].astype(x_BxSxHxK.dtype)
+    return x_BxSxHxK * cos + rotated * sin
