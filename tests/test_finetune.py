@@ -284,7 +284,7 @@ def test_the_end_of_run_sample_starts_from_the_first_validation_prompt():
     prompts = []
 
     class Model:
-        def generate(self, params, prompt, n, rng, temperature):
+        def generate(self, params, prompt, n, rng, temperature, eos=None):
             prompts.append(prompt[0].tolist())
             return prompt
 
