@@ -48,7 +48,7 @@ class ModelDirError(ValueError):
     """A target jaxzero may not write or replace; its message is one line."""
 
 
-def _names(entries: list[str], at_most: int = 4) -> str:
+def _names(entries: list[str], at_most: int = 8) -> str:
     shown = ", ".join(sorted(entries)[:at_most])
     return shown + (f" and {len(entries) - at_most} more" if len(entries) > at_most else "")
 
@@ -85,13 +85,18 @@ def check_target(
     write reads from: ``path`` may be neither it nor a directory holding it. ``flag``
     is how the caller's user asks to overwrite (``--overwrite`` on the command line).
     """
-    for what, source in (protected or {}).items():
-        if source is not None and source.exists() and _within(source, path):
-            where = "is" if source.resolve() == path.resolve() else "holds"
-            raise ModelDirError(
-                f"{path} {where} {what} ({source}): jaxzero never replaces it, "
-                f"even with {flag}; choose another output directory"
-            )
+    hits = [
+        (what, source)
+        for what, source in (protected or {}).items()
+        if source is not None and source.exists() and _within(source, path)
+    ]
+    if hits:  # name the source that is the target, else the outermost one it holds
+        what, source = min(hits, key=lambda h: len(h[1].resolve().parts))
+        where = "is" if source.resolve() == path.resolve() else "holds"
+        raise ModelDirError(
+            f"{path} {where} {what} ({source}): jaxzero never replaces it, "
+            f"even with {flag}; choose another output directory"
+        )
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise ModelDirError(
             f"{path} is a file or a link, not a directory: choose another output directory"
