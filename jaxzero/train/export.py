@@ -15,6 +15,9 @@ malloc arena).
 bf16 runs export their fp32 master params (``master/...``), the truth the
 optimizer updates, not the rounded working copy; ``--dtype bf16`` rounds that
 once, as ``astype`` does. ``jaxzero sample`` (:mod:`jaxzero.train.sample`) reads through here.
+
+What ``--out`` may replace, the tokenizer files it gets, and building it beside and moving
+it into place whole are :mod:`jaxzero.modeldir`'s rules (``jaxzero.hf.save``'s too).
 """
 
 from __future__ import annotations
@@ -201,11 +204,12 @@ def protected(step_dir: Path, run: dict[str, Any]) -> dict[str, Path | None]:
     """What an export reads from and so never replaces, even with ``--overwrite``."""
     tok = _tokenizer(run)
     data = (run.get("data") or {}).get("path")
+    run_dir = step_dir.parent.parent
+    if not (run_dir / RUN_CONFIG).is_file():
+        run_dir = step_dir.parent  # a checkpoints directory of its own
     return {
         "the checkpoint exported": step_dir,
-        "the run exported": step_dir.parent.parent
-        if (step_dir.parent.parent / RUN_CONFIG).is_file()
-        else step_dir.parent,
+        "the run exported": run_dir,
         "the run's base model": _base_model(run),
         "the run's tokenizer": tok if tok is None or tok.is_dir() else tok.parent,
         "the run's data": Path(data).expanduser() if data else None,
@@ -333,14 +337,7 @@ def run_cli(prog: str, body: Callable[[], None]) -> int:
     """Runs a subcommand's body; user mistakes become one line on stderr and exit 2."""
     try:
         body()
-    except (
-        ArgError,
-        ExportError,
-        CheckpointError,
-        safetensors.SafetensorsError,
-        HFError,
-        modeldir.ModelDirError,
-    ) as e:
+    except (ArgError, ExportError, CheckpointError, safetensors.SafetensorsError, HFError) as e:
         print(f"jaxzero {prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help
@@ -360,7 +357,7 @@ def _export_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "path", metavar="RUN_OR_CHECKPOINT", help="run dir, its checkpoints dir, or one step dir"
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="export directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="new, empty or an earlier export")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="default fp32")
     p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     p.add_argument(
