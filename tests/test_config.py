@@ -159,7 +159,7 @@ def test_cli_shortcuts_map_to_fields_and_set_wins():
     )
     cfg = train_args.config_from_args(args)
     assert cfg.parallel.stage == 1 and cfg.parallel.devices == 2
-    assert cfg.data.path == "x.txt" and cfg.logging.name == "r"
+    assert cfg.data.path == str(Path.cwd() / "x.txt") and cfg.logging.name == "r"  # absolute
     assert cfg.precision.compute == "bf16"
     assert cfg.train.steps == 7  # --set is applied after the shortcuts
 

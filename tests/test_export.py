@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import jaxzero
-from jaxzero import cli
+from jaxzero import cli, modeldir
 from jaxzero.checkpoint import read_metadata
 from jaxzero.models import from_fields
 from jaxzero.models.gpt import GPT, GPTConfig
@@ -393,3 +393,144 @@ def test_export_records_the_tokens_training_read(tmp_path):
         elif data:
             assert data_lib.load_corpus(cfg).kind == kind, data
     assert ex.token_kind({"data": {"tokenizer": "gpt2", "path": str(text_dir)}}) == "tokenizer"
+
+
+# --------------------------------------------------------------------------- what export replaces
+
+HF_FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "llama_gqa" / "single"
+
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory):
+    """A fine-tune run as ``jaxzero train --init-from hf:BASE`` leaves it (config resolved by
+    train.finetune, hf_config.json pinned, one checkpoint of the base's weights), from a
+    base saved by transformers 5: its chat template in ``chat_template.jinja`` and
+    ``additional_chat_templates/``. No step is compiled."""
+    from jaxzero import hf
+    from jaxzero.train import finetune
+
+    root = tmp_path_factory.mktemp("finetuned")
+    base = root / "base"
+    shutil.copytree(HF_FIXTURE, base)
+    (base / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    (base / "additional_chat_templates").mkdir()
+    (base / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    (base / "special_tokens_map.json").write_text('{"eos_token": "</s>"}\n')
+    cfg, model = finetune.resolve(C.Config(train=C.TrainConfig(init_from=f"hf:{base}")))
+    run = root / "run"
+    run.mkdir()
+    cfg = finetune.pin_architecture(cfg, model, run, True)
+    (run / "config.yaml").write_text(C.dump_yaml(cfg))
+    engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
+    with jaxzero.CheckpointManager(run / "checkpoints") as ckpt:
+        ckpt.save(engine, hf.load(base, engine))
+    return run, base
+
+
+def _listing(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def test_export_replaces_only_what_jaxzero_wrote(finetuned, tmp_path, capsys):
+    """A copy of a model directory with a README and a reference.npz beside it was deleted
+    by `export --format hf` (it holds a config.json); now both formats refuse it in one
+    line and leave every file, --overwrite replaces it and says what it deleted, an
+    earlier export is replaced without asking, and the run's own base model, run and
+    checkpoint are never replaced."""
+    run, base = finetuned
+    target = tmp_path / "base-copy"
+    shutil.copytree(HF_FIXTURE, target)
+    (target / "README.md").write_text("my notes\n")
+    before = _listing(target)
+    for fmt in ("hf", "jaxzero"):
+        err = _one_line_error(capsys, "export", str(run), "--out", str(target), "--format", fmt)
+        assert "holds files jaxzero did not write" in err and "README.md" in err, err
+        assert "--overwrite" in err
+        assert _listing(target) == before, fmt
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base-copy"]  # nothing beside it
+
+    rc, out, err = _cli(capsys, "export", str(run), "--out", str(target), "--overwrite")
+    assert rc == 0, err
+    assert "deleting what jaxzero had not written there: README.md" in err
+    assert "reference.npz" in err and not (target / "README.md").exists()
+    assert (target / ex.WEIGHTS).is_file() and (target / modeldir.MANIFEST).is_file()
+
+    # an export jaxzero wrote is replaced without --overwrite, in either format
+    for fmt in ("hf", "jaxzero", "hf"):
+        rc, _, err = _cli(capsys, "export", str(run), "--out", str(target), "--format", fmt)
+        assert rc == 0 and "deleting" not in err, err
+    assert (target / "config.json").is_file() and (target / "chat_template.jinja").is_file()
+    (target / "notes.txt").write_text("added by hand")
+    err = _one_line_error(capsys, "export", str(run), "--out", str(target))
+    assert "(notes.txt)" in err and (target / "notes.txt").read_text() == "added by hand"
+
+    sources = _listing(base), _listing(run)
+    for out, what in [
+        (base, "is the run's base model"),
+        (run, "is the run exported"),
+        (run / "checkpoints" / "0", "is the checkpoint exported"),
+        (run.parent, "holds the run exported"),
+    ]:
+        err = _one_line_error(capsys, "export", str(run), "--out", str(out), "--overwrite")
+        assert what in err and "never replaces it" in err, err
+    assert (_listing(base), _listing(run)) == sources
+
+
+def _tokenizer_files(path: Path) -> dict[str, bytes]:
+    return {
+        name: data
+        for name, data in _listing(path).items()
+        if name.split("/")[0] in modeldir.TOKENIZER_FILES + modeldir.TOKENIZER_DIRS
+    }
+
+
+def test_exports_carry_the_tokenizer_files_hf_save_does(finetuned, tmp_path, capsys):
+    """`export --format hf` dropped chat_template.jinja (and special_tokens_map.json,
+    additional_chat_templates/) while `jaxzero.hf.save` kept them: one list now, and both
+    formats of export carry the base's tokenizer files byte for byte."""
+    from jaxzero import hf
+
+    run, base = finetuned
+    model = hf.model(base)
+    engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
+    hf.save(tmp_path / "saved", engine, hf.load(base, engine))
+    want = _tokenizer_files(base)
+    assert {"chat_template.jinja", "additional_chat_templates/tool_use.jinja"} <= set(want)
+    assert "special_tokens_map.json" in want and "tokenizer_config.json" in want
+    assert _tokenizer_files(tmp_path / "saved") == want
+    for fmt in ("hf", "jaxzero"):
+        rc, _, err = _cli(capsys, "export", str(run), "--out", str(tmp_path / fmt), "--format", fmt)
+        assert rc == 0, err
+        assert _tokenizer_files(tmp_path / fmt) == want, fmt
+    gen = (tmp_path / "hf" / "generation_config.json").read_bytes()
+    assert gen == (base / "generation_config.json").read_bytes()  # as hf.save copies it
+
+
+def test_a_failed_export_leaves_the_name_as_it_was(finetuned, tmp_path, capsys, monkeypatch):
+    """Exports are built beside --out and moved into place whole: a run whose tokenizer is
+    gone exported a model without one (format hf) before; a write that fails midway
+    leaves the earlier export, byte for byte, and no partial directory."""
+    run, base = finetuned
+    moved = tmp_path / "run"
+    shutil.copytree(run, moved)
+    config = (moved / "config.yaml").read_text()
+    (moved / "config.yaml").write_text(config.replace(f"tokenizer: {base}", "tokenizer: gone/"))
+    for fmt in ("hf", "jaxzero"):
+        out = tmp_path / f"x-{fmt}"
+        err = _one_line_error(capsys, "export", str(moved), "--out", str(out), "--format", fmt)
+        assert "the run's tokenizer gone is gone" in err, err
+        assert not out.exists(), fmt
+
+    out = tmp_path / "earlier"
+    assert _cli(capsys, "export", str(run), "--out", str(out))[0] == 0
+    before = _listing(out)
+
+    def full_disk(step_dir, out_file, dtype="fp32"):
+        out_file.write_bytes(b"\0" * 100)  # part of the weights written, then the disk fills
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ex, "export_params", full_disk)
+    err = _one_line_error(capsys, "export", str(run), "--out", str(out))
+    assert "No space left on device" in err
+    assert _listing(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier", "run"]

@@ -441,13 +441,33 @@ def test_bad_tensors_are_named(tmp_path):
         _one_line(e)
 
 
+def test_save_never_replaces_the_models_source_and_replaces_its_own_output(tmp_path):
+    """hf.save(..., overwrite=True) into the directory the model was read from deleted the
+    model being trained; an earlier output of hf.save (its manifest) is replaced without
+    overwrite=True, one with a file added by hand is not."""
+    src = _copy("llama_gqa/single", tmp_path)
+    model = hf.model(src)
+    engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
+    state = hf.load(src, engine)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    for out in (src, src.parent):
+        with pytest.raises(HFError, match="the model's source directory .* never replaces it"):
+            hf.save(out, engine, state, overwrite=True)
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    hf.save(tmp_path / "out", engine, state)
+    hf.save(tmp_path / "out", engine, state)  # its own earlier output
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(HFError, match=r"\(notes.txt\)"):
+        hf.save(tmp_path / "out", engine, state)
+
+
 def test_save_refuses_a_non_empty_directory(tmp_path):
     src = FIXTURES / "llama_gqa/single"
     model = hf.model(src)
     engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
     state = hf.load(src, engine)
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(HFError, match="exists and is not empty: pass overwrite=True") as e:
+    with pytest.raises(HFError, match=r"holds files jaxzero did not write \(notes.txt\)") as e:
         hf.save(tmp_path, engine, state)
     _one_line(e)
     assert (tmp_path / "notes.txt").read_text() == "mine"

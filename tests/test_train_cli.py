@@ -3,13 +3,16 @@
 import contextlib
 import errno
 import io
+import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
 import _procs
 import numpy as np
 import pytest
+import yaml
 
 from jaxzero.train import args as train_args
 from jaxzero.train import config as C
@@ -385,3 +388,65 @@ def test_mfu_against_a_configured_or_data_sheet_peak_and_none_on_cpus():
     assert line == f"throughput 1,000 tokens/s | 6.00 GFLOP/s | MFU n/a ({source})"
     line = metrics.format_summary({**summary, "peak_flops_per_device": 1e10, "mfu": 0.075})
     assert "| MFU 7.5% of 1e+10 FLOP/s per device" in line
+
+
+# --------------------------------------------------------------------------- paths
+
+
+@pytest.mark.unit
+def test_a_run_config_holds_absolute_paths_and_says_so(tmp_path, capsys, monkeypatch):
+    """data.path, data.tokenizer, the base model (train.init_from), checkpoint.dir and
+    model.hf_config were stored as typed, relative to where the run started."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["--print-config", "--name", "t", "--data", "d.txt", "--tokenizer", "tok/"]
+    argv += ["--set", "checkpoint.dir=../ck", "--set", "model.hf_config=hf.json"]
+    assert train.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(C.PATHS_NOTE)
+    cfg = C.from_dict(yaml.safe_load(printed))
+    assert cfg.data.path == str(tmp_path / "d.txt")
+    assert cfg.data.tokenizer == str(tmp_path / "tok")
+    assert cfg.checkpoint.dir == str(tmp_path.parent / "ck")
+    assert cfg.model.hf_config == str(tmp_path / "hf.json")
+    got = C.absolute_paths(C.Config(train=C.TrainConfig(init_from="hf:~/base")))
+    assert got.train.init_from == "hf:" + str(Path.home() / "base")
+    for spec in ("hf:", "llama", None):  # not paths: left for finetune.source to refuse
+        cfg = C.Config(train=C.TrainConfig(init_from=spec))
+        assert C.absolute_paths(cfg) == cfg
+
+
+def test_a_run_resumes_samples_and_exports_from_another_directory(tmp_path, monkeypatch, capsys):
+    """A fine-tune started with relative paths (--init-from hf:base --data pairs.jsonl)
+    could be resumed, sampled and exported only from the directory it started in; the
+    export from elsewhere left a model without its tokenizer."""
+    from jaxzero import cli
+
+    start, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copytree(Path(__file__).parent / "fixtures/hf/llama_gqa/single", start / "base")
+    rng = np.random.default_rng(0)
+    words = lambda n: " ".join(f"t{i}" for i in rng.integers(3, 64, n))
+    rows = [{"prompt": words(3), "completion": " " + words(4)} for _ in range(60)]
+    (start / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.chdir(start)
+    argv = ["train", "--init-from", "hf:base", "--data", "pairs.jsonl", "--name", "ft"]
+    argv += ["--steps", "2", "--devices", "2", "--set", "model.seq_len=16"]
+    argv += ["--set", "train.batch_size=8", "--set", "logging.eval_every=2"]
+    argv += ["--set", "logging.sample_tokens=0", "--set", "logging.progress=none"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    saved = C.load_file(start / "runs/ft/config.yaml")
+    assert saved.data.path == str(start / "pairs.jsonl")
+    assert saved.data.tokenizer == str(start / "base")
+    assert saved.train.init_from == f"hf:{start / 'base'}"
+
+    monkeypatch.chdir(elsewhere)
+    run = "../project/runs/ft"  # as a user types it from here
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", run, "--steps", "3"]) == 0, capsys.readouterr().err
+    assert [r["step"] for r in metrics.read_jsonl(start / "runs/ft/metrics.jsonl")][-1] == 3
+    assert cli.main(["sample", run, "--prompt", "t3 t4", "--tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith("t3 t4")
+    assert cli.main(["export", run, "--out", "ft-hf", "--format", "hf"]) == 0
+    assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= {
+        p.name for p in (elsewhere / "ft-hf").iterdir()
+    }

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ import ml_dtypes
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxzero import modeldir
 from jaxzero.hf.config import (
     CONFIG,
     GENERATION_CONFIG,
@@ -46,17 +46,6 @@ __all__ = ["HFError", "SafetensorsError", "check", "load", "model", "read_params
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 SAVE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": None, "float16": np.dtype(np.float16)}
 
 
@@ -271,20 +260,31 @@ def write_model(
     max_shard_size: int = 5 * 2**30,
     overwrite: bool = False,
     writer: bool = True,
+    tokenizer: Path | None = None,
+    protected: dict[str, Path | None] | None = None,
 ) -> Path:
     """Write a Hugging Face model directory from params given one at a time.
 
     ``leaves`` are ``(jaxzero param path, logical shape)`` in the order ``arrays``
-    yields them (fp32 or any float; stacked ``layers/...`` params whole). The directory
-    is built beside ``path`` and moved into place whole. ``writer=False`` consumes
-    ``arrays`` (collective gathers on other processes) and writes nothing.
+    yields them (fp32 or any float; stacked ``layers/...`` params whole). The tokenizer
+    files come from ``tokenizer`` (default: the model's source directory, ``m.hf_dir``).
+    What ``path`` may replace, and how it is built beside it and moved into place
+    whole, is :mod:`jaxzero.modeldir`'s rule; the source directory and ``protected``
+    are never replaced. ``writer=False`` consumes ``arrays`` (collective gathers on
+    other processes) and writes nothing.
     """
     if dtype not in SAVE_DTYPES:
         raise HFError(f"dtype {dtype!r}: use one of {sorted(SAVE_DTYPES)}")
     np_dtype = SAVE_DTYPES[dtype] or np.dtype(ml_dtypes.bfloat16)
     path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
-        raise HFError(f"{path} exists and is not empty: pass overwrite=True to replace it")
+    source = getattr(m, "hf_dir", None)
+    try:  # on every process: all refuse together, before any collective gather
+        modeldir.check_target(
+            path, overwrite, {"the model's source directory": source, **(protected or {})}
+        )
+        tok_files = modeldir.tokenizer_files(source if tokenizer is None else tokenizer)
+    except modeldir.ModelDirError as e:
+        raise HFError(str(e)) from None
     layers = m.config.num_hidden_layers
     entries = []
     for leaf, shape in leaves:
@@ -303,29 +303,20 @@ def write_model(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     stream = tensors()
+    if not writer:
+        for _ in stream:  # the gathers are collective: take part, write nothing
+            pass
+        return path
     try:
-        if writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        for file, group in zip(files, shards, strict=True):
-            part = (x for _, x in zip(group, stream, strict=False))
-            if writer:
+        with modeldir.staged(path, "hf") as tmp:
+            for file, group in zip(files, shards, strict=True):
+                part = (x for _, x in zip(group, stream, strict=False))
                 write_safetensors(tmp / file, group, part, {"format": "pt"})
-            else:
-                for _ in part:  # the gathers are collective: take part, write nothing
-                    pass
-        if writer:
             _write_side_files(tmp, m, dtype, files, shards)
-            if path.exists():
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-            os.replace(tmp, path)
+            modeldir.copy_tokenizer(tok_files, tmp)
     except OSError as e:
         raise HFError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        if writer:
-            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
@@ -342,11 +333,14 @@ def save(
     ``config.json`` (the source's, when the model came from :func:`model`),
     ``generation_config.json``, safetensors of ``dtype`` with ``{"format": "pt"}``
     metadata in shards of at most ``max_shard_size`` bytes (with
-    ``model.safetensors.index.json`` when there are several), and the tokenizer files
-    of the source directory; ``transformers`` loads it with
+    ``model.safetensors.index.json`` when there are several), the tokenizer and
+    chat-template files of the source directory (:data:`jaxzero.modeldir.TOKENIZER_FILES`)
+    and a ``jaxzero-export.json`` manifest; ``transformers`` loads it with
     ``AutoModelForCausalLM.from_pretrained(path)``. bf16 runs write their fp32 master
-    params, rounded once. One param is on the host at a time. Every process must
-    call; process 0 writes.
+    params, rounded once. One param is on the host at a time. ``path`` may be new, empty
+    or an earlier jaxzero output; anything else needs ``overwrite=True`` (which
+    replaces it whole), and the model's source directory is never replaced. Every
+    process must call; process 0 writes.
     """
     m = getattr(engine, "model", None)
     if not isinstance(m, Llama):
@@ -380,10 +374,6 @@ def _write_side_files(out: Path, m: Llama, dtype: str, files: list[str], shards:
             )
             + "\n"
         )
-    if src_dir is not None:
-        for name in TOKENIZER_FILES:
-            if (Path(src_dir) / name).is_file():
-                shutil.copyfile(Path(src_dir) / name, out / name)
     if len(files) > 1:
         total = sum(int(np.prod(s)) * d.itemsize for g in shards for _, d, s in g)
         index = {

@@ -81,7 +81,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     Otherwise a name that comes from the config file (a run's own ``config.yaml``,
     say) is a default: if that run directory already holds a run, this run is
     named ``NAME-TIMESTAMP`` instead, so rerunning a saved config just works. A
-    name given on the command line is used as given.
+    name given on the command line is used as given. Paths become absolute here
+    (:func:`~jaxzero.train.config.absolute_paths`), against the current directory.
     """
 
     def apply(cfg: Config) -> Config:
@@ -89,7 +90,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             value = getattr(args, flag)
             if value is not None:
                 cfg = config_lib.override(cfg, key, value)
-        return config_lib.validate(config_lib.apply_overrides(cfg, args.assignments))
+        cfg = config_lib.validate(config_lib.apply_overrides(cfg, args.assignments))
+        return config_lib.absolute_paths(cfg)  # the saved config works from any directory
 
     def base(defaults: Config | None = None) -> Config:
         defaults = defaults or Config()

@@ -16,6 +16,7 @@ typo in a sweep costs a day of compute.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -457,6 +458,41 @@ def validate(config: Config) -> Config:
     return config
 
 
+# the fields that name files, made absolute when a run resolves its config, so that the
+# saved config works from any directory (--resume, sample, export); logging.root stays as
+# given: --resume finds the run where it is
+PATH_FIELDS = (
+    "data.path",
+    "data.tokenizer",
+    "train.init_from",
+    "checkpoint.dir",
+    "model.hf_config",
+)
+PATHS_NOTE = (
+    "# paths (data.path, data.tokenizer, train.init_from, checkpoint.dir, model.hf_config)\n"
+    "# are absolute: resolved against the directory the run was started from\n"
+)
+
+
+def _absolute(key: str, value: str) -> str:
+    prefix = "hf:" if key == "train.init_from" else ""
+    if not value.startswith(prefix) or len(value) == len(prefix):
+        return value  # not a path: finetune.source refuses it, naming the form
+    return prefix + os.path.abspath(os.path.expanduser(value[len(prefix) :]))
+
+
+def absolute_paths(config: Config) -> Config:
+    """``config`` with every :data:`PATH_FIELDS` path absolute (against the current
+    directory), so the run it describes can be resumed, sampled and exported from any
+    other; ``train.init_from: hf:PATH`` keeps its prefix."""
+    for key in PATH_FIELDS:
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value:
+            config = override(config, key, _absolute(key, value))
+    return config
+
+
 def resolve(config_file: str | None, assignments: list[str]) -> Config:
     """Defaults, then ``config_file``, then ``--set`` assignments; validated."""
     config = load_file(config_file) if config_file else Config()
@@ -464,5 +500,6 @@ def resolve(config_file: str | None, assignments: list[str]) -> Config:
 
 
 def dump_yaml(config: Config) -> str:
-    """The resolved config as YAML, in field order, readable by :func:`load_file`."""
-    return yaml.safe_dump(to_dict(config), sort_keys=False)
+    """The resolved config as YAML, in field order, readable by :func:`load_file`; a
+    comment first says that its paths are absolute (:func:`absolute_paths`)."""
+    return PATHS_NOTE + yaml.safe_dump(to_dict(config), sort_keys=False)

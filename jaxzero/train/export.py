@@ -15,6 +15,9 @@ malloc arena).
 bf16 runs export their fp32 master params (``master/...``), the truth the
 optimizer updates, not the rounded working copy; ``--dtype bf16`` rounds that
 once, as ``astype`` does. ``jaxzero sample`` (:mod:`jaxzero.train.sample`) reads through here.
+
+What ``--out`` may replace, the tokenizer files it gets, and building it beside and moving
+it into place whole are :mod:`jaxzero.modeldir`'s rules (``jaxzero.hf.save``'s too).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import math
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +35,7 @@ import ml_dtypes
 import numpy as np
 import yaml
 
-from jaxzero import hf
+from jaxzero import hf, modeldir
 from jaxzero.checkpoint import (
     CheckpointError,
     LeafReader,
@@ -187,30 +189,40 @@ def export_params(step_dir: Path, out_file: Path, dtype: str = "fp32") -> dict[s
     }
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+def _base_model(run: dict[str, Any]) -> Path | None:
+    """The Hugging Face directory the run was fine-tuned from (``train.init_from``)."""
+    spec = (run.get("train") or {}).get("init_from")
+    return Path(spec[3:]).expanduser() if isinstance(spec, str) and spec[:3] == "hf:" else None
 
 
-def copy_tokenizer(run: dict[str, Any], out: Path) -> None:
-    """The run's tokenizer files (``data.tokenizer``) into an export, so it stands alone."""
+def _tokenizer(run: dict[str, Any]) -> Path | None:
     name = (run.get("data") or {}).get("tokenizer")
-    if not name:
-        return
-    src = Path(name).expanduser()
-    folder = src if src.is_dir() else src.parent
-    files = [folder / f for f in TOKENIZER_FILES if (folder / f).is_file()]
-    if src.is_file() and src not in files:
-        files.insert(0, src)
-    if not files:
-        raise ExportError(
-            f"the run's tokenizer {src} is gone: export needs it beside the "
-            "weights (put it back, or export from a copy of the run config)"
-        )
-    for f in files:
-        shutil.copyfile(f, out / ("tokenizer.json" if f == src else f.name))
+    return Path(name).expanduser() if name else None
+
+
+def protected(step_dir: Path, run: dict[str, Any]) -> dict[str, Path | None]:
+    """What an export reads from and so never replaces, even with ``--overwrite``."""
+    tok = _tokenizer(run)
+    data = (run.get("data") or {}).get("path")
+    run_dir = step_dir.parent.parent
+    if not (run_dir / RUN_CONFIG).is_file():
+        run_dir = step_dir.parent  # a checkpoints directory of its own
+    return {
+        "the checkpoint exported": step_dir,
+        "the run exported": run_dir,
+        "the run's base model": _base_model(run),
+        "the run's tokenizer": tok if tok is None or tok.is_dir() else tok.parent,
+        "the run's data": Path(data).expanduser() if data else None,
+    }
 
 
 def export_hf(
-    step_dir: Path, run: dict[str, Any], meta: dict[str, Any], out: Path, dtype: str
+    step_dir: Path,
+    run: dict[str, Any],
+    meta: dict[str, Any],
+    out: Path,
+    dtype: str,
+    overwrite: bool,
 ) -> Path:
     """A Hugging Face model directory (``transformers`` loads it) from a Llama run."""
     fields = model_fields(run, meta)
@@ -219,22 +231,25 @@ def export_hf(
             f"--format hf needs a model.arch=llama run; {step_dir} trained "
             f"{fields.get('arch') or 'gpt'} (export it with --format jaxzero)"
         )
+    model = from_fields(fields)
+    base = _base_model(run)
+    if base is not None and base.is_dir():
+        model.hf_dir = base  # its generation_config.json, as hf.save copies it
     entries = param_entries(meta)
-    overwrite = out.is_dir() and (out / hf.CONFIG).is_file()  # an earlier export
     try:
         with LeafReader(step_dir) as reader:
-            out = hf.write_model(
+            return hf.write_model(
                 out,
-                from_fields(fields),
+                model,
                 [(n, s) for n, _, s in entries],
                 (reader.read(leaf, shape, DTYPES["fp32"]) for _, leaf, shape in entries),
                 {"fp32": "float32", "bf16": "bfloat16"}[dtype],
                 overwrite=overwrite,
+                tokenizer=_tokenizer(run),
+                protected=protected(step_dir, run),
             )
     except hf.HFError as e:
         raise ExportError(str(e)) from None
-    copy_tokenizer(run, out)
-    return out
 
 
 def export(
@@ -243,50 +258,49 @@ def export(
     dtype: str = "fp32",
     step: int | None = None,
     format: str = "jaxzero",
+    overwrite: bool = False,
 ) -> Path:
-    """``out/model.safetensors`` + ``out/config.json`` from a run, checkpoints dir or step;
-    ``format="hf"``: a Hugging Face directory (Llama runs)."""
+    """``out/model.safetensors`` + ``out/config.json`` + the run's tokenizer files from a
+    run, checkpoints dir or step; ``format="hf"``: a Hugging Face directory (Llama runs).
+
+    ``out`` is built beside itself and moved into place whole; it may be new, empty or
+    an earlier export (:mod:`jaxzero.modeldir`); ``overwrite`` replaces anything else
+    whole, but never the run, its checkpoints, base model, tokenizer or data."""
     if format not in FORMATS:
         raise ExportError(f"unknown format {format!r}: use one of {FORMATS}")
     step_dir = find_step_dir(path, step)
     run = run_config(step_dir)
     meta = read_metadata(step_dir)
     out = Path(out)
+    try:
+        modeldir.check_target(out, overwrite, protected(step_dir, run), "--overwrite")
+        tok_files = modeldir.tokenizer_files(_tokenizer(run), required=True)
+    except modeldir.ModelDirError as e:
+        raise ExportError(str(e)) from None
     if format == "hf":
-        return export_hf(step_dir, run, meta, out, dtype)
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out} is a file")
-    created = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ExportError(f"cannot create --out {out}: {e.strerror or e}") from None
-    try:
-        info = export_params(step_dir, out / WEIGHTS, dtype)
-    except OSError as e:
-        if created and not any(out.iterdir()):
-            out.rmdir()
-        raise ExportError(f"cannot write {out / WEIGHTS}: {e.strerror or e}") from None
-    except BaseException:
-        if created and not any(out.iterdir()):
-            out.rmdir()  # leave no empty directory behind; an older export stays whole
-        raise
+        return export_hf(step_dir, run, meta, out, dtype, overwrite=True)  # checked above
     fields = model_fields(run, meta)
-    config = {
-        **fields,
-        "model_type": f"jaxzero-{fields.get('arch') or 'gpt'}",
-        "dtype": DTYPES[dtype].name,
-        "tokens": token_kind(run),
-        "source": {
-            "checkpoint": str(step_dir.absolute()),
-            "step": info["step"],
-            "stage": meta.get("stage"),
-            "num_shards": meta.get("num_shards"),
-            "precision": meta.get("precision"),
-        },
-    }
-    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    copy_tokenizer(run, out)
+    try:
+        with modeldir.staged(out, "jaxzero") as tmp:
+            info = export_params(step_dir, tmp / WEIGHTS, dtype)
+            config = {
+                **fields,
+                "model_type": f"jaxzero-{fields.get('arch') or 'gpt'}",
+                "dtype": DTYPES[dtype].name,
+                "tokens": token_kind(run),
+                "source": {
+                    "checkpoint": str(step_dir.absolute()),
+                    "step": info["step"],
+                    "stage": meta.get("stage"),
+                    "num_shards": meta.get("num_shards"),
+                    "precision": meta.get("precision"),
+                },
+            }
+            (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+            modeldir.copy_tokenizer(tok_files, tmp)
+    except OSError as e:
+        what = "create" if not out.parent.is_dir() else "write"
+        raise ExportError(f"cannot {what} --out {out}: {e.strerror or e}") from None
     return out
 
 
@@ -343,7 +357,7 @@ def _export_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "path", metavar="RUN_OR_CHECKPOINT", help="run dir, its checkpoints dir, or one step dir"
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="export directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="new, empty or an earlier export")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="default fp32")
     p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     p.add_argument(
@@ -352,6 +366,13 @@ def _export_parser() -> argparse.ArgumentParser:
         default="jaxzero",
         help="jaxzero: one safetensors file + config.json (default); hf: a Hugging "
         "Face model directory transformers loads (model.arch=llama runs)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace --out whole even when it holds files jaxzero did not write (deleting "
+        "them); an earlier export is replaced without it; the run's own directories, base "
+        "model, tokenizer and data never are",
     )
     return p
 
@@ -362,7 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     def body():
         args = _export_parser().parse_args(sys.argv[1:] if argv is None else argv)
         host_reader_process()
-        out = export(args.path, args.out, args.dtype, args.step, args.format)
+        foreign = modeldir.foreign_entries(Path(args.out)) if args.overwrite else []
+        out = export(args.path, args.out, args.dtype, args.step, args.format, args.overwrite)
+        if foreign:
+            print(f"jaxzero export: {modeldir.describe_replaced(out, foreign)}", file=sys.stderr)
         print(
             f"exported {out} (Hugging Face format)"
             if args.format == "hf"

@@ -100,7 +100,9 @@ def resumed_config(run: Path, apply: Any) -> tuple[Config, list[str]]:
     ``parallel.devices`` trains on all the devices it asked for (the checkpoint
     reshards), not on the old count.
     """
-    saved = config_lib.load_file(run / "config.yaml")
+    # absolute already since paths are stored so; an older run's relative ones are read
+    # against this directory, as they always were
+    saved = config_lib.absolute_paths(config_lib.load_file(run / "config.yaml"))
     saved = dataclasses.replace(
         saved, logging=dataclasses.replace(saved.logging, root=str(run.parent), name=run.name)
     )
