@@ -85,7 +85,7 @@ class StepConfig:
     bucket_bytes: int = 0  # pack gradient/param collectives up to this size
     whole_tree_bucket_bytes: int = 0  # the same, in a per_layer=False model's stage-3 use_params
     dot_barrier: bool = False  # collectives.dot_barrier on each micro-batch's gradients
-    rng_seed: int | None = None  # loss_fn(params, batch, rng) gets per-row keys from it
+    rng_seed: int | None = None  # loss_fn(params, batch, rng) gets its key from it
 
     @property
     def extra_axes(self) -> tuple[str, ...]:
@@ -144,18 +144,18 @@ def dot_barriers(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, ba
     rows = jax.tree.leaves(batch)[0].shape[0]
 
     def grad(p, b):
-        keys = None if cfg.rng_seed is None else loss_lib.row_keys(cfg.rng_seed, 0, 0, rows)
-        return jax.grad(lambda p: loss_lib.unpack(_loss(cfg, loss_fn, p, b, keys, False))[0])(p)
+        rng = None if cfg.rng_seed is None else loss_lib.batch_key(cfg.rng_seed, 0, 0, rows)
+        return jax.grad(lambda p: loss_lib.unpack(_loss(cfg, loss_fn, p, b, rng, False))[0])(p)
 
     return collectives.dot_gradients(grad, whole, batch)
 
 
 def _loss(
-    cfg: StepConfig, loss_fn: LossFn, view: Any, batch: Any, keys: Any = None, check=True
+    cfg: StepConfig, loss_fn: LossFn, view: Any, batch: Any, rng: Any = None, check=True
 ) -> Any:
-    """``loss_fn(view, batch[, keys])``; per-layer models are first checked to use
+    """``loss_fn(view, batch[, rng])``; per-layer models are first checked to use
     ``use_params``."""
-    fn = loss_fn if cfg.rng_seed is None else (lambda v, b, k=keys: loss_fn(v, b, k))
+    fn = loss_fn if cfg.rng_seed is None else (lambda v, b, k=rng: loss_fn(v, b, k))
     if check and cfg.per_layer and cfg.stage >= 2:
         check_uses(fn, view, batch)
     return fn(view, batch)
@@ -201,10 +201,10 @@ def local_gradients(
             view = model_view(cfg, layouts, params, diff, barriers)
         else:
             view = model_view(cfg, layouts, diff, barriers=barriers)
-        keys = None
+        rng = None
         if cfg.rng_seed is not None:
-            keys = loss_lib.row_keys(cfg.rng_seed, step, first + j * (rows // k), rows // k)
-        total, weight, aux = loss_lib.unpack(_loss(cfg, loss_fn, view, mb, keys))
+            rng = loss_lib.batch_key(cfg.rng_seed, step, first + j * (rows // k), rows // k)
+        total, weight, aux = loss_lib.unpack(_loss(cfg, loss_fn, view, mb, rng))
         form["weighted"] = weight is not None
         if weight is None:
             # differentiate this device's share of the global mean: the 1/N rides the
