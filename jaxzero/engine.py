@@ -7,7 +7,6 @@ holds no arrays: state goes in and out of :meth:`Engine.step`, which donates it
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -59,6 +58,10 @@ class Engine:
         It sees logical shapes and runs on the sharded state in the global view, so
         elementwise ones stay local and the rest (clipping, LAMB, Adafactor, Muon) get
         the communication they need. ``max_grad_norm`` clips inside the step at no extra cost.
+        ``optax.MultiSteps`` updates every k-th step (``micro_batches=k`` is the exact
+        accumulation within one step); optimizers taking optax's extra arguments get
+        ``value``, ``grad`` and ``value_fn`` (the loss of the step's batch, as
+        :meth:`eval_loss`), so ``optax.lbfgs`` runs its line search.
       mesh: from :func:`jaxzero.make_mesh` (default: all devices).
       stage: 0 (data parallel), 1, 2 or 3.
       precision: ``"fp32"``, or ``"bf16"`` (bf16 params, activations and gradient
@@ -158,6 +161,8 @@ class Engine:
             raise TypeError(
                 "optimizer is required: pass an optax transformation, e.g. optax.adamw(1e-3)"
             )
+        if isinstance(optimizer, optax.MultiSteps):  # accumulates over calls of step
+            optimizer = optimizer.gradient_transformation()
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(
                 f"optimizer must be an optax transformation (e.g. optax.adamw(1e-3)), "
@@ -421,7 +426,6 @@ class Engine:
 
     def _build_jits(self) -> None:
         cfg, lays, mesh = self._config(), self.layouts, self.mesh
-        bspec = P(batch_axes(mesh))
         self._step_fn = step_lib.make_train_step(
             cfg, mesh, lays, self.opt_layouts, self.specs, self.loss_fn, self.tx
         )
@@ -432,12 +436,7 @@ class Engine:
             donate_argnums=0 if self.donate else (),
             compiler_options=self.compiler_options or None,
         )
-        ev = functools.partial(step_lib.eval_loss, cfg, lays, self.loss_fn)
-        # check_vma=False as for the step (jaxzero.step's docstring says why): the loss runs
-        # as plain per-device JAX; P() holds because eval_loss ends in a pmean or psum.
-        ev_sharded = jax.shard_map(
-            ev, mesh=mesh, in_specs=(self.specs.params, bspec), out_specs=P(), check_vma=False
-        )
+        ev_sharded = step_lib.make_eval(cfg, mesh, lays, self.specs, self.loss_fn)
         self._eval = jax.jit(ev_sharded, compiler_options=self.compiler_options or None)
 
     @property

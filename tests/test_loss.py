@@ -4,13 +4,12 @@ micro-batching."""
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-import flax.linen as nn
 
 import jaxzero
 from jaxzero.loss import batch_key, dropout
