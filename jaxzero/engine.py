@@ -53,7 +53,7 @@ class Engine:
       loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss of a batch; or any
         form of :mod:`jaxzero.loss`: ``Weighted(total, weight)`` for masked or uneven
         token counts (exact over devices and micro-batches), ``(loss, aux)`` for extra
-        metrics, a third ``rng`` parameter for per-row PRNG keys.
+        metrics, a third ``rng`` parameter for a PRNG key (Flax's ``rngs=`` takes it).
       optimizer: any optax transformation (required: e.g. ``optax.adamw(1e-3)``).
         It sees logical shapes and runs on the sharded state in the global view, so
         elementwise ones stay local and the rest (clipping, LAMB, Adafactor, Muon) get
@@ -94,8 +94,9 @@ class Engine:
         kernels. None: the backend's default (:data:`jaxzero.backend.DOT_BARRIER`,
         on for CPUs). The math is the same either way; only the dots' kernel, and so
         their rounding, differs.
-      seed: the seed of the per-row keys a ``loss_fn(params, batch, rng)`` gets
-        (:mod:`jaxzero.loss`, e.g. for dropout).
+      seed: the seed of the key a ``loss_fn(params, batch, rng)`` gets (dropout: a
+        mask per row of the global batch, :mod:`jaxzero.loss`), and of an NNX module's
+        random streams in the step (:class:`jaxzero.NNXEngine`).
       compiler_options: XLA options for the step, updating the backend's preset
         (on GPUs :data:`jaxzero.backend.GPU_OPTIONS`: the latency-hiding scheduler
         and pipelined collectives that overlap gathers with compute); a value of

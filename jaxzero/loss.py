@@ -22,9 +22,10 @@ folded from it, whose leading dim is a multiple of the rows (``(rows, ...)``, or
 ``(rows * positions, ...)`` flattened) is drawn row by row, global row ``r``'s values
 from ``fold_in(k, r)`` (``k``: the key as the draw gets it, after Flax's own folds),
 so they depend on the seed, the step and ``r`` only: dropout is exactly the same at
-any stage, device count and micro-batching as on one device. Any
-other draw (a mask shared by every row) is drawn whole from the key, the same on every
-device. ``eval_loss`` passes ``rng=None`` (no dropout).
+any stage, device count and micro-batching as on one device. Any other draw (a mask
+shared by every row) is drawn whole from the key, the same on every device; with one
+row a device, every draw is over the rows. ``eval_loss`` passes ``rng=None`` (no
+dropout).
 
 Example:
   >>> import jax.numpy as jnp
@@ -92,7 +93,7 @@ def unpack(out: Any) -> tuple[jax.Array, jax.Array | None, Any]:
 
 
 def takes_rng(loss_fn: Callable) -> bool:
-    """Whether ``loss_fn`` has a third positional parameter (the rows' keys)."""
+    """Whether ``loss_fn`` has a third positional parameter (the rows' key)."""
     try:
         params = inspect.signature(loss_fn).parameters.values()
     except (TypeError, ValueError):  # builtins, some C callables
