@@ -132,6 +132,32 @@ def test_lbfgs_gets_value_grad_and_value_fn_and_matches_one_device(data, stage):
     assert rel_diff(_change(final, params), _change(ref_params, params)) <= 1e-4
 
 
+def test_reduce_on_plateau_gets_the_loss_and_matches_one_device(data):
+    params, batches = data[0], data[1][:6]
+    make = lambda: optax.chain(
+        optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=1, factor=0.5)
+    )
+    tx = make()
+
+    @jax.jit
+    def step(p, s, b):
+        loss, g = jax.value_and_grad(mlp_loss)(p, b)
+        u, s = tx.update(g, s, p, value=loss)
+        return optax.apply_updates(p, u), s, loss
+
+    p, ref_losses = jax.tree.map(jnp.asarray, params), []
+    s = tx.init(p)
+    for b in batches:
+        p, s, loss = step(p, s, b)
+        ref_losses.append(float(loss))
+    assert float(s[1].scale) < 1.0  # the plateau was seen: the test can tell
+    engine = jaxzero.Engine(mlp_loss, make(), mesh=jaxzero.make_mesh(N), stage=3)
+    losses, final, state = train_engine(engine, params, batches)
+    assert rel_diff(losses, np.array(ref_losses)) <= 1e-5
+    assert rel_diff(final, jax.tree.map(np.asarray, p)) <= 1e-5
+    assert float(state.opt_state[1].scale) == float(s[1].scale)
+
+
 def test_optimizer_state_layouts_follow_each_leaf():
     """Moments share their param's layout; factored statistics get one of their own."""
     tx = optax.chain(
