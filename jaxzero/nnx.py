@@ -12,8 +12,8 @@ The module's random streams (an ``nnx.Rngs`` it keeps, each ``nnx.Dropout``'s) a
 from the engine's key each step (:func:`feed_streams`), so Flax's dropout works as
 written, a mask per row, exactly as on one device; :meth:`Engine.eval_loss` runs the
 module in ``eval()`` mode (no dropout). Other variables are held constant: the step is
-a pure function of the params and the batch. Batch statistics (``nnx.BatchStat``)
-would be updated and thrown away each step, so they are refused.
+a pure function of the params and the batch, so a module that changes one stops the
+step naming it, and batch statistics (``nnx.BatchStat``) are refused up front.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, jaxzero
@@ -92,6 +92,17 @@ def feed_streams(rest: nnx.State, rng: jax.Array | None) -> nnx.State:
     return jax.tree.map(feed, rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+# the variables a step holds constant: neither params nor random streams
+_HELD = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
+
+
+def _held(state: nnx.State) -> dict[str, Any]:
+    """Path -> value of ``state``'s held-constant variables."""
+    return {
+        path_str(k): v.get_value() for k, v in nnx.to_flat_state(nnx.filter_state(state, _HELD))
+    }
+
+
 def bind(graphdef: nnx.GraphDef[M], template: nnx.State, params: Any, rest: nnx.State) -> M:
     """A module from ``graphdef`` with ``params`` (a nested dict like :func:`split`'s)
     as its ``nnx.Param`` values; ``template`` is a ``Param`` state of the same structure."""
@@ -146,10 +157,20 @@ class NNXEngine(Engine):
 
         def params_loss(params: Any, batch: Any, rng: Any) -> Any:
             # always given rng (None in eval_loss): it feeds the module's streams
-            model = bind(self.graphdef, self._template, params, feed_streams(self.rest, rng))
+            rest = feed_streams(self.rest, rng)
+            held = _held(rest)
+            model = bind(self.graphdef, self._template, params, rest)
             if rng is None:
                 model.eval()  # Dropout off, as eval_loss promises
-            return loss_fn(model, batch, rng) if with_rng else loss_fn(model, batch)
+            out = loss_fn(model, batch, rng) if with_rng else loss_fn(model, batch)
+            changed = [k for k, v in _held(nnx.state(model, _HELD)).items() if v is not held[k]]
+            if changed:
+                raise ValueError(
+                    f"the module changed {', '.join(changed[:3])} in the step: only its "
+                    "nnx.Param values train and its random streams are fed; other "
+                    "variables are held constant, so the change would be lost"
+                )
+            return out
 
         super().__init__(params_loss, optimizer, **kwargs)
 

@@ -181,6 +181,19 @@ def test_bad_models_are_refused_clearly():
     with pytest.raises(ValueError, match="batch statistics.*bn/"):
         jaxzero.NNXEngine(WithBatchNorm(nnx.Rngs(0)), loss_fn, optax.sgd(0.1))
 
+    class Counting(nnx.Module):  # a variable the step would hold constant, changed
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(13, 5, rngs=rngs)
+            self.calls = nnx.Variable(jnp.zeros(()))
+
+        def __call__(self, x):
+            self.calls[...] += 1
+            return self.linear(x)
+
+    engine = jaxzero.NNXEngine(Counting(nnx.Rngs(0)), loss_fn, optax.sgd(0.1), stage=0)
+    with pytest.raises(ValueError, match="changed calls in the step.*held constant"):
+        engine.step(engine.init(), batches(1)[0])
+
 
 def test_optimizer_is_required():
     model = MLP(13, 37, 5, 1, nnx.Rngs(0))
