@@ -7,7 +7,6 @@ holds no arrays: state goes in and out of :meth:`Engine.step`, which donates it
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -54,11 +53,15 @@ class Engine:
       loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss of a batch; or any
         form of :mod:`jaxzero.loss`: ``Weighted(total, weight)`` for masked or uneven
         token counts (exact over devices and micro-batches), ``(loss, aux)`` for extra
-        metrics, a third ``rng`` parameter for per-row PRNG keys.
+        metrics, a third ``rng`` parameter for a PRNG key (Flax's ``rngs=`` takes it).
       optimizer: any optax transformation (required: e.g. ``optax.adamw(1e-3)``).
         It sees logical shapes and runs on the sharded state in the global view, so
         elementwise ones stay local and the rest (clipping, LAMB, Adafactor, Muon) get
         the communication they need. ``max_grad_norm`` clips inside the step at no extra cost.
+        ``optax.MultiSteps`` updates every k-th step (``micro_batches=k`` is the exact
+        accumulation within one step); optimizers taking optax's extra arguments get
+        ``value``, ``grad`` and ``value_fn`` (the loss of the step's batch, as
+        :meth:`eval_loss`), so ``optax.lbfgs`` runs its line search.
       mesh: from :func:`jaxzero.make_mesh` (default: all devices).
       stage: 0 (data parallel), 1, 2 or 3.
       precision: ``"fp32"``, or ``"bf16"`` (bf16 params, activations and gradient
@@ -91,8 +94,9 @@ class Engine:
         kernels. None: the backend's default (:data:`jaxzero.backend.DOT_BARRIER`,
         on for CPUs). The math is the same either way; only the dots' kernel, and so
         their rounding, differs.
-      seed: the seed of the per-row keys a ``loss_fn(params, batch, rng)`` gets
-        (:mod:`jaxzero.loss`, e.g. for dropout).
+      seed: the seed of the key a ``loss_fn(params, batch, rng)`` gets (dropout: a
+        mask per row of the global batch, :mod:`jaxzero.loss`), and of an NNX module's
+        random streams in the step (:class:`jaxzero.NNXEngine`).
       compiler_options: XLA options for the step, updating the backend's preset
         (on GPUs :data:`jaxzero.backend.GPU_OPTIONS`: the latency-hiding scheduler
         and pipelined collectives that overlap gathers with compute); a value of
@@ -158,6 +162,8 @@ class Engine:
             raise TypeError(
                 "optimizer is required: pass an optax transformation, e.g. optax.adamw(1e-3)"
             )
+        if isinstance(optimizer, optax.MultiSteps):  # accumulates over calls of step
+            optimizer = optimizer.gradient_transformation()
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(
                 f"optimizer must be an optax transformation (e.g. optax.adamw(1e-3)), "
@@ -421,7 +427,6 @@ class Engine:
 
     def _build_jits(self) -> None:
         cfg, lays, mesh = self._config(), self.layouts, self.mesh
-        bspec = P(batch_axes(mesh))
         self._step_fn = step_lib.make_train_step(
             cfg, mesh, lays, self.opt_layouts, self.specs, self.loss_fn, self.tx
         )
@@ -432,12 +437,7 @@ class Engine:
             donate_argnums=0 if self.donate else (),
             compiler_options=self.compiler_options or None,
         )
-        ev = functools.partial(step_lib.eval_loss, cfg, lays, self.loss_fn)
-        # check_vma=False as for the step (jaxzero.step's docstring says why): the loss runs
-        # as plain per-device JAX; P() holds because eval_loss ends in a pmean or psum.
-        ev_sharded = jax.shard_map(
-            ev, mesh=mesh, in_specs=(self.specs.params, bspec), out_specs=P(), check_vma=False
-        )
+        ev_sharded = step_lib.make_eval(cfg, mesh, lays, self.specs, self.loss_fn)
         self._eval = jax.jit(ev_sharded, compiler_options=self.compiler_options or None)
 
     @property

@@ -15,10 +15,17 @@ below) on each device's share of each micro-batch. It may return:
   like the loss, in ``metrics["aux"]``: averaged in the scalar form; in the weighted
   form they are sums too (e.g. correct tokens), divided by the global weight.
 
-A ``loss_fn`` with a third parameter gets ``rng``: one PRNG key per row of its batch,
-``fold_in(fold_in(key(seed), step), global_row)``, so a row's randomness (dropout)
-depends on the step and its row of the global batch only: the same at any stage,
-device count and micro-batching. ``eval_loss`` passes ``rng=None`` (no dropout).
+A ``loss_fn`` with a third parameter gets ``rng``: one PRNG key for its rows
+(:func:`batch_key`), which Flax takes as it is (``model.apply(..., rngs={"dropout":
+rng})``, ``nnx.Dropout(...)(x, rngs=rng)``). A draw from it, or from a key split or
+folded from it, whose leading dim is a multiple of the rows (``(rows, ...)``, or
+``(rows * positions, ...)`` flattened) is drawn row by row, global row ``r``'s values
+from ``fold_in(k, r)`` (``k``: the key as the draw gets it, after Flax's own folds),
+so they depend on the seed, the step and ``r`` only: dropout is exactly the same at
+any stage, device count and micro-batching as on one device. Any other draw (a mask
+shared by every row) is drawn whole from the key, the same on every device; with one
+row a device, every draw is over the rows. ``eval_loss`` passes ``rng=None`` (no
+dropout).
 
 Example:
   >>> import jax.numpy as jnp
@@ -35,12 +42,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.random import define_prng_impl
 
 
 @jax.tree_util.register_dataclass
@@ -84,7 +93,7 @@ def unpack(out: Any) -> tuple[jax.Array, jax.Array | None, Any]:
 
 
 def takes_rng(loss_fn: Callable) -> bool:
-    """Whether ``loss_fn`` has a third positional parameter (the rows' keys)."""
+    """Whether ``loss_fn`` has a third positional parameter (the rows' key)."""
     try:
         params = inspect.signature(loss_fn).parameters.values()
     except (TypeError, ValueError):  # builtins, some C callables
@@ -93,16 +102,59 @@ def takes_rng(loss_fn: Callable) -> bool:
     return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
-def row_keys(seed: int, step: jax.Array | int, first_row: jax.Array | int, rows: int) -> jax.Array:
-    """One key per row: ``fold_in(fold_in(key(seed), step), first_row + i)``."""
-    base = jax.random.fold_in(jax.random.key(seed), step)
-    return jax.vmap(lambda r: jax.random.fold_in(base, r))(first_row + jnp.arange(rows))
+# A key's data: threefry's two words, then this device's first row of the global batch.
+# The rows per device are static, so each count gets an impl of its own (cached).
+_KEY_WORDS = 3
+
+
+def _base(data: jax.Array) -> jax.Array:
+    return jax.random.wrap_key_data(data[..., :2], impl="threefry2x32")
+
+
+def _rebase(data: jax.Array, base: jax.Array) -> jax.Array:
+    first = jnp.broadcast_to(data[..., 2:], (*base.shape, 1))
+    return jnp.concatenate([jax.random.key_data(base), first], axis=-1)
+
+
+@functools.cache
+def _row_impl(rows: int) -> Any:
+    """The PRNG impl of :func:`batch_key` for ``rows`` rows a device."""
+
+    def random_bits(data: jax.Array, bit_width: int, shape: tuple[int, ...]) -> jax.Array:
+        dtype = jnp.dtype(f"uint{bit_width}")
+        base = _base(data)
+        if not shape or shape[0] % rows:  # not over the rows: the same on every device
+            return jax.random.bits(base, shape, dtype)
+        per_row = shape[0] // rows  # e.g. positions, when (rows, positions) is flattened
+        first = data[2] * per_row
+        index = first + jnp.arange(shape[0], dtype=jnp.uint32)
+        draw = lambda i: jax.random.bits(jax.random.fold_in(base, i), shape[1:], dtype)
+        return jax.vmap(draw)(index)
+
+    return define_prng_impl(
+        key_shape=(_KEY_WORDS,),
+        seed=lambda s: _rebase(jnp.zeros(_KEY_WORDS, jnp.uint32), jax.random.key(s)),
+        split=lambda data, shape: _rebase(data, jax.random.split(_base(data), shape)),
+        random_bits=random_bits,
+        fold_in=lambda data, x: _rebase(data, jax.random.fold_in(_base(data), x)),
+        name=f"jaxzero_rows{rows}",
+        tag=f"rows{rows}",
+    )
+
+
+def batch_key(seed: int, step: jax.Array | int, first_row: jax.Array | int, rows: int) -> jax.Array:
+    """The key a loss gets for ``rows`` rows from global row ``first_row``: draws over
+    the rows are made row by row from ``fold_in(fold_in(key(seed), step), row)``."""
+    base = jax.random.fold_in(jax.random.key(seed, impl="threefry2x32"), step)
+    first = jnp.asarray(first_row, jnp.uint32).reshape(1)
+    data = jnp.concatenate([jax.random.key_data(base), first])
+    return jax.random.wrap_key_data(data, impl=_row_impl(rows))
 
 
 def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
-    """Inverted dropout of ``x`` (leading dim: rows) with one key per row (``rng``);
-    identity when ``rng`` is None (evaluation) or ``rate`` is 0."""
+    """Inverted dropout of ``x`` (leading dim: rows) with the loss's ``rng``, a mask per
+    row (:func:`batch_key`); identity when ``rng`` is None (evaluation) or ``rate`` is 0."""
     if rng is None or rate == 0.0:
         return x
-    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x.shape[1:]))(rng)
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))

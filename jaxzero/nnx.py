@@ -8,9 +8,12 @@ step, merges each traced params tree back into a module for the user's
 passes a layer through :func:`use` (the NNX spelling of :func:`jaxzero.use_params`)
 right where it calls it.
 
-Variables other than ``nnx.Param`` (e.g. an ``nnx.Rngs`` a module keeps) are held
-constant: the step is a pure function of the params and the batch. Batch statistics
-(``nnx.BatchStat``) would be updated and thrown away each step, so they are refused.
+The module's random streams (an ``nnx.Rngs`` it keeps, each ``nnx.Dropout``'s) are fed
+from the engine's key each step (:func:`feed_streams`), so Flax's dropout works as
+written, a mask per row, exactly as on one device; :meth:`Engine.eval_loss` runs the
+module in ``eval()`` mode (no dropout). Other variables are held constant: the step is
+a pure function of the params and the batch, so a module that changes one stops the
+step naming it, and batch statistics (``nnx.BatchStat``) are refused up front.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, jaxzero
@@ -34,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -64,6 +68,39 @@ def split(module: M) -> tuple[nnx.GraphDef[M], dict[str, Any], nnx.State]:
             "lost. Use a normalisation without running statistics (LayerNorm, RMSNorm)."
         )
     return graphdef, nnx.to_pure_dict(params), rest
+
+
+def feed_streams(rest: nnx.State, rng: jax.Array | None) -> nnx.State:
+    """A fresh copy of ``rest`` whose random streams (``nnx.Rngs``, each ``nnx.Dropout``'s)
+    draw from the step's key: stream ``i``'s key is ``fold_in(rng, i)``, its count 0.
+
+    The key is the loss's (:func:`jaxzero.loss.batch_key`), so a dropout mask is drawn row
+    by row over the global batch: the same at every stage and device count. Without
+    ``rng`` (evaluation) the streams keep their values; the copy's variables belong to
+    the trace that calls this, so a stream may advance its count there.
+    """
+    streams = itertools.count()
+
+    def feed(v: nnx.Variable) -> nnx.Variable:
+        if rng is not None and isinstance(v, nnx.RngKey):
+            return v.replace(jax.random.fold_in(rng, next(streams)))
+        if rng is not None and isinstance(v, nnx.RngCount):
+            count = v.get_value()  # a ShapeDtypeStruct in an abstract module
+            return v.replace(jax.numpy.zeros(count.shape, count.dtype))
+        return v.replace(v.get_value())
+
+    return jax.tree.map(feed, rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+# the variables a step holds constant: neither params nor random streams
+_HELD = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
+
+
+def _held(state: nnx.State) -> dict[str, Any]:
+    """Path -> value of ``state``'s held-constant variables."""
+    return {
+        path_str(k): v.get_value() for k, v in nnx.to_flat_state(nnx.filter_state(state, _HELD))
+    }
 
 
 def bind(graphdef: nnx.GraphDef[M], template: nnx.State, params: Any, rest: nnx.State) -> M:
@@ -116,16 +153,24 @@ class NNXEngine(Engine):
         self._template = nnx.state(model, nnx.Param)
         self.model_loss_fn = loss_fn
 
-        module = lambda params: bind(self.graphdef, self._template, params, self.rest)
-        params_loss: Callable[..., Any]  # with or without rng, as loss_fn
-        if takes_rng(loss_fn):  # pass the per-row keys through (jaxzero.loss)
+        with_rng = takes_rng(loss_fn)
 
-            def params_loss(params: Any, batch: Any, rng: Any) -> Any:
-                return loss_fn(module(params), batch, rng)
-        else:
-
-            def params_loss(params: Any, batch: Any) -> Any:
-                return loss_fn(module(params), batch)
+        def params_loss(params: Any, batch: Any, rng: Any) -> Any:
+            # always given rng (None in eval_loss): it feeds the module's streams
+            rest = feed_streams(self.rest, rng)
+            held = _held(rest)
+            model = bind(self.graphdef, self._template, params, rest)
+            if rng is None:
+                model.eval()  # Dropout off, as eval_loss promises
+            out = loss_fn(model, batch, rng) if with_rng else loss_fn(model, batch)
+            changed = [k for k, v in _held(nnx.state(model, _HELD)).items() if v is not held[k]]
+            if changed:
+                raise ValueError(
+                    f"the module changed {', '.join(changed[:3])} in the step: only its "
+                    "nnx.Param values train and its random streams are fed; other "
+                    "variables are held constant, so the change would be lost"
+                )
+            return out
 
         super().__init__(params_loss, optimizer, **kwargs)
 

@@ -85,7 +85,7 @@ class StepConfig:
     bucket_bytes: int = 0  # pack gradient/param collectives up to this size
     whole_tree_bucket_bytes: int = 0  # the same, in a per_layer=False model's stage-3 use_params
     dot_barrier: bool = False  # collectives.dot_barrier on each micro-batch's gradients
-    rng_seed: int | None = None  # loss_fn(params, batch, rng) gets per-row keys from it
+    rng_seed: int | None = None  # loss_fn(params, batch, rng) gets its key from it
 
     @property
     def extra_axes(self) -> tuple[str, ...]:
@@ -144,18 +144,18 @@ def dot_barriers(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, ba
     rows = jax.tree.leaves(batch)[0].shape[0]
 
     def grad(p, b):
-        keys = None if cfg.rng_seed is None else loss_lib.row_keys(cfg.rng_seed, 0, 0, rows)
-        return jax.grad(lambda p: loss_lib.unpack(_loss(cfg, loss_fn, p, b, keys, False))[0])(p)
+        rng = None if cfg.rng_seed is None else loss_lib.batch_key(cfg.rng_seed, 0, 0, rows)
+        return jax.grad(lambda p: loss_lib.unpack(_loss(cfg, loss_fn, p, b, rng, False))[0])(p)
 
     return collectives.dot_gradients(grad, whole, batch)
 
 
 def _loss(
-    cfg: StepConfig, loss_fn: LossFn, view: Any, batch: Any, keys: Any = None, check=True
+    cfg: StepConfig, loss_fn: LossFn, view: Any, batch: Any, rng: Any = None, check=True
 ) -> Any:
-    """``loss_fn(view, batch[, keys])``; per-layer models are first checked to use
+    """``loss_fn(view, batch[, rng])``; per-layer models are first checked to use
     ``use_params``."""
-    fn = loss_fn if cfg.rng_seed is None else (lambda v, b, k=keys: loss_fn(v, b, k))
+    fn = loss_fn if cfg.rng_seed is None else (lambda v, b, k=rng: loss_fn(v, b, k))
     if check and cfg.per_layer and cfg.stage >= 2:
         check_uses(fn, view, batch)
     return fn(view, batch)
@@ -201,10 +201,10 @@ def local_gradients(
             view = model_view(cfg, layouts, params, diff, barriers)
         else:
             view = model_view(cfg, layouts, diff, barriers=barriers)
-        keys = None
+        rng = None
         if cfg.rng_seed is not None:
-            keys = loss_lib.row_keys(cfg.rng_seed, step, first + j * (rows // k), rows // k)
-        total, weight, aux = loss_lib.unpack(_loss(cfg, loss_fn, view, mb, keys))
+            rng = loss_lib.batch_key(cfg.rng_seed, step, first + j * (rows // k), rows // k)
+        total, weight, aux = loss_lib.unpack(_loss(cfg, loss_fn, view, mb, rng))
         form["weighted"] = weight is not None
         if weight is None:
             # differentiate this device's share of the global mean: the 1/N rides the
@@ -366,6 +366,8 @@ def optimizer_update(
     grads: Any,
     opt_state: Any,
     master: Any,
+    value: jax.Array | None = None,
+    value_fn: Callable[[Any], jax.Array] | None = None,
 ):
     """``tx.update`` in the global view, on logical shapes; returns stored master and state.
 
@@ -374,11 +376,37 @@ def optimizer_update(
     one (AdamW, Lion, SGD, masks), a scalar all-reduce for a global norm, whatever
     a factored or matrix optimizer (Adafactor, Muon) reads across a leaf. Padding
     is stripped first, so it never enters a norm, a mean or a shape-dependent rule.
+
+    An optimizer that takes optax's extra arguments (``optax.lbfgs``'s line search,
+    ``reduce_on_plateau``) gets ``value`` (the step's loss), ``grad`` (the gradient it
+    updates with) and ``value_fn`` (the loss of the same batch at given logical params).
     """
     g, s, m = _logical(layouts, grads), _logical(opt_lays, opt_state), _logical(layouts, master)
-    updates, s = tx.update(g, s, m)
+    if isinstance(tx, optax.GradientTransformationExtraArgs) and value is not None:
+        updates, s = tx.update(g, s, m, value=value, grad=g, value_fn=value_fn)
+    else:
+        updates, s = tx.update(g, s, m)
     m = optax.apply_updates(m, updates)
     return _stored(layouts, m, sharded), _stored(opt_lays, s, sharded)
+
+
+def _value_fn(loss_and_grads: Callable[[Any], tuple[jax.Array, Any]]) -> Callable:
+    """``value_fn(params) -> loss`` for optax's line searches, which differentiate it:
+    its gradient is the step's own (reduced over devices), not autodiff of the sharded
+    forward pass."""
+
+    @jax.custom_vjp
+    def value_fn(params: Any) -> jax.Array:
+        return loss_and_grads(params)[0]
+
+    def fwd(params: Any) -> tuple[jax.Array, Any]:
+        return loss_and_grads(params)
+
+    def bwd(grads: Any, ct: jax.Array) -> tuple[Any]:
+        return (jax.tree.map(lambda g: (ct * g).astype(g.dtype), grads),)
+
+    value_fn.defvjp(fwd, bwd)
+    return value_fn
 
 
 def make_train_step(
@@ -425,19 +453,38 @@ def make_train_step(
         grad_specs,
     )
 
+    # a line search's loss and gradient at other params: the step's own, unclipped
+    unclipped = jax.shard_map(
+        functools.partial(
+            gradient_step, dataclasses.replace(cfg, max_grad_norm=None), layouts, loss_fn
+        ),
+        mesh=mesh,
+        in_specs=(specs.params, P(cfg.batch_axes), P()),
+        out_specs=(P(), grad_specs, P(), P()),
+        check_vma=False,
+    )
+
+    def loss_and_grads(logical: Any, batch: Any, step: Any) -> tuple[jax.Array, Any]:
+        master = place(_stored(layouts, logical, sharded))
+        loss, grads, _, _ = unclipped(working(master), batch, step)
+        return loss, _logical(layouts, grads)
+
+    def working(master: Any) -> Any:
+        """The working params (compute dtype, the stage's layout) of stored master params."""
+        params = jax.tree.map(lambda m: m.astype(cfg.compute_dtype), master)
+        return gather(params) if cfg.stage in (1, 2) else params
+
     def train_step(state: TrainState, batch: Any):
         loss, grads, norm, extra = grads_of(state.params, batch, state.step)
         master = state.master if cfg.mixed else state.params
+        value_fn = _value_fn(lambda logical: loss_and_grads(logical, batch, state.step))
         master, opt_state = optimizer_update(
-            tx, layouts, opt_lays, sharded, grads, state.opt_state, master
+            tx, layouts, opt_lays, sharded, grads, state.opt_state, master, loss, value_fn
         )
         master = place(master)
-        params = jax.tree.map(lambda m: m.astype(cfg.compute_dtype), master)
-        if cfg.stage in (1, 2):
-            params = gather(params)
         new = TrainState(
             step=state.step + 1,
-            params=params,
+            params=working(master),
             master=master if cfg.mixed else None,
             opt_state=opt_state,
         )
@@ -456,6 +503,19 @@ def eval_loss(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch
     if weight is None:
         return jax.lax.pmean(total, cfg.batch_axes)
     return jax.lax.psum(total, cfg.batch_axes) / _nonzero(jax.lax.psum(weight, cfg.batch_axes))
+
+
+def make_eval(cfg: StepConfig, mesh: Mesh, layouts: Any, specs: TrainState, loss_fn: LossFn):
+    """``evaluate(params, batch)``: :func:`eval_loss` over the mesh, in the global view."""
+    # check_vma=False as for the step (the module docstring says why): the loss runs as
+    # plain per-device JAX; P() holds because eval_loss ends in a pmean or psum.
+    return jax.shard_map(
+        functools.partial(eval_loss, cfg, layouts, loss_fn),
+        mesh=mesh,
+        in_specs=(specs.params, P(cfg.batch_axes)),
+        out_specs=P(),
+        check_vma=False,
+    )
 
 
 def _nonzero(weight: jax.Array) -> jax.Array:

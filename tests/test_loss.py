@@ -1,8 +1,10 @@
 """The loss contract (jaxzero.loss): weighted losses exact however unevenly the tokens fall,
-aux metrics and per-row dropout keys independent of stage, devices and micro-batching."""
+aux metrics and dropout (jaxzero's and Linen's) independent of stage, devices and
+micro-batching."""
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ import optax
 import pytest
 
 import jaxzero
-from jaxzero.loss import dropout
+from jaxzero.loss import batch_key, dropout
 from jaxzero.models.gpt import GPT
 from tests._models import (
     TINY_GPT,
@@ -148,6 +150,76 @@ def test_dropout_and_aux_are_the_same_at_any_stage_device_count_and_micro_batchi
     other_seed = jaxzero.Engine(dropout_loss, tx, mesh=jaxzero.make_mesh(1), stage=0, seed=4)
     _, metrics = other_seed.step(other_seed.init(mlp_params()), data[0])
     assert abs(float(metrics["loss"]) - one[0]["loss"]) > 1e-4, "the seed must matter"
+
+
+def test_a_draw_over_the_rows_is_the_global_batchs_rows_wherever_they_are():
+    """What makes dropout exact: rows 4-7 of a 16-row batch draw the same on a device that
+    holds rows 4-7 as on one that holds all 16, flattened (rows x positions) too, after
+    Flax-style folds and splits; a draw not over the rows is the same on every device."""
+    whole, part = batch_key(3, 5, 0, 16), batch_key(3, 5, 4, 4)
+    for derive in (lambda k: k, lambda k: jax.random.split(jax.random.fold_in(k, 7))[1]):
+        a, b = derive(whole), derive(part)
+        got = jax.random.bernoulli(b, 0.5, (4, 6))
+        np.testing.assert_array_equal(got, jax.random.bernoulli(a, 0.5, (16, 6))[4:8])
+        flat = jax.random.normal(a, (16 * 3, 2))[12:24]  # rows 4-7, 3 positions each
+        np.testing.assert_array_equal(jax.random.normal(b, (4 * 3, 2)), flat)
+        np.testing.assert_array_equal(jax.random.normal(b, (5,)), jax.random.normal(a, (5,)))
+    rows = jax.random.bernoulli(whole, 0.5, (16, 6))
+    assert 0 < int(rows.sum()) < 96 and not (rows == rows[0]).all(), "rows draw apart"
+    other = [batch_key(4, 5, 0, 16), batch_key(3, 6, 0, 16)]  # another seed, another step
+    for k in other:
+        assert (jax.random.bernoulli(k, 0.5, (16, 6)) != rows).any()
+
+
+class LinenDropoutMLP(nn.Module):
+    """Dropout as the Flax docs write it: ``deterministic`` from the call, the ``dropout``
+    collection from ``apply(..., rngs=)``."""
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        for width in (24, 24):
+            x = nn.Dropout(0.3, deterministic=not train)(nn.relu(nn.Dense(width)(x)))
+        return nn.Dense(11)(x)
+
+
+LINEN = LinenDropoutMLP()
+
+
+def linen_loss(params, batch, rng):
+    rngs = None if rng is None else {"dropout": rng}
+    y = LINEN.apply({"params": params}, batch["x"], rng is not None, rngs=rngs)
+    return jnp.mean((y - batch["y"]) ** 2)
+
+
+def test_linen_dropout_with_the_loss_rng_is_the_same_at_every_stage_as_on_one_device():
+    data, tx = mlp_batches(2, batch=16), optax.adam(1e-2)
+    params = LINEN.init(jax.random.key(0), data[0]["x"], False)["params"]
+
+    def run(devices, stage, micro=1, seed=3):
+        engine = jaxzero.Engine(
+            linen_loss,
+            tx,
+            mesh=jaxzero.make_mesh(devices),
+            stage=stage,
+            micro_batches=micro,
+            seed=seed,
+            min_shard_size=8,
+        )
+        state, losses = engine.init(params), []
+        for b in data:
+            state, metrics = engine.step(state, b)
+            losses.append(float(metrics["loss"]))
+        return losses, engine.gather_params(state), float(engine.eval_loss(state, data[0]))
+
+    one, p1, eval1 = run(1, 0)
+    trained = jax.tree.map(jnp.asarray, p1)
+    np.testing.assert_allclose(eval1, linen_loss(trained, data[0], None), rtol=1e-5)
+    for stage in range(4):
+        losses, p8, _ = run(8, stage, micro=2 if stage == 3 else 1)
+        np.testing.assert_allclose(losses, one, rtol=1e-5, err_msg=f"stage {stage}")
+        assert rel_diff(p8, p1) <= 1e-5, f"stage {stage}"
+    other, _, _ = run(1, 0, seed=4)
+    assert abs(other[0] - one[0]) > 1e-4, "the seed must matter"
 
 
 def test_eval_combines_like_the_step_and_passes_no_rng(gpt_params):

@@ -98,6 +98,62 @@ def test_nnx_model_trains_like_one_device(stage, per_layer):
     assert rel_diff(nnx.to_pure_dict(nnx.state(trained, nnx.Param)), ref_params) < 1e-4
 
 
+class DropoutMLP(nnx.Module):
+    """Three layers, each followed by Flax's own dropout holding its own stream."""
+
+    def __init__(self, rngs: nnx.Rngs, per_layer: bool = False):
+        self.layers = nnx.List([nnx.Linear(13, 13, rngs=rngs) for _ in range(3)])
+        self.drops = nnx.List([nnx.Dropout(0.3, rngs=rngs) for _ in range(3)])
+        self.head = nnx.Linear(13, 5, rngs=rngs)
+        self.per_layer = per_layer
+
+    def __call__(self, x):
+        use = jaxzero.nnx.use if self.per_layer else (lambda m: m)
+        for layer, drop in zip(self.layers, self.drops, strict=True):
+            x = drop(nnx.relu(use(layer)(x)))
+        return use(self.head)(x)
+
+
+def test_flax_dropout_is_fed_by_the_engine_and_the_same_at_every_stage_as_on_one_device():
+    """nnx.Dropout(rate, rngs=rngs) as users write it: its stream draws from the engine's
+    key, a mask per row of the global batch, so 8 devices at any stage match one."""
+    data, tx = batches(2), optax.adam(1e-2)
+
+    def run(devices, stage, micro=1, seed=0):
+        engine = jaxzero.NNXEngine(
+            DropoutMLP(nnx.Rngs(0), per_layer=stage >= 2),
+            loss_fn,
+            tx,
+            mesh=jaxzero.make_mesh(devices),
+            stage=stage,
+            per_layer=stage >= 2,
+            micro_batches=micro,
+            seed=seed,
+            min_shard_size=8,
+        )
+        state, losses = engine.init(), []
+        for b in data:
+            state, metrics = engine.step(state, b)
+            losses.append(float(metrics["loss"]))
+        return losses, engine, state
+
+    one, engine, state = run(1, 0)
+    trained = engine.module(state)
+    trained.eval()  # eval_loss: no dropout
+    np.testing.assert_allclose(
+        float(engine.eval_loss(state, data[0])), loss_fn(trained, data[0]), rtol=1e-5
+    )
+    trained.train()
+    assert abs(float(loss_fn(trained, data[0])) - float(loss_fn(trained, data[0]))) > 1e-4
+    params1 = engine.gather_params(state)
+    for stage in range(4):
+        losses, engine, state = run(8, stage, micro=2 if stage == 3 else 1)
+        np.testing.assert_allclose(losses, one, rtol=1e-5, err_msg=f"stage {stage}")
+        assert rel_diff(engine.gather_params(state), params1) <= 1e-5, f"stage {stage}"
+    other, _, _ = run(1, 0, seed=1)
+    assert abs(other[0] - one[0]) > 1e-4, "the engine's seed must matter"
+
+
 def test_init_from_never_builds_the_model_outside_the_mesh():
     """An abstract module (nnx.eval_shape) + init_from: the params are created sharded,
     and equal the ones the module would have made eagerly."""
@@ -124,6 +180,19 @@ def test_bad_models_are_refused_clearly():
 
     with pytest.raises(ValueError, match="batch statistics.*bn/"):
         jaxzero.NNXEngine(WithBatchNorm(nnx.Rngs(0)), loss_fn, optax.sgd(0.1))
+
+    class Counting(nnx.Module):  # a variable the step would hold constant, changed
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(13, 5, rngs=rngs)
+            self.calls = nnx.Variable(jnp.zeros(()))
+
+        def __call__(self, x):
+            self.calls[...] += 1
+            return self.linear(x)
+
+    engine = jaxzero.NNXEngine(Counting(nnx.Rngs(0)), loss_fn, optax.sgd(0.1), stage=0)
+    with pytest.raises(ValueError, match="changed calls in the step.*held constant"):
+        engine.step(engine.init(), batches(1)[0])
 
 
 def test_optimizer_is_required():

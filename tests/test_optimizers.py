@@ -42,6 +42,9 @@ ELEMENTWISE = {
     ),
     "lion": lambda: optax.lion(1e-3),
     "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    # accumulates over calls of step, updating every 2nd (Engine(micro_batches=2) does
+    # it within one step); given to the engine as it is, not as .gradient_transformation()
+    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
 }
 # look across elements (norms, factored statistics, matrices, learning-rate estimates)
 CROSS_ELEMENT = {
@@ -96,6 +99,63 @@ def test_elementwise_optimizers_match_one_device(data, name, stage):
 @pytest.mark.parametrize("name", sorted(CROSS_ELEMENT))
 def test_cross_element_optimizers_match_one_device(data, name, stage):
     _check(data, CROSS_ELEMENT[name], stage, 1e-4)
+
+
+def _lbfgs_reference(params, batches, tx):
+    """optax's documented L-BFGS loop: the update gets the loss, the gradient and the
+    loss as a function of the params on the same batch (for its line search)."""
+
+    @jax.jit
+    def step(p, s, b):
+        loss, g = jax.value_and_grad(mlp_loss)(p, b)
+        u, s = tx.update(g, s, p, value=loss, grad=g, value_fn=lambda q: mlp_loss(q, b))
+        return optax.apply_updates(p, u), s, loss
+
+    p = jax.tree.map(jnp.asarray, params)
+    s, losses = tx.init(p), []
+    for b in batches:
+        p, s, loss = step(p, s, b)
+        losses.append(float(loss))
+    return np.array(losses), jax.tree.map(np.asarray, p)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_lbfgs_gets_value_grad_and_value_fn_and_matches_one_device(data, stage):
+    params, batches = data[0], data[1][:4]
+    if "lbfgs" not in _REFERENCES:
+        _REFERENCES["lbfgs"] = _lbfgs_reference(params, batches, optax.lbfgs())
+    ref_losses, ref_params = _REFERENCES["lbfgs"]
+    assert ref_losses[-1] < ref_losses[0] / 2  # the line search works
+    engine = jaxzero.Engine(mlp_loss, optax.lbfgs(), mesh=jaxzero.make_mesh(N), stage=stage)
+    losses, final, _ = train_engine(engine, params, batches)
+    assert rel_diff(losses, ref_losses) <= 1e-5
+    assert rel_diff(_change(final, params), _change(ref_params, params)) <= 1e-4
+
+
+def test_reduce_on_plateau_gets_the_loss_and_matches_one_device(data):
+    params, batches = data[0], data[1][:6]
+    make = lambda: optax.chain(
+        optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=1, factor=0.5)
+    )
+    tx = make()
+
+    @jax.jit
+    def step(p, s, b):
+        loss, g = jax.value_and_grad(mlp_loss)(p, b)
+        u, s = tx.update(g, s, p, value=loss)
+        return optax.apply_updates(p, u), s, loss
+
+    p, ref_losses = jax.tree.map(jnp.asarray, params), []
+    s = tx.init(p)
+    for b in batches:
+        p, s, loss = step(p, s, b)
+        ref_losses.append(float(loss))
+    assert float(s[1].scale) < 1.0  # the plateau was seen: the test can tell
+    engine = jaxzero.Engine(mlp_loss, make(), mesh=jaxzero.make_mesh(N), stage=3)
+    losses, final, state = train_engine(engine, params, batches)
+    assert rel_diff(losses, np.array(ref_losses)) <= 1e-5
+    assert rel_diff(final, jax.tree.map(np.asarray, p)) <= 1e-5
+    assert float(state.opt_state[1].scale) == float(s[1].scale)
 
 
 def test_optimizer_state_layouts_follow_each_leaf():
