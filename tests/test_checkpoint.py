@@ -317,6 +317,7 @@ def _run_until(
     return proc, err
 
 
+@pytest.mark.timeout(600)  # five training processes one after the other
 @pytest.mark.every_lane
 @pytest.mark.system
 def test_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
@@ -402,6 +403,7 @@ def test_resume_refuses_a_model_change_and_an_empty_run(tmp_path, capsys):
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]  # nothing written
 
 
+@pytest.mark.timeout(600)  # trains, diverges, restores and trains on
 @pytest.mark.system
 def test_nan_rollback_restores_and_skips_the_batch(tmp_path, monkeypatch, capsys):
     """A non-finite loss at step 6 (faked once) rolls back to step 4 and skips its batch."""

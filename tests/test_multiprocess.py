@@ -17,6 +17,10 @@ import pytest
 from _models import mlp_batches, mlp_loss, mlp_params, rel_diff, train_engine, train_reference
 from _procs import REPORT, alive_with, free_port, read_report
 
+# jax.distributed, gloo and the coordination service differ between the JAX lines: CI runs
+# these on both
+pytestmark = pytest.mark.every_lane
+
 HERE = Path(__file__).parent
 
 
@@ -374,10 +378,6 @@ def test_a_store_holding_master_port_does_not_stop_a_torchrun_job(tmp_path):
 
 _EARLY = """import os, sys, time
 import jaxzero.distributed
-
-# jax.distributed, gloo and the coordination service differ between the JAX lines: CI runs
-# these on both
-pytestmark = pytest.mark.every_lane
 job = jaxzero.distributed.initialize()
 if job.rank > 0:
     print("leaving", flush=True)
