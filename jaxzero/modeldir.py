@@ -27,20 +27,25 @@ import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+# The one list of tokenizer files (data/tokenizer.py reads its names from here).
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"  # transformers' CHAT_TEMPLATE_FILE: the default template
+TEMPLATE_DIR = "additional_chat_templates"  # transformers' CHAT_TEMPLATE_DIR: <name>.jinja each
 # the files transformers' AutoTokenizer.save_pretrained writes (any tokenizer class)
 TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
+    TOKENIZER_FILE,
+    TOKENIZER_CONFIG,
     "special_tokens_map.json",
     "tokenizer.model",
     "vocab.json",
     "vocab.txt",
     "merges.txt",
     "added_tokens.json",
-    "chat_template.jinja",
+    TEMPLATE_FILE,
     "chat_template.json",
 )
-TOKENIZER_DIRS = ("additional_chat_templates",)  # transformers 5: one .jinja per named template
+TOKENIZER_DIRS = (TEMPLATE_DIR,)  # transformers 5: one .jinja per named template
 MANIFEST = "jaxzero-export.json"
 
 

@@ -24,14 +24,11 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer as Raw
 
-FILE = "tokenizer.json"
-CONFIG = "tokenizer_config.json"
+from jaxzero.modeldir import TEMPLATE_DIR, TEMPLATE_FILE, TOKENIZER_CONFIG, TOKENIZER_FILE
+
+FILE = TOKENIZER_FILE
+CONFIG = TOKENIZER_CONFIG
 EOS_SPELLINGS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_end|>", "<eos>", "<|eot_id|>")
-TEMPLATE_FILE = "chat_template.jinja"  # transformers' CHAT_TEMPLATE_FILE: the default template
-TEMPLATE_DIR = "additional_chat_templates"  # transformers' CHAT_TEMPLATE_DIR: <name>.jinja each
-# Where a model directory keeps chat templates besides tokenizer_config.json: a file and a
-# folder, relative to the directory (what an export must carry; ``template_files`` lists them)
-TEMPLATE_FILES = (TEMPLATE_FILE, TEMPLATE_DIR)
 UNK_WARN = 0.01  # above this share of unknown tokens, text is being lost: say so
 
 
