@@ -419,7 +419,7 @@ def finetuned(tmp_path_factory):
     cfg, model = finetune.resolve(C.Config(train=C.TrainConfig(init_from=f"hf:{base}")))
     run = root / "run"
     run.mkdir()
-    cfg = finetune.pin_architecture(cfg, model, run, True)
+    cfg, _ = finetune.pin_architecture(cfg, model, run, True)
     (run / "config.yaml").write_text(C.dump_yaml(cfg))
     engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
     with jaxzero.CheckpointManager(run / "checkpoints") as ckpt:
