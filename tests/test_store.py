@@ -487,6 +487,13 @@ def test_lossy_tokenization_is_said_once_with_the_figure(tmp_path):
     banner = metrics.banner(Config(), corpus, 1000, None)
     assert banner.count("warning: 100.0% of the data's tokens are <unk>") == 1
     assert "EOS </s> (id 2, eos_token of tokenizer_config.json)" in banner.splitlines()[0]
+    from jaxzero.train.sample import prompt_ids  # a sampling prompt: the same figure
+
+    ids, (warning,) = prompt_ids("le chat t5", "tokenizer", tok)
+    assert warning.startswith("warning: 66.7% of the prompt's tokens are <unk>"), warning
+    assert prompt_ids("t3 t4 t5", "tokenizer", tok)[1] == []
+    ids, (warning,) = prompt_ids("   ", "tokenizer", tok)  # whitespace alone: no token
+    assert ids.size == 0 and "encodes to no tokens" in warning
     covered = write_jsonl(tmp_path / "t.jsonl", [{"text": "t3 t4 t5 t6"}] * 20)
     assert (
         data_lib.load_corpus(DataConfig(path=str(covered), tokenizer=str(tok_dir))).warnings == ()

@@ -20,7 +20,7 @@ import numpy as np
 from jaxzero import hf
 from jaxzero.checkpoint import LeafReader, nest, param_entries, read_metadata
 from jaxzero.cli import ArgError, Parser
-from jaxzero.data.tokenizer import Tokenizer, TokenizerError
+from jaxzero.data.tokenizer import Tokenizer, TokenizerError, unk_share, unk_warning
 from jaxzero.hf import safetensors
 from jaxzero.hf.config import GENERATION_CONFIG
 from jaxzero.models import from_fields
@@ -107,6 +107,22 @@ def _check_shapes(model: Any, flat: dict[str, np.ndarray], source: str) -> None:
             )
 
 
+def prompt_ids(prompt: str, kind: str, tok: Tokenizer | None) -> tuple[np.ndarray, list[str]]:
+    """The prompt's token ids, and a warning line for each way its text was lost: a
+    prompt the tokenizer drops entirely, or mostly unknown tokens."""
+    if tok is None:
+        return encode_prompt(prompt, kind), []
+    ids = np.asarray(tok.encode(prompt), np.int32)
+    warnings = []
+    if prompt and ids.size == 0:
+        warnings.append(
+            f"warning: the prompt {prompt!r} encodes to no tokens with "
+            f"{tok.source or 'the tokenizer'}: sampling starts from token 0"
+        )
+    lost = unk_warning(tok, unk_share(tok, ids), "the prompt")
+    return ids, warnings + ([lost] if lost else [])
+
+
 def encode_prompt(prompt: str, kind: str) -> np.ndarray:
     """Byte tokens, or whitespace-separated ids for token-file and Hugging Face models
     (no tokenizer yet)."""
@@ -176,9 +192,9 @@ def sample(
         tok = Tokenizer.load(tokenizer) if tokenizer is not None else None
     except TokenizerError as e:
         raise ExportError(str(e)) from None
-    ids = (
-        np.asarray(tok.encode(prompt), np.int32) if tok is not None else encode_prompt(prompt, kind)
-    )
+    ids, warnings = prompt_ids(prompt, kind, tok)
+    for warning in warnings:
+        print(warning, file=sys.stderr)
     if ids.size and int(ids.max()) >= model.config.vocab_size:
         raise ExportError(
             f"prompt token {int(ids.max())} is outside the model's vocabulary "
