@@ -79,13 +79,18 @@ def gpt(cfg: GPTConfig = TINY_GPT):
     return GPT(cfg), params_of(GPT, cfg)
 
 
-def train_reference(loss_fn, params, batches, tx):
-    """Plain single-device training: the answer every stage must reproduce."""
+def train_reference(loss_fn, params, batches, tx, extra_args=False):
+    """Plain single-device training: the answer every stage must reproduce.
+    ``extra_args``: the update also gets the loss, the gradient and the loss as a
+    function of the params on the same batch, as optax documents for L-BFGS."""
 
     @jax.jit
     def step(p, s, b):
         loss, g = jax.value_and_grad(loss_fn)(p, b)
-        u, s = tx.update(g, s, p)
+        if extra_args:
+            u, s = tx.update(g, s, p, value=loss, grad=g, value_fn=lambda q: loss_fn(q, b))
+        else:
+            u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
 
     p = jax.tree.map(jnp.asarray, params)

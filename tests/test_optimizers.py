@@ -101,29 +101,13 @@ def test_cross_element_optimizers_match_one_device(data, name, stage):
     _check(data, CROSS_ELEMENT[name], stage, 1e-4)
 
 
-def _lbfgs_reference(params, batches, tx):
-    """optax's documented L-BFGS loop: the update gets the loss, the gradient and the
-    loss as a function of the params on the same batch (for its line search)."""
-
-    @jax.jit
-    def step(p, s, b):
-        loss, g = jax.value_and_grad(mlp_loss)(p, b)
-        u, s = tx.update(g, s, p, value=loss, grad=g, value_fn=lambda q: mlp_loss(q, b))
-        return optax.apply_updates(p, u), s, loss
-
-    p = jax.tree.map(jnp.asarray, params)
-    s, losses = tx.init(p), []
-    for b in batches:
-        p, s, loss = step(p, s, b)
-        losses.append(float(loss))
-    return np.array(losses), jax.tree.map(np.asarray, p)
-
-
 @pytest.mark.parametrize("stage", [1, 3])
 def test_lbfgs_gets_value_grad_and_value_fn_and_matches_one_device(data, stage):
     params, batches = data[0], data[1][:4]
     if "lbfgs" not in _REFERENCES:
-        _REFERENCES["lbfgs"] = _lbfgs_reference(params, batches, optax.lbfgs())
+        _REFERENCES["lbfgs"] = train_reference(
+            mlp_loss, params, batches, optax.lbfgs(), extra_args=True
+        )
     ref_losses, ref_params = _REFERENCES["lbfgs"]
     assert ref_losses[-1] < ref_losses[0] / 2  # the line search works
     engine = jaxzero.Engine(mlp_loss, optax.lbfgs(), mesh=jaxzero.make_mesh(N), stage=stage)

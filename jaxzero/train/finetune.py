@@ -27,11 +27,11 @@ from typing import Any
 
 from jaxzero import hf
 from jaxzero.hf.config import CONFIG, hf_config, llama_config, read_json
+from jaxzero.modeldir import TOKENIZER_FILE as TOKENIZER
 from jaxzero.train.config import Config, ConfigError, ModelConfig
 from jaxzero.train.data import data_kind
 
 HF_CONFIG = "hf_config.json"
-TOKENIZER = "tokenizer.json"
 
 # Fine-tuning defaults, where a fine-tune differs from the byte GPT's pre-training ones.
 # Full fine-tuning (every weight trains) as TRL's SFTTrainer does it: its SFTConfig defaults
