@@ -469,7 +469,7 @@ PATH_FIELDS = (
     "model.hf_config",
 )
 PATHS_NOTE = (
-    "# paths (data.path, data.tokenizer, train.init_from, checkpoint.dir, model.hf_config)\n"
+    f"# paths ({', '.join(PATH_FIELDS)})\n"
     "# are absolute: resolved against the directory the run was started from\n"
 )
 
