@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
 PAGES = {p.name: p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
+DEV = {p.name: p.read_text() for p in sorted((ROOT / "docs" / "dev").glob("*.md"))}
 MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh",
            "jaxzero.collectives", "jaxzero.models.gpt", "jaxzero.job", "jaxzero.checkpoint",
            "jaxzero.train.data", "jaxzero.accounting.estimate", "jaxzero.nnx",
@@ -174,17 +175,62 @@ def _bench_table(model: str) -> str:
 
 
 @pytest.mark.parametrize("model", ["plain", "gpt"])
-def test_performance_page_speed_tables_quote_the_benchmark_results(model):
+def test_performance_log_speed_tables_quote_the_benchmark_results(model):
     """The speed tables are what experiments/bench_step.py --csv wrote, not typed."""
     table = _bench_table(model)
     assert table.startswith("| stage | jaxzero ms |"), table
-    assert table in PAGES["performance.md"], f"{model}: table differs from the CSV:\n{table}"
+    log = DEV["performance-log.md"]
+    assert table in log, f"{model}: the log's table differs from the CSV:\n{table}"
 
 
-def test_performance_page_zoo_table_quotes_the_benchmark_results():
+def test_performance_page_zoo_tables_quote_the_benchmark_results():
+    """The log's full zoo table and the page's narrow one (what experiments/zoo_plot.py
+    prints, the columns it keeps of the full one) are the CSV's, not typed."""
     table = _bench_table("zoo").split("\n\ntargets:")[0]
     assert table.startswith("| model | stage | jaxzero ms |"), table
-    assert table in PAGES["performance.md"], f"the zoo table differs from the CSV:\n{table}"
+    assert table in DEV["performance-log.md"], f"the zoo table differs from the CSV:\n{table}"
+    done = _procs.run(
+        [sys.executable, str(ROOT / "experiments" / "zoo_plot.py"), "--table-only"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    narrow = done.stdout.rstrip("\n")
+    assert narrow.startswith("| model | stage | jaxzero ms | vs plain jit | target |"), narrow
+    assert narrow in PAGES["performance.md"], f"the zoo table differs from the CSV:\n{narrow}"
+    assert (ROOT / "docs" / "img" / "zoo.png").is_file()  # python experiments/zoo_plot.py
+
+
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.unit
+def test_every_image_the_docs_show_is_where_the_site_serves_it():
+    """An image in docs/ is a file under docs/ (the site cannot reach experiments/), and a
+    copy of an experiment's figure is that figure: rerun the experiment, copy it again
+    (cp experiments/results/NAME.png docs/img/)."""
+    shown = 0
+    for name, text in [*PAGES.items(), *(("dev/" + k, v) for k, v in DEV.items())]:
+        for target in IMAGE.findall(text):
+            assert "://" not in target, f"docs/{name}: {target} is not served by the site"
+            path = (ROOT / "docs" / name).parent / target
+            assert path.resolve().is_relative_to(ROOT / "docs"), f"docs/{name}: {target}"
+            assert path.is_file(), f"docs/{name} shows {target}, which is not there"
+            shown += 1
+    for target in IMAGE.findall(README):
+        assert (ROOT / target).is_file(), f"README.md shows {target}, which is not there"
+    assert shown
+    for copy in (ROOT / "docs" / "img").glob("*.png"):
+        figure = ROOT / "experiments" / "results" / copy.name
+        if figure.exists():
+            assert copy.read_bytes() == figure.read_bytes(), f"cp {figure} {copy}"
+
+
+@pytest.mark.unit
+def test_no_page_prints_a_figure_instead_of_showing_it():
+    for name, text in PAGES.items():
+        assert "(Figure:" not in text, f"docs/{name}: show the figure, ![what](img/NAME.png)"
 
 
 def test_models_page_speed_table_quotes_the_benchmark_results():
@@ -299,8 +345,9 @@ def test_readme_library_example_runs_as_written_on_one_cpu_device():
 @pytest.mark.unit
 def test_docs_links_point_at_pages_that_exist():
     """README's links into docs/, and the pages' links to each other."""
-    for name, text in [("README.md", README), *PAGES.items()]:
-        base = ROOT if name == "README.md" else ROOT / "docs"
+    dev = [("dev/" + k, v) for k, v in DEV.items()]
+    for name, text in [("README.md", README), *PAGES.items(), *dev]:
+        base = ROOT if name == "README.md" else (ROOT / "docs" / name).parent
         for target in re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", text):
             if "://" not in target:
                 assert (base / target).is_file(), f"{name} links to {target}"
