@@ -32,7 +32,7 @@ def wide_table(csv: pathlib.Path) -> str:
 def rows(table: str) -> list[dict[str, str]]:
     """A markdown table's body rows as dicts keyed by its header."""
     lines = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()]
-    return [dict(zip(lines[0], cells)) for cells in lines[2:]]
+    return [dict(zip(lines[0], cells, strict=True)) for cells in lines[2:]]
 
 
 def narrow_table(table: str) -> str:
