@@ -3,8 +3,8 @@
 A run is described by one :class:`Config` tree whose defaults train a small
 byte-level GPT on the Python standard library in a few minutes on a laptop CPU:
 4 layers x 128 wide, 64-byte windows, 32 rows, 800 steps of AdamW at 4e-3 reach
-a validation loss near 1.57 nats/byte (uniform: 5.55) in about 7 minutes on two
-busy cores. Short windows are chosen because on CPU they cost less per token.
+a validation loss near 1.57 nats/byte (uniform: 5.55) in about 4 minutes on two
+CPU cores. Short windows are chosen because on CPU they cost less per token.
 Everything a researcher may change is a field here, so the resolved config that
 ``jaxzero train`` writes into the run directory reproduces the run.
 
@@ -45,7 +45,7 @@ class ModelConfig:
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
-    d_ff: int | None = None  # None: 4 * d_model
+    d_ff: int | None = None  # None: GPT 4 * d_model, Llama models.llama_ff(d_model)
     tie_embeddings: bool = True
     remat: Literal["none", "full", "dots"] = "none"  # activation checkpointing policy
     attention: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cuDNN on GPUs in bf16
@@ -82,7 +82,7 @@ class OptimizerConfig:
     lr: float = 4e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
-    weight_decay: float = 0.1  # applied to matrices (``kernel`` leaves) only
+    weight_decay: float = 0.1  # on weight matrices only (train.optimizer.DECAYED)
     b1: float = 0.9
     b2: float = 0.99
     eps: float = 1e-8

@@ -2,7 +2,7 @@
 
 ``jaxzero train`` builds its optimizer here from the ``optimizer`` section of the
 config: AdamW with linear warmup then cosine decay to a floor, and no weight decay
-on norms, biases and embeddings (only ``kernel`` matrices decay). Gradient clipping
+on norms, biases and embeddings (only weight matrices decay: :data:`DECAYED`). Gradient clipping
 is not part of this optax chain: it is the engine's ``max_grad_norm``.
 """
 
