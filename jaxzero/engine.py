@@ -35,6 +35,8 @@ from jaxzero.state import (
     stored_shapes,
 )
 
+__all__ = ["Engine", "EngineLike", "gather_leaf"]
+
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 

@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend.random import define_prng_impl
 
+__all__ = ["Weighted", "batch_key", "dropout"]
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

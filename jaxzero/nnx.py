@@ -51,6 +51,8 @@ from jaxzero.loss import takes_rng
 from jaxzero.partition import path_str
 from jaxzero.state import TrainState
 
+__all__ = ["NNXEngine", "use"]
+
 M = TypeVar("M", bound=nnx.Module)
 
 

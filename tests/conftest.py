@@ -36,6 +36,7 @@ TIERS = ("unit", "equivalence", "system")
 # Each test module's tier: its tests' tier unless one is marked with another.
 MODULES = {
     "test_accounting": "equivalence",
+    "test_api": "unit",
     "test_backend": "equivalence",
     "test_checkpoint": "equivalence",
     "test_collectives": "equivalence",
