@@ -228,6 +228,19 @@ def test_every_image_the_docs_show_is_where_the_site_serves_it():
 
 
 @pytest.mark.unit
+def test_the_performance_page_is_a_guide_and_the_log_is_out_of_the_navigation():
+    """Users read the defaults and the current numbers; how they were found is docs/dev/."""
+    page = PAGES["performance.md"]
+    assert len(page.splitlines()) <= 120, "move investigations to docs/dev/performance-log.md"
+    assert not re.search(r"^#+ .*\d{4}-\d\d-\d\d|\bissue \d+", page, re.M | re.I)
+    assert "dev/performance-log.md" in page
+    config = (ROOT / "mkdocs.yml").read_text()
+    nav = re.search(r"^nav:\n(?:[ -].*\n)+", config, re.M)
+    assert nav and "performance.md" in nav.group(0) and "dev/" not in nav.group(0)
+    assert re.search(r"^not_in_nav: \|\n\s+/dev/$", config, re.M)
+
+
+@pytest.mark.unit
 def test_no_page_prints_a_figure_instead_of_showing_it():
     for name, text in PAGES.items():
         assert "(Figure:" not in text, f"docs/{name}: show the figure, ![what](img/NAME.png)"
