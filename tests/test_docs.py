@@ -183,14 +183,14 @@ def test_performance_log_speed_tables_quote_the_benchmark_results(model):
     assert table in log, f"{model}: the log's table differs from the CSV:\n{table}"
 
 
-def test_performance_page_zoo_tables_quote_the_benchmark_results():
+def test_performance_page_zoo_tables_quote_the_benchmark_results(tmp_path):
     """The log's full zoo table and the page's narrow one (what experiments/zoo_plot.py
     prints, the columns it keeps of the full one) are the CSV's, not typed."""
     table = _bench_table("zoo").split("\n\ntargets:")[0]
     assert table.startswith("| model | stage | jaxzero ms |"), table
     assert table in DEV["performance-log.md"], f"the zoo table differs from the CSV:\n{table}"
     done = _procs.run(
-        [sys.executable, str(ROOT / "experiments" / "zoo_plot.py"), "--table-only"],
+        [sys.executable, str(ROOT / "experiments" / "zoo_plot.py"), "--png", tmp_path / "z.png"],
         capture_output=True,
         text=True,
         timeout=180,
@@ -199,6 +199,7 @@ def test_performance_page_zoo_tables_quote_the_benchmark_results():
     narrow = done.stdout.rstrip("\n")
     assert narrow.startswith("| model | stage | jaxzero ms | vs plain jit | target |"), narrow
     assert narrow in PAGES["performance.md"], f"the zoo table differs from the CSV:\n{narrow}"
+    assert (tmp_path / "z.png").read_bytes()[:4] == b"\x89PNG"  # it draws, too
     assert (ROOT / "docs" / "img" / "zoo.png").is_file()  # python experiments/zoo_plot.py
 
 
