@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeAlias, cast
+from typing import TypeAlias, cast
 
 import jax
 from jax.core import ShapedArray
@@ -220,7 +220,7 @@ def misuses(fn: Callable[..., object], stored: Params, *args: object) -> list[Mi
     ]
     lays = {x.op.layout.path: x.op.layout for x in leaves if is_stored(x)}
 
-    def flat(leaves: list[Any], *args: object) -> object:  # leaves: arrays and Stored
+    def flat(leaves: list[object], *args: object) -> object:  # leaves: arrays and Stored
         return fn(jax.tree.unflatten(treedef, leaves), *args)
 
     closed = jax.make_jaxpr(flat)(probes, *args)
