@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TypeAlias
 
 import jax
 from jax.sharding import Mesh, SingleDeviceSharding
@@ -70,6 +70,9 @@ DOT_BARRIER: dict[str, bool] = {"cpu": True}
 
 MiB = 1 << 20
 
+# An XLA option's value: the kinds XLA's option overrides take.
+OptionValue: TypeAlias = str | bool | int | float
+
 # XLA's collective pipelining modes (xla.proto's CollectivePipeliningMode): ON pipelines
 # every collective that can be, what the older boolean flags' true did.
 PIPELINE_ON = "COLLECTIVE_PIPELINING_MODE_ON"
@@ -77,7 +80,7 @@ PIPELINE_ON = "COLLECTIVE_PIPELINING_MODE_ON"
 # XLA:GPU options for the train step (the same passes XLA's -O1 enables, plus
 # combine thresholds sized for layer-sized collectives), spelled as the newest XLA
 # spells them; :data:`OLDER_SPELLINGS` says what older builds call them.
-GPU_OPTIONS: dict[str, Any] = {
+GPU_OPTIONS: dict[str, OptionValue] = {
     # schedule async collectives to overlap with independent compute
     "xla_gpu_enable_latency_hiding_scheduler": True,
     # move the next iteration's all-gather / this iteration's reduce-scatter and
@@ -98,7 +101,7 @@ GPU_OPTIONS: dict[str, Any] = {
 # In 2026 (XLA PR 45836; jaxlib 0.12 has only the new names, 0.10 only the old) the
 # booleans xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce} became the
 # modes xla_gpu_pipeline_*, whose DEFAULT follows the optimization level.
-OLDER_SPELLINGS: dict[str, tuple[str, dict[Any, Any]]] = {
+OLDER_SPELLINGS: dict[str, tuple[str, dict[OptionValue, OptionValue]]] = {
     f"xla_gpu_pipeline_{c}": (
         f"xla_gpu_enable_pipelined_{c}",
         {PIPELINE_ON: True, "COLLECTIVE_PIPELINING_MODE_OFF": False},
@@ -106,7 +109,7 @@ OLDER_SPELLINGS: dict[str, tuple[str, dict[Any, Any]]] = {
     for c in ("all_gather", "reduce_scatter", "all_reduce")
 }
 
-PRESETS: dict[str, dict[str, Any]] = {"gpu": GPU_OPTIONS}
+PRESETS: dict[str, dict[str, OptionValue]] = {"gpu": GPU_OPTIONS}
 
 
 def platform(mesh: Mesh) -> str:
@@ -152,7 +155,7 @@ def dot_barrier(choice: bool | None, mesh: Mesh) -> bool:
 
 
 @functools.cache
-def _known(backend: str, name: str, value: Any) -> bool:
+def _known(backend: str, name: str, value: OptionValue) -> bool:
     """Whether this XLA build takes option ``name`` (flags come and go between versions).
 
     Compiles an identity once per option; a wrongly typed value raises here too.
@@ -169,7 +172,7 @@ def _known(backend: str, name: str, value: Any) -> bool:
     return True
 
 
-def _spellings(name: str, value: Any) -> list[tuple[str, Any]]:
+def _spellings(name: str, value: OptionValue) -> list[tuple[str, OptionValue]]:
     """``(name, value)``, then the same option as the other XLA line spells it, if any."""
     for new, (old, values) in OLDER_SPELLINGS.items():
         if name == new and value in values:
@@ -186,12 +189,14 @@ def _aliases(name: str) -> set[str]:
     )
 
 
-def spelled(plat: str, name: str, value: Any) -> tuple[str, Any] | None:
+def spelled(plat: str, name: str, value: OptionValue) -> tuple[str, OptionValue] | None:
     """``(name, value)`` as this XLA build spells the option, or None if it has none."""
     return next(((n, v) for n, v in _spellings(name, value) if _known(plat, n, v)), None)
 
 
-def compiler_options(mesh: Mesh, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def compiler_options(
+    mesh: Mesh, overrides: Mapping[str, OptionValue | None] | None = None
+) -> dict[str, OptionValue]:
     """The step's XLA options: the platform's preset, updated by ``overrides``.
 
     An override of ``None`` drops that option from the preset; ``{}`` keeps the
@@ -202,7 +207,8 @@ def compiler_options(mesh: Mesh, overrides: Mapping[str, Any] | None = None) -> 
     step because of the preset.
     """
     plat = platform(mesh)
-    preset, unknown = {}, []
+    preset: dict[str, OptionValue] = {}
+    unknown: list[str] = []
     for k, v in PRESETS.get(plat, {}).items():
         found = spelled(plat, k, v)
         if found is None:
@@ -214,12 +220,12 @@ def compiler_options(mesh: Mesh, overrides: Mapping[str, Any] | None = None) -> 
             f"this XLA build does not know {', '.join(unknown)}; the step is compiled without them",
             stacklevel=3,
         )
-    for k, v in (overrides or {}).items():
+    for k, override in (overrides or {}).items():
         for n in _aliases(k):
             preset.pop(n, None)
-        if v is None:
+        if override is None:
             continue
-        found = spelled(plat, k, v)
+        found = spelled(plat, k, override)
         if found is None:
             raise ValueError(
                 f"compiler_options: {k!r} is not an option of this XLA build ({plat}); "

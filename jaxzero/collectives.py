@@ -19,16 +19,17 @@ with no JAX, so tests can check the sharded code against arithmetic anyone can r
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Var, jaxprs_in_params
+from jax.extend.core import Jaxpr, Literal, Var, jaxprs_in_params
 from jax.extend.core import primitives as prim
 
 from jaxzero.mesh import DATA  # the state's axis, named where no mesh is at hand
 from jaxzero.partition import LeafLayout, pad, unpad
+from jaxzero.types import Params
 
 
 def gather(x: jax.Array, layout: LeafLayout, offset: int = 0) -> jax.Array:
@@ -94,7 +95,7 @@ _THROUGH = frozenset(
 )
 
 
-def dot_gradients(grad_fn, *args) -> object:
+def dot_gradients(grad_fn: Callable[..., Params], *args: object) -> object:
     """For each leaf of ``grad_fn(*args)``, whether it may be a weight gradient's
     ``transpose(dot(...))``: where :func:`dot_barrier` pays, and nowhere else.
 
@@ -117,13 +118,15 @@ def dot_gradients(grad_fn, *args) -> object:
     return jax.tree.unflatten(jax.tree.structure(shapes), flags)
 
 
-def _from_dot(jaxpr, outs: list, depth: int) -> list[bool]:
+def _from_dot(jaxpr: Jaxpr, outs: list[Var | Literal], depth: int) -> list[bool]:
     """Whether each of ``jaxpr``'s vars ``outs`` may be a transposed dot."""
     made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
 
-    def of(v, depth: int) -> bool:
-        eqn = made.get(v) if isinstance(v, Var) else None
-        if eqn is None or depth > 32:  # an input, a constant, a zero
+    def of(v: Var | Literal, depth: int) -> bool:
+        if not isinstance(v, Var) or depth > 32:  # a literal, or too deep to follow
+            return False
+        eqn = made.get(v)
+        if eqn is None:  # an input, a constant, a zero
             return False
         if eqn.primitive is prim.transpose_p:
             return True
@@ -233,8 +236,8 @@ def buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
 
 
 def _bucketed(
-    packed,
-    per_leaf,
+    packed: Callable[[list[jax.Array], list[LeafLayout], list[int]], list[jax.Array]],
+    per_leaf: Callable[[jax.Array, LeafLayout, int], jax.Array],
     xs: Sequence[jax.Array],
     layouts: Sequence[LeafLayout],
     offsets: Sequence[int] | None,

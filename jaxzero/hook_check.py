@@ -24,17 +24,18 @@ to its body's is read off the shapes, never off a primitive's private parameters
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeAlias, cast
 
 import jax
 from jax.core import ShapedArray
-from jax.extend.core import Jaxpr, Var, jaxprs_in_params
+from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var, jaxprs_in_params
 from jax.extend.core import primitives as prim
 from jax.extend.source_info_util import summarize
 
 from jaxzero.hooks import Stored
 from jaxzero.partition import LeafLayout
+from jaxzero.types import Params
 
 # views that select stacked layers: allowed while the sharded dim stays whole
 _VIEWS = {prim.slice_p, prim.dynamic_slice_p, prim.squeeze_p, prim.reshape_p, prim.gather_p}
@@ -49,7 +50,7 @@ _CALLS = {
     prim.custom_vjp_call_p,
 }
 
-Taint = frozenset  # of param paths
+Taint: TypeAlias = frozenset[str]  # of param paths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,16 +85,18 @@ def _view_ok(in_shape: Sequence[int], out_shape: Sequence[int], lay: LeafLayout)
 class _Walk:
     """Taint propagation through a jaxpr, collecting :class:`Misuse` records."""
 
-    def __init__(self, lays: dict[str, LeafLayout]):
+    def __init__(self, lays: dict[str, LeafLayout]) -> None:
         self.lays = lays
         self.found: list[Misuse] = []
         self.site = ""  # the innermost user line seen on the way down
 
-    def flag(self, eqn, paths, opaque: bool = False) -> None:
+    def flag(self, eqn: JaxprEqn, paths: Iterable[str], opaque: bool = False) -> None:
         where = summarize(eqn.source_info) or self.site  # JAX's own code is filtered out
         self.found.extend(Misuse(p, eqn.primitive.name, where, opaque) for p in sorted(paths))
 
-    def jaxpr(self, jaxpr: Jaxpr, taints: Sequence[Taint], eqn=None) -> list[Taint]:
+    def jaxpr(
+        self, jaxpr: Jaxpr, taints: Sequence[Taint], eqn: JaxprEqn | None = None
+    ) -> list[Taint]:
         """Propagate taint from ``jaxpr``'s inputs to its outputs (``eqn``: the one
         whose sub-program it is)."""
         outer = self.site
@@ -114,15 +117,15 @@ class _Walk:
                         env[v] = t
         return [get(v) for v in jaxpr.outvars]
 
-    def eqn(self, eqn, ins: list[Taint]) -> list[Taint]:
+    def eqn(self, eqn: JaxprEqn, ins: list[Taint]) -> list[Taint]:
         p = eqn.primitive
         subs = list(jaxprs_in_params(eqn.params))
         if p in _VIEWS or p in _CASTS:
-            src, shape = eqn.invars[0], eqn.outvars[0].aval.shape
+            src, shape = eqn.invars[0], _array(eqn.outvars[0]).shape
             bad = {
                 path
                 for path in ins[0]
-                if p in _VIEWS and not _view_ok(src.aval.shape, shape, self.lays[path])
+                if p in _VIEWS and not _view_ok(_array(src).shape, shape, self.lays[path])
             }
             bad |= {path for t in ins[1:] for path in t}  # a stored array used as an index
             if not bad:
@@ -143,7 +146,7 @@ class _Walk:
             self.flag(eqn, Taint().union(*ins), opaque=bool(subs))
         return [Taint()] * len(eqn.outvars)
 
-    def scan(self, eqn, body: Jaxpr, ins: list[Taint]) -> list[Taint]:
+    def scan(self, eqn: JaxprEqn, body: Jaxpr, ins: list[Taint]) -> list[Taint]:
         """Inputs are consts, carries, xs; outputs carries, ys. Stacked xs and ys have
         one more (leading) dim outside the body than inside; consts and carries do not."""
         n_carry = _prefix(eqn.outvars, body.outvars, same_rank=True)
@@ -159,7 +162,7 @@ class _Walk:
                 return outs
             ins[start : start + n_carry] = carry
 
-    def while_(self, eqn, subs: list[Jaxpr], ins: list[Taint]) -> list[Taint]:
+    def while_(self, eqn: JaxprEqn, subs: list[Jaxpr], ins: list[Taint]) -> list[Taint]:
         """Inputs are the condition's consts, the body's consts, then the carries (the
         outputs). The condition is the sub-program with one boolean scalar output."""
         n = len(eqn.outvars)
@@ -179,15 +182,20 @@ class _Walk:
             carry = new
 
 
-def _fits(sub: Jaxpr, invars: Sequence, outvars: Sequence) -> bool:
+def _array(v: Var | Literal) -> ShapedArray:
+    """``v``'s abstract value, an array's here (jax types it as any abstract value)."""
+    return cast(ShapedArray, v.aval)
+
+
+def _fits(sub: Jaxpr, invars: Sequence[Var | Literal], outvars: Sequence[Var | Literal]) -> bool:
     return len(sub.invars) == len(invars) and len(sub.outvars) == len(outvars)
 
 
-def _prefix(outer: Sequence, inner: Sequence, same_rank: bool) -> int:
+def _prefix(outer: Sequence[Var | Literal], inner: Sequence[Var | Literal], same_rank: bool) -> int:
     """How many leading vars have the same rank outside and inside (or one more outside)."""
     n = 0
     for o, i in zip(outer, inner, strict=False):
-        if (o.aval.ndim == i.aval.ndim) != same_rank:
+        if (_array(o).ndim == _array(i).ndim) != same_rank:
             break
         n += 1
     return n
@@ -202,7 +210,7 @@ def _is_predicate(sub: Jaxpr) -> bool:
     )
 
 
-def misuses(fn: Callable, stored: Any, *args: Any) -> list[Misuse]:
+def misuses(fn: Callable[..., object], stored: Params, *args: object) -> list[Misuse]:
     """Where ``fn(stored, *args)`` uses a ``Stored`` leaf other than through ``use_params``."""
     is_stored = lambda x: isinstance(x, Stored)
     leaves, treedef = jax.tree.flatten(stored, is_leaf=is_stored)
@@ -212,7 +220,7 @@ def misuses(fn: Callable, stored: Any, *args: Any) -> list[Misuse]:
     ]
     lays = {x.op.layout.path: x.op.layout for x in leaves if is_stored(x)}
 
-    def flat(leaves, *args):
+    def flat(leaves: list[object], *args: object) -> object:  # leaves: arrays and Stored
         return fn(jax.tree.unflatten(treedef, leaves), *args)
 
     closed = jax.make_jaxpr(flat)(probes, *args)
@@ -240,7 +248,7 @@ def _sites(found: list[Misuse]) -> str:
     return lines + more
 
 
-def check_uses(fn: Callable, stored: Any, *args: Any) -> None:
+def check_uses(fn: Callable[..., object], stored: Params, *args: object) -> None:
     """Raise ``TypeError`` if ``fn(stored, *args)`` bypasses ``use_params`` anywhere."""
     found = misuses(fn, stored, *args)
     opaque = [m for m in found if m.opaque]

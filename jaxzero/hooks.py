@@ -23,17 +23,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import Primitive
 from jax.extend.core import primitives as prim
 
 from jaxzero import collectives
 from jaxzero.partition import LeafLayout
+from jaxzero.types import Params
 
 GATHERED = "jaxzero_gathered"
+R = TypeVar("R")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,17 +59,18 @@ class UseOp:
 class Stored:
     """A param leaf as a device stores it, with a slot that receives its gradient."""
 
-    def __init__(self, value: jax.Array, slot: jax.Array, op: UseOp):
+    def __init__(self, value: jax.Array, slot: jax.Array, op: UseOp) -> None:
         self.value, self.slot, self.op = value, slot, op
 
-    def tree_flatten(self):
+    def tree_flatten(self) -> tuple[tuple[jax.Array, jax.Array], UseOp]:
         return (self.value, self.slot), self.op
 
+    # children: what a JAX transformation puts in the leaves' place (tracers, specs, None)
     @classmethod
     def tree_unflatten(cls, op: UseOp, children: tuple[Any, Any]) -> Stored:
         return cls(*children, op)
 
-    def _misuse(self, *_, **__):
+    def _misuse(self, *_: object, **__: object) -> NoReturn:
         raise TypeError(
             f"param {self.op.layout.path!r} is used without jaxzero.use_params(...). With "
             "per-layer gathering every layer must pass its params through use_params before "
@@ -78,11 +82,11 @@ class Stored:
     __getitem__ = __sub__ = __rsub__ = __truediv__ = _misuse
 
     @property
-    def shape(self):
+    def shape(self) -> NoReturn:
         self._misuse()
 
 
-def _forward(ops: tuple[UseOp, ...], values: tuple) -> tuple:
+def _forward(ops: tuple[UseOp, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """Whole working arrays: packed all-gathers of the sharded leaves (stage 3)."""
     out = list(values)
     idx = [i for i, op in enumerate(ops) if op.gather]
@@ -99,16 +103,22 @@ def _forward(ops: tuple[UseOp, ...], values: tuple) -> tuple:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _use(ops: tuple[UseOp, ...], values: tuple, slots: tuple) -> tuple:
+def _use(
+    ops: tuple[UseOp, ...], values: tuple[jax.Array, ...], slots: tuple[jax.Array, ...]
+) -> tuple[jax.Array, ...]:
     del slots  # only their gradients matter
     return _forward(ops, values)
 
 
-def _use_fwd(ops, values, slots):
+def _use_fwd(
+    ops: tuple[UseOp, ...], values: tuple[jax.Array, ...], slots: tuple[jax.Array, ...]
+) -> tuple[tuple[jax.Array, ...], None]:
     return _forward(ops, values), None
 
 
-def _use_bwd(ops, _, cotangents):
+def _use_bwd(
+    ops: tuple[UseOp, ...], _: None, cotangents: tuple[jax.Array, ...]
+) -> tuple[tuple[jax.Array | None, ...], tuple[jax.Array | None, ...]]:
     """Reduce the layer's gradients into the slots: packed reduce-scatters (at stages
     0–1, only the dot barrier, the gradients going back to the values).
 
@@ -147,11 +157,11 @@ def _op_of(x: Stored) -> UseOp:
     return dataclasses.replace(op, offset=offset)
 
 
-def _is_stored(x: Any) -> bool:
+def _is_stored(x: object) -> bool:
     return isinstance(x, Stored)
 
 
-def use_params(tree: Any) -> Any:
+def use_params(tree: Params) -> Params:
     """Mark where a layer uses its params; returns them whole, ready to compute with.
 
     Identity on plain arrays, so a model that calls it runs unchanged outside jaxzero.
@@ -210,7 +220,7 @@ def regather_policy(base: Callable[..., bool] | None = None) -> Callable[..., bo
     are redone in the backward pass.
     """
 
-    def policy(p, /, *args, **params) -> bool:
+    def policy(p: Primitive, /, *args: object, **params: object) -> bool:
         if p in _REGATHER or _IS_GATHERED(p, *args, **params):
             return False
         return True if base is None else base(p, *args, **params)
@@ -218,12 +228,14 @@ def regather_policy(base: Callable[..., bool] | None = None) -> Callable[..., bo
     return policy
 
 
-def _gathers(tree: Any) -> bool:
+def _gathers(tree: object) -> bool:
     leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Stored))
     return any(isinstance(x, Stored) and x.op.gather for x in leaves)
 
 
-def remat_layer(fn: Callable, policy: Callable[..., bool] | None = None) -> Callable:
+def remat_layer(
+    fn: Callable[..., R], policy: Callable[..., bool] | None = None
+) -> Callable[..., R]:
     """Wrap a layer that calls :func:`use_params` so stage 3 re-gathers in the backward.
 
     Without it, the backward pass of a scanned layer keeps every layer's gathered
@@ -233,7 +245,7 @@ def remat_layer(fn: Callable, policy: Callable[..., bool] | None = None) -> Call
     """
 
     @functools.wraps(fn)
-    def wrapped(*args):
+    def wrapped(*args: object) -> R:
         if _gathers(args):
             return jax.checkpoint(fn, policy=regather_policy(policy))(*args)
         if policy is not None:

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +22,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.mesh import DATA  # the state's axis, named where no mesh is at hand
+from jaxzero.types import Layouts, Params
 
 REPLICATE = "replicate"
 Rule = tuple[str, "int | P | str"]  # (regex on the leaf path, dim | spec | "replicate")
+Leaf = TypeVar("Leaf", np.ndarray, jax.Array)  # pad and unpad give back what they take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +78,7 @@ class LeafLayout:
         return P(*([None] * self.dim), DATA)
 
 
-def path_str(path: Sequence[Any]) -> str:
+def path_str(path: Sequence[object]) -> str:
     """A leaf's name: its key path joined by ``/`` (``blocks/0/attn/kernel``).
 
     The one naming of leaves: layouts, rules, messages, checkpoint leaves and the
@@ -171,16 +173,17 @@ def leaf_layout(
 
 
 def layouts_for(
-    params: Any,
+    params: Params,
     num_shards: int,
     *,
     rules: Sequence[Rule] = (),
     stacked: str | None = None,
     min_shard_size: int = 64,
-) -> Any:
+) -> Layouts:
     """A pytree of :class:`LeafLayout` with the structure of ``params``."""
 
-    def one(path, leaf):
+    # leaf: an array or a jax.ShapeDtypeStruct, anything np.shape reads
+    def one(path: jax.tree_util.KeyPath, leaf: Any) -> LeafLayout:
         return leaf_layout(
             path_str(path),
             np.shape(leaf),
@@ -193,11 +196,11 @@ def layouts_for(
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def is_layout(x: Any) -> bool:
+def is_layout(x: object) -> bool:
     return isinstance(x, LeafLayout)
 
 
-def pad(x: Any, layout: LeafLayout, offset: int = 0) -> Any:
+def pad(x: Leaf, layout: LeafLayout, offset: int = 0) -> Leaf:
     """Zero-pad a logical leaf to its stored shape (numpy stays numpy, jax stays jax).
 
     The one padding of leaves: the engine, the step and the collectives all pad here.
@@ -212,14 +215,14 @@ def pad(x: Any, layout: LeafLayout, offset: int = 0) -> Any:
     return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)
 
 
-def unpad(x: Any, layout: LeafLayout, offset: int = 0) -> Any:
+def unpad(x: Leaf, layout: LeafLayout, offset: int = 0) -> Leaf:
     """The logical leaf inside a stored (padded) one; ``offset`` as in :func:`pad`."""
     if layout.padded_shape == layout.shape:
         return x
     return x[tuple(slice(0, s) for s in layout.shape[offset:])]
 
 
-def balance(layouts: Any) -> float:
+def balance(layouts: Layouts) -> float:
     """Largest per-device element count over the mean (1.0 = perfectly balanced).
 
     Sharded leaves put ``elements_per_device`` on every device; a padded leaf's last

@@ -28,4 +28,5 @@ Shardings: TypeAlias = Any
 """A pytree of ``NamedSharding`` (for the params, or a ``TrainState`` of them)."""
 
 Metrics: TypeAlias = dict[str, Any]
-"""A step's metrics: ``{"loss", "grad_norm"}`` and, as the loss gives them, ``"tokens"``, ``"aux"``."""
+"""A step's metrics: ``{"loss", "grad_norm"}`` and, as the loss gives them, ``"tokens"`` and
+``"aux"``."""
