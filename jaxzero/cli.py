@@ -70,7 +70,7 @@ COMMANDS = {
     "export": ("jaxzero.train.export", "write a checkpoint's params as safetensors + config.json"),
     "sample": ("jaxzero.train.sample", "generate text from a run, checkpoint or export"),
     "launch": (
-        "jaxzero.train.launch",
+        "jaxzero.launch",
         "start K processes per node (multi-GPU, multi-node), watch them",
     ),
 }

@@ -15,7 +15,7 @@ from _procs import alive_with
 
 from jaxzero.job import DistributedError, detect_cluster, resolve
 from jaxzero.mesh import replicas_for
-from jaxzero.train import launch
+from jaxzero import launch
 
 TORCH = {
     "MASTER_ADDR": "10.0.0.1",
