@@ -60,11 +60,11 @@ COMMANDS = {
     "train": ("jaxzero.train.loop", "train a GPT on text (default: Python's own sources)"),
     "plot": ("jaxzero.train.plot", "plot loss curves of one or more run directories"),
     "estimate": (
-        "jaxzero.accounting.estimate",
+        "jaxzero.commands.estimate",
         "ZeRO memory/communication estimator (no devices needed)",
     ),
     "report": (
-        "jaxzero.accounting.report",
+        "jaxzero.commands.report",
         "compile a step and print measured vs. theoretical accounting",
     ),
     "export": ("jaxzero.train.export", "write a checkpoint's params as safetensors + config.json"),
