@@ -159,12 +159,13 @@ def _check_stage_table(rows, memory, comm):
 
 
 def _bench_table(model: str) -> str:
-    """What ``experiments/bench_step.py --table`` prints for the results CSV of ``model``
+    """What ``python -m experiments.bench_step --table`` prints for the results CSV of ``model``
     (the script's own command, run as a reader would: no import of the script here)."""
 
     csv = ROOT / "experiments" / "results" / f"bench_step_{model}.csv"
     done = _procs.run(
-        [sys.executable, str(ROOT / "experiments" / "bench_step.py"), "--table", str(csv)],
+        [sys.executable, "-m", "experiments.bench_step", "--table", str(csv)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
@@ -175,7 +176,7 @@ def _bench_table(model: str) -> str:
 
 @pytest.mark.parametrize("model", ["plain", "gpt"])
 def test_performance_page_speed_tables_quote_the_benchmark_results(model):
-    """The speed tables are what experiments/bench_step.py --csv wrote, not typed."""
+    """The speed tables are what python -m experiments.bench_step --csv wrote, not typed."""
     table = _bench_table(model)
     assert table.startswith("| stage | jaxzero ms |"), table
     assert table in PAGES["performance.md"], f"{model}: table differs from the CSV:\n{table}"
