@@ -21,6 +21,7 @@ PAGES = {p.name: p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
 MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh",
            "jaxzero.collectives", "jaxzero.models.gpt", "jaxzero.job", "jaxzero.checkpoint",
            "jaxzero.train.data", "jaxzero.accounting.estimate", "jaxzero.nnx",
+           "jaxzero.accounting.activations",
            "jaxzero.models.llama", "jaxzero.hf.config"]  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """Measuring a ZeRO step: what it holds and sends, beside what the formulas predict.
 
-:mod:`~jaxzero.accounting.estimate` (the formulas),
+:mod:`~jaxzero.accounting.estimate` (the formulas, with
+:mod:`~jaxzero.accounting.activations` for activation memory),
 :mod:`~jaxzero.accounting.hlo` (compiled HLO text parsed, with loop trip counts),
 :mod:`~jaxzero.accounting.comm` (its collectives and bytes on the wire),
 :mod:`~jaxzero.accounting.measure` (a compiled step's memory and collectives beside

@@ -16,14 +16,8 @@ from dataclasses import asdict
 
 import jax
 
-from jaxzero.accounting.estimate import (
-    GB,
-    OPTIMIZER_BYTES,
-    PRECISIONS,
-    Estimate,
-    GPTShape,
-    estimate,
-)
+from jaxzero.accounting.activations import GPTShape
+from jaxzero.accounting.estimate import GB, OPTIMIZER_BYTES, PRECISIONS, Estimate, estimate
 from jaxzero.cli import ArgError, Parser
 from jaxzero.models import from_fields
 from jaxzero.train import config as config_lib
