@@ -13,8 +13,8 @@ Simulated devices share one host, so stage 0 holds N full copies of params, grad
 moments in this process; a case that would take more than half the host's available
 memory runs on fewer devices (said, and recorded in the ``devices`` column).
 
-    python experiments/bench_checkpoint.py                     # 8 simulated CPU devices
-    python experiments/bench_checkpoint.py --models reference --rounds 10
+    python -m experiments.bench_checkpoint                     # 8 simulated CPU devices
+    python -m experiments.bench_checkpoint --models reference --rounds 10
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from results_io import write_csv  # noqa: E402
+from experiments.results_io import write_csv
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "bench_checkpoint.csv"
 MEMORY_SHARE = 0.5  # of MemAvailable one case may take: the host is shared

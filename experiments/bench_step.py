@@ -23,10 +23,10 @@ plain-jit step and to GSPMD: the median and range over invocations. Nothing is t
 unless every contestant's first-step loss is plain jit's (``--check`` stops there).
 ``--profile`` says where each contestant's step spends its time instead (``step_profile.py``).
 
-    python experiments/bench_step.py --zoo                    # all models, 3 invocations
-    python experiments/bench_step.py --model user_gpt --runs 3
-    python experiments/bench_step.py --model user_gpt --profile --runs 3 --steps 3
-    python experiments/bench_step.py --devices 1 --stages 0 3 --precision bf16 \
+    python -m experiments.bench_step --zoo                    # all models, 3 invocations
+    python -m experiments.bench_step --model user_gpt --runs 3
+    python -m experiments.bench_step --model user_gpt --profile --runs 3 --steps 3
+    python -m experiments.bench_step --devices 1 --stages 0 3 --precision bf16 \
         --model gpt --d-model 1024 --layers 24 --seq-len 1024 --batch 8   # one GPU: MFU
 
 Targets (issue 22), with jaxzero's defaults, on every model: stages 0-2 at most 1.10x
@@ -42,11 +42,10 @@ import statistics
 import sys
 import time
 
+from experiments import step_profile, zoo
+from experiments.results_io import read_csv, write_csv
+
 HERE = pathlib.Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import step_profile  # noqa: E402
-import zoo  # noqa: E402 - sibling scripts, not a package
-from results_io import read_csv, write_csv  # noqa: E402
 
 
 def target(model: str, stage: int) -> float:
@@ -153,10 +152,18 @@ def run_zoo(args) -> int:
         for i in range(args.invocations):
             for model in args.models or list(zoo.DEFAULTS):
                 csv = pathlib.Path(tmp) / f"{model}-{i}.csv"
-                cmd = [sys.executable, __file__, "--model", model, "--csv", str(csv)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "experiments.bench_step",
+                    "--model",
+                    model,
+                    "--csv",
+                    str(csv),
+                ]
                 cmd += ["--both-donations", "--stages", *map(str, args.stages), *args.forward]
                 print(f"\n== {model}: invocation {i + 1} of {args.invocations}", flush=True)
-                subprocess.run(cmd, check=True)
+                subprocess.run(cmd, check=True, cwd=HERE.parent)
                 rows += [r | {"invocation": i + 1} for r in read_csv(csv)]
     path = args.csv or HERE / "results" / "bench_step_zoo.csv"
     write_csv(path, rows)

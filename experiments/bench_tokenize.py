@@ -1,6 +1,6 @@
 """Tokenizing a text corpus into the token store, and the loader's cost per step.
 
-    python experiments/bench_tokenize.py --mb 100 [--tokenizer DIR_OR_JSON]
+    python -m experiments.bench_tokenize --mb 100 [--tokenizer DIR_OR_JSON]
 
 Writes a JSONL corpus of random English-like documents (``--mb`` megabytes), trains a
 byte-level BPE tokenizer of 8k tokens on a slice of it (or uses ``--tokenizer``),

@@ -19,7 +19,7 @@ sharing the machine cost. Before any timing both load the same weights and batch
 must agree on the loss (the two are one model). Run with jaxzero's Python, naming one
 that has torch:
 
-    python experiments/fsdp2_gap.py --torch-python /path/to/torch/venv/bin/python
+    python -m experiments.fsdp2_gap --torch-python /path/to/torch/venv/bin/python
 
 Each framework runs in ``--rounds`` processes, alternating (JAX, PyTorch, JAX, ...),
 each timing ``--runs`` passes over the parts (a fresh random order each pass) of
@@ -39,6 +39,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+ROOT = pathlib.Path(__file__).parent.parent  # workers run as python -m experiments.fsdp2_gap
 
 PARTS = ["dots", "attention", "forward+backward", "adamw", "step"]
 LR, WEIGHT_DECAY = 1e-4, 1e-4  # bench_step's optax.adamw(1e-4); fsdp2_step's AdamW
@@ -85,7 +87,8 @@ def jax_worker(a, work: pathlib.Path) -> dict:
     import jax.numpy as jnp
     import numpy as np
     import optax
-    import zoo
+
+    from experiments import zoo
 
     params = zoo.user_gpt_init(jax.random.key(0), a.vocab, a.seq_len, a.d_model, a.layers)
     rng = np.random.default_rng(0)
@@ -145,9 +148,10 @@ def jax_worker(a, work: pathlib.Path) -> dict:
 
 
 def torch_worker(a, work: pathlib.Path) -> dict:
-    import fsdp2_step
     import numpy as np
     import torch
+
+    from experiments import fsdp2_step
 
     torch.set_num_threads(1)
     a.model, a.attention = "user_gpt", "hand"
@@ -210,7 +214,7 @@ def torch_worker(a, work: pathlib.Path) -> dict:
 
 
 def parse_args(argv):
-    import fsdp2_step
+    from experiments import fsdp2_step
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--torch-python", help="a Python with torch (default: this one)")
@@ -245,9 +249,9 @@ def main(argv=None) -> int:
     try:
         for _ in range(a.rounds):
             for fw in ("jax", "torch"):  # jax first: it writes the weights torch loads
-                cmd = ["taskset", "-c", a.core, python[fw], __file__, *argv]
+                cmd = ["taskset", "-c", a.core, python[fw], "-m", "experiments.fsdp2_gap", *argv]
                 cmd += ["--worker", fw, "--work", str(work)]
-                run = subprocess.run(cmd, capture_output=True, text=True)
+                run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
                 if run.returncode:
                     sys.exit(f"the {fw} worker failed:\n{run.stderr[-3000:]}")
                 results[fw].append(json.loads(run.stdout.strip().splitlines()[-1]))

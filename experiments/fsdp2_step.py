@@ -7,8 +7,8 @@ gloo processes on 127.0.0.1, each block and the root ``fully_shard``-ed (FSDP2's
 ZeRO-3). ``--attention`` swaps the attention kernel, to see what it is worth.
 Needs torch (not a jaxzero dependency): run it with a Python that has it:
 
-    /path/to/torch/venv/bin/python experiments/fsdp2_step.py --model user_gpt
-    /path/to/torch/venv/bin/python experiments/fsdp2_step.py --model user_gpt --attention sdpa
+    /path/to/torch/venv/bin/python -m experiments.fsdp2_step --model user_gpt
+    /path/to/torch/venv/bin/python -m experiments.fsdp2_step --model user_gpt --attention sdpa
 
 Prints the median step time and tokens/s of ``--runs`` passes of ``--steps`` steps
 (after 2 warm-up steps); a step is timed on rank 0 from its start until every rank

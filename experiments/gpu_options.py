@@ -10,8 +10,8 @@ for the installed jaxlib:
   own defaults, in alternating order: compile time, median step time, the async
   collectives in the compiled program, and whether the two train to the same losses.
 
-    python experiments/gpu_options.py                     # every local GPU
-    python experiments/gpu_options.py --d-model 1024 --layers 16 --steps 10
+    python -m experiments.gpu_options                     # every local GPU
+    python -m experiments.gpu_options --d-model 1024 --layers 16 --steps 10
 
 On one GPU the mesh has no collectives to overlap: there only the spellings, the
 compile and the loss agreement mean anything. Runs on CPU too (no preset there).

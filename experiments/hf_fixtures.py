@@ -18,8 +18,8 @@ and `logits` (float32, 2x24xV) from the directory loaded back in float32, eager 
 Needs torch, transformers and safetensors (not jaxzero). Regenerate, or check that
 transformers loads a directory that jaxzero saved to the same logits:
 
-    /path/to/venv-with-torch/bin/python experiments/hf_fixtures.py [--out tests/fixtures/hf]
-    /path/to/venv-with-torch/bin/python experiments/hf_fixtures.py check SAVED_DIR \\
+    /path/to/venv-with-torch/bin/python -m experiments.hf_fixtures [--out tests/fixtures/hf]
+    /path/to/venv-with-torch/bin/python -m experiments.hf_fixtures check SAVED_DIR \\
         REFERENCE_NPZ [--atol 1e-4]
 """
 
@@ -324,11 +324,11 @@ vocab {VOCAB}, hidden {SIZES["hidden_size"]}, intermediate {SIZES["intermediate_
 
 Regenerate (needs torch + transformers, not jaxzero):
 
-    /path/to/venv-with-torch/bin/python experiments/hf_fixtures.py --out tests/fixtures/hf
+    /path/to/venv-with-torch/bin/python -m experiments.hf_fixtures --out tests/fixtures/hf
 
 Check that transformers loads a directory jaxzero saved to the same logits:
 
-    /path/to/venv-with-torch/bin/python experiments/hf_fixtures.py check DIR REFERENCE_NPZ
+    /path/to/venv-with-torch/bin/python -m experiments.hf_fixtures check DIR REFERENCE_NPZ
 """)
 
 

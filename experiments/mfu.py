@@ -6,8 +6,8 @@ per-sequence bytes; the prediction is compiled once more to check), trains a few
 steps and prints tokens/s, MFU and peak device memory. Each configuration runs in
 its own process, so peaks do not leak from one into the next.
 
-    python experiments/mfu.py                         # one H100/H200: ~10 minutes
-    python experiments/mfu.py --tiny                  # the same code path on CPU, seconds
+    python -m experiments.mfu                         # one H100/H200: ~10 minutes
+    python -m experiments.mfu --tiny                  # the same code path on CPU, seconds
 
 MFU = tokens/s x FLOPs per token / peak, with FLOPs per token = 6 N + 12 L D S
 (matmuls forward and backward, plus attention scores and values; N counts every
@@ -164,7 +164,8 @@ def main(argv=None) -> int:
             ),
         }
         out = subprocess.run(
-            [sys.executable, __file__, *passthrough, "--one", config],
+            [sys.executable, "-m", "experiments.mfu", *passthrough, "--one", config],
+            cwd=HERE.parent,
             capture_output=True,
             text=True,
             env=env,
@@ -186,8 +187,7 @@ def main(argv=None) -> int:
     if any(r["fused_attention"] for r in rows):
         print("* cuDNN fused attention found in the compiled step")
     if rows and args.csv:
-        sys.path.insert(0, str(HERE))
-        from results_io import write_csv
+        from experiments.results_io import write_csv
 
         args.csv.parent.mkdir(parents=True, exist_ok=True)
         write_csv(args.csv, rows)

@@ -8,8 +8,8 @@ keys, so they sample the same tokens while their logits agree (printed). Compila
 is timed apart; the cached loop's prefill (the prompt, padded to a power of two) apart
 from its per-token steps.
 
-    python experiments/sample_speed.py                          # SmolLM2-135M shape, 2048
-    python experiments/sample_speed.py --shape tiny --window 64 --tokens 8 --old-tokens 2
+    python -m experiments.sample_speed                          # SmolLM2-135M shape, 2048
+    python -m experiments.sample_speed --shape tiny --window 64 --tokens 8 --old-tokens 2
 """
 
 from __future__ import annotations

@@ -23,8 +23,6 @@ Models that mark nothing per layer train with ``per_layer=False`` (the default);
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
-HERE = pathlib.Path(__file__).parent
 
 # devices, d_model, layers, heads, seq_len, vocab, batch, steps. For ``convnet``
 # d_model is the first stage's channels, seq_len the image side, vocab the classes;
@@ -259,8 +255,7 @@ def build(args, mesh, tx) -> Built:
 
     if args.model in ("plain", "user_gpt"):
         if args.model == "plain":
-            sys.path.insert(0, str(HERE))
-            import plain_gpt
+            from experiments import plain_gpt
 
             loss_fn = lambda p, b: plain_gpt.loss_fn(p, b, n_heads=args.heads)
             init_fn = lambda key: plain_gpt.init(

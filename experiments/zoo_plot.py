@@ -4,8 +4,8 @@ Reads what ``bench_step.py --table`` prints for a ``--zoo`` CSV (that script own
 ratios and the targets), prints the table's first columns and draws jaxzero's step over
 the faster plain-jit step per model and stage (median, range over invocations, target):
 
-    python experiments/zoo_plot.py                        # prints the table, writes the plot
-    python experiments/zoo_plot.py --table-only
+    python -m experiments.zoo_plot                        # prints the table, writes the plot
+    python -m experiments.zoo_plot --table-only
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ COLUMNS = ("model", "stage", "jaxzero ms", "vs plain jit", "target")
 
 def wide_table(csv: pathlib.Path) -> str:
     """``bench_step.py --table csv``, run as a reader runs it."""
-    cmd = [sys.executable, str(HERE / "bench_step.py"), "--table", str(csv)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120)
+    cmd = [sys.executable, "-m", "experiments.bench_step", "--table", str(csv)]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, check=True, timeout=120, cwd=HERE.parent
+    )
     return done.stdout.split("\n\ntargets:")[0].strip("\n")
 
 

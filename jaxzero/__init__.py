@@ -16,6 +16,7 @@ from jaxzero.mesh import make_mesh, simulate_devices
 from jaxzero.nnx import NNXEngine
 from jaxzero.partition import LeafLayout, layouts_for
 from jaxzero.state import TrainState
+from jaxzero.version import __version__ as __version__  # from the package metadata
 
 __all__ = [
     "CheckpointError",
@@ -34,4 +35,3 @@ __all__ = [
     "simulate_devices",
     "use_params",
 ]
-__version__ = "0.1.0"

@@ -36,7 +36,7 @@ import jax
 from jax.sharding import Mesh, SingleDeviceSharding
 
 # The stages whose step donates its state by default, per platform (others: every
-# stage). Measured on XLA:CPU across the benchmark zoo (experiments/bench_step.py --zoo
+# stage). Measured on XLA:CPU across the benchmark zoo (python -m experiments.bench_step --zoo
 # --both-donations, docs/performance.md), jaxzero's donating step over its non-donating
 # one: stages 0-2, where the whole params are an input and an output, 0.91-1.39x,
 # geometric mean 1.06x (six models, three invocations at stage 0, one at stages 1-2);

@@ -50,6 +50,7 @@ import numpy as np
 
 from jaxzero.partition import is_layout, path_str
 from jaxzero.state import TrainState, master_sharded, master_specs
+from jaxzero.version import __version__
 
 if TYPE_CHECKING:
     from jaxzero.engine import EngineLike
@@ -283,8 +284,6 @@ def _params_from_meta(meta: dict[str, Any]) -> Any:
 
 def metadata(engine: EngineLike, state: TrainState) -> dict[str, Any]:
     """What a checkpoint says about itself: enough to rebuild shapes and check a target."""
-    from jaxzero import __version__  # the package imports this module first
-
     lays = leaf_names(TrainState(None, engine.layouts, None, engine.opt_layouts))
     leaves: dict[str, dict[str, Any]] = {}
     for name, x in leaf_names(state).items():

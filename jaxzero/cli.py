@@ -60,17 +60,17 @@ COMMANDS = {
     "train": ("jaxzero.train.loop", "train a GPT on text (default: Python's own sources)"),
     "plot": ("jaxzero.train.plot", "plot loss curves of one or more run directories"),
     "estimate": (
-        "jaxzero.accounting.estimate",
+        "jaxzero.commands.estimate",
         "ZeRO memory/communication estimator (no devices needed)",
     ),
     "report": (
-        "jaxzero.accounting.report",
+        "jaxzero.commands.report",
         "compile a step and print measured vs. theoretical accounting",
     ),
     "export": ("jaxzero.train.export", "write a checkpoint's params as safetensors + config.json"),
     "sample": ("jaxzero.train.sample", "generate text from a run, checkpoint or export"),
     "launch": (
-        "jaxzero.train.launch",
+        "jaxzero.launch",
         "start K processes per node (multi-GPU, multi-node), watch them",
     ),
 }

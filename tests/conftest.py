@@ -53,6 +53,7 @@ MODULES = {
     "test_flax_hooks": "equivalence",
     "test_hf": "equivalence",
     "test_hook_check": "unit",
+    "test_layout": "unit",
     "test_llama": "equivalence",
     "test_loss": "equivalence",
     "test_mesh": "unit",

@@ -451,7 +451,7 @@ def test_stage3_traffic_scales_with_scanned_layers():
 
 
 def test_report_cli_json(capsys, tmp_path):
-    from jaxzero.accounting import report
+    from jaxzero.commands import report
 
     hlo = tmp_path / "new" / "dir" / "step.txt"  # missing parents are created
     argv = [
@@ -487,7 +487,7 @@ def test_report_cli_json(capsys, tmp_path):
     "argv", [["--heads", "3"], ["--stage", "5"], ["--micro-batches", "0"], ["--devices", "x"]]
 )
 def test_report_cli_nonsense_is_one_line(argv, capsys):
-    from jaxzero.accounting import report
+    from jaxzero.commands import report
 
     assert report.main(argv) == 2
     out, err = capsys.readouterr()
@@ -497,7 +497,7 @@ def test_report_cli_nonsense_is_one_line(argv, capsys):
 
 @pytest.mark.unit
 def test_report_hlo_path_puts_the_stage_before_the_extension():
-    from jaxzero.accounting import report
+    from jaxzero.commands import report
 
     assert report.hlo_path("out/x.txt", 3) == Path("out/x.stage3.txt")
     assert report.hlo_path("x", 0) == Path("x.stage0")
@@ -505,7 +505,7 @@ def test_report_hlo_path_puts_the_stage_before_the_extension():
 
 @pytest.mark.unit
 def test_report_dump_hlo_bad_path_fails_before_compiling(tmp_path, capsys, monkeypatch):
-    from jaxzero.accounting import report
+    from jaxzero.commands import report
 
     def no_compile(*args):
         raise AssertionError("compiled before checking --dump-hlo")

@@ -282,7 +282,7 @@ def test_a_script_that_ends_without_wait_keeps_its_checkpoint_and_prints_nothing
 
 # --- the CLI: checkpoint.every, --resume, SIGKILL and SIGTERM -----------------------------
 
-TINY = str(ROOT / "experiments" / "configs" / "tiny.yaml")
+TINY = str(ROOT / "configs" / "tiny.yaml")
 
 
 def _cmd(root: Path, name: str, *extra: str) -> list[str]:

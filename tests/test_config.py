@@ -8,7 +8,7 @@ import pytest
 from jaxzero.train import args as train_args
 from jaxzero.train import config as C
 
-CONFIGS = sorted((Path(__file__).parent.parent / "experiments" / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
 
 def test_defaults_validate_and_round_trip_through_yaml(tmp_path):

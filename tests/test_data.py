@@ -135,7 +135,7 @@ def test_sequence_longer_than_corpus_is_an_error():
         D.Loader(np.arange(50, dtype=np.uint8), seq_len=64, batch_size=2, seed=0)
     with pytest.raises(D.DataError, match="validation split has 10") as e:
         D.eval_batches(np.arange(10, dtype=np.uint8), seq_len=16, batch_size=2, num_batches=1)
-    # what to do: experiments/configs/sft.yaml on little data stops here
+    # what to do: configs/sft.yaml on little data stops here
     assert str(e.value).endswith(
         ": lower model.seq_len or give more data (or raise data.val_fraction)"
     )

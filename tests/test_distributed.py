@@ -13,9 +13,9 @@ import _procs
 import pytest
 from _procs import alive_with
 
+from jaxzero import launch
 from jaxzero.job import DistributedError, detect_cluster, resolve
 from jaxzero.mesh import replicas_for
-from jaxzero.train import launch
 
 TORCH = {
     "MASTER_ADDR": "10.0.0.1",

@@ -22,6 +22,7 @@ DEV = {p.name: p.read_text() for p in sorted((ROOT / "docs" / "dev").glob("*.md"
 MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh",
            "jaxzero.collectives", "jaxzero.models.gpt", "jaxzero.job", "jaxzero.checkpoint",
            "jaxzero.train.data", "jaxzero.accounting.estimate", "jaxzero.nnx",
+           "jaxzero.accounting.activations",
            "jaxzero.models.llama", "jaxzero.hf.config"]  # fmt: skip
 
 
@@ -160,12 +161,13 @@ def _check_stage_table(rows, memory, comm):
 
 
 def _bench_table(model: str) -> str:
-    """What ``experiments/bench_step.py --table`` prints for the results CSV of ``model``
+    """What ``python -m experiments.bench_step --table`` prints for the results CSV of ``model``
     (the script's own command, run as a reader would: no import of the script here)."""
 
     csv = ROOT / "experiments" / "results" / f"bench_step_{model}.csv"
     done = _procs.run(
-        [sys.executable, str(ROOT / "experiments" / "bench_step.py"), "--table", str(csv)],
+        [sys.executable, "-m", "experiments.bench_step", "--table", str(csv)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
@@ -176,7 +178,7 @@ def _bench_table(model: str) -> str:
 
 @pytest.mark.parametrize("model", ["plain", "gpt"])
 def test_performance_log_speed_tables_quote_the_benchmark_results(model):
-    """The speed tables are what experiments/bench_step.py --csv wrote, not typed."""
+    """The speed tables are what python -m experiments.bench_step --csv wrote, not typed."""
     table = _bench_table(model)
     assert table.startswith("| stage | jaxzero ms |"), table
     log = DEV["performance-log.md"]
@@ -190,7 +192,8 @@ def test_performance_page_zoo_tables_quote_the_benchmark_results(tmp_path):
     assert table.startswith("| model | stage | jaxzero ms |"), table
     assert table in DEV["performance-log.md"], f"the zoo table differs from the CSV:\n{table}"
     done = _procs.run(
-        [sys.executable, str(ROOT / "experiments" / "zoo_plot.py"), "--png", tmp_path / "z.png"],
+        [sys.executable, "-m", "experiments.zoo_plot", "--png", tmp_path / "z.png"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=180,
@@ -200,7 +203,7 @@ def test_performance_page_zoo_tables_quote_the_benchmark_results(tmp_path):
     assert narrow.startswith("| model | stage | jaxzero ms | vs plain jit | target |"), narrow
     assert narrow in PAGES["performance.md"], f"the zoo table differs from the CSV:\n{narrow}"
     assert (tmp_path / "z.png").read_bytes()[:4] == b"\x89PNG"  # it draws, too
-    assert (ROOT / "docs" / "img" / "zoo.png").is_file()  # python experiments/zoo_plot.py
+    assert (ROOT / "docs" / "img" / "zoo.png").is_file()  # python -m experiments.zoo_plot
 
 
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")

@@ -8,6 +8,7 @@ import _procs
 import pytest
 
 from jaxzero.accounting import estimate as est
+from jaxzero.commands import estimate as command
 
 GB = 1e9
 
@@ -123,14 +124,14 @@ def test_gpt_param_count():
 
 
 def test_cli_table_and_json(capsys):
-    assert est.main(["--params", "7.5B", "--devices", "64", "--device-memory", "32"]) == 0
+    assert command.main(["--params", "7.5B", "--devices", "64", "--device-memory", "32"]) == 0
     out = capsys.readouterr().out
     assert "31.41" in out and "16.64" in out and "128B" in out
-    assert est.main(["--params", "7e9", "-n", "8", "--json"]) == 0
+    assert command.main(["--params", "7e9", "-n", "8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [round(r["model_states"] / GB, 2) for r in data["stages"]] == [112, 38.5, 26.25, 14]
     args = ["--layers", "4", "--d-model", "128", "--heads", "4", "--vocab", "256", "--json"]
-    assert est.main(args) == 0
+    assert command.main(args) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["activations"]["per_layer"] > 0
 
@@ -150,7 +151,7 @@ NONSENSE = [
 
 @pytest.mark.parametrize("argv", NONSENSE)
 def test_nonsense_exits_nonzero_with_one_line(argv, capsys):
-    assert est.main(argv) != 0
+    assert command.main(argv) != 0
     out, err = capsys.readouterr()
     assert out == ""
     lines = err.strip().splitlines()

@@ -7,12 +7,14 @@ from pathlib import Path
 import _procs
 import pytest
 
-EXPERIMENTS = Path(__file__).parent.parent / "experiments"
+ROOT = Path(__file__).parent.parent
 
 
 def _run(script: str, *args: str) -> str:
+    """``python -m experiments.SCRIPT ARGS`` from the repository root, as the docs run it."""
     out = _procs.run(
-        [sys.executable, str(EXPERIMENTS / script), *args],
+        [sys.executable, "-m", f"experiments.{script.removesuffix('.py')}", *args],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,

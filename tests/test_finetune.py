@@ -129,13 +129,13 @@ def test_an_override_that_contradicts_the_checkpoint_is_refused(pairs, tmp_path,
 
 
 def test_the_sft_config_takes_its_model_from_the_checkpoint(capsys):
-    """experiments/configs/sft.yaml with a tiny checkpoint: --print-config shows its fields,
+    """configs/sft.yaml with a tiny checkpoint: --print-config shows its fields,
     and the window is the model's own context (128 tokens), not one the model refuses."""
     root = Path(__file__).parent.parent
     argv = [
         "train",
         "--config",
-        str(root / "experiments/configs/sft.yaml"),
+        str(root / "configs/sft.yaml"),
         "--init-from",
         f"hf:{FIXTURES / 'llama_gqa/single'}",
         "--print-config",

@@ -1,6 +1,6 @@
 """The Llama (NNX) at every stage against one device; its config, FLOPs and the CLI around
 it: train with model.arch=llama, export --format hf, sample from a Hugging Face directory,
-estimate and compile experiments/configs/llama-1b.yaml without allocating it."""
+estimate and compile configs/llama-1b.yaml without allocating it."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def test_train_config_builds_either_model():
 def test_llama_1b_config_estimates_and_compiles_abstractly(capsys):
     """Llama 3.2 1B's shapes: counted exactly by jaxzero estimate, and its stage-3 step
     compiled from abstract_state on 8 devices, nothing allocated."""
-    path = ROOT / "experiments" / "configs" / "llama-1b.yaml"
+    path = ROOT / "configs" / "llama-1b.yaml"
     assert cli.main(["estimate", "--config", str(path)]) == 0
     out = capsys.readouterr().out
     assert "Ψ = 1.236e+09 parameters, N = 8 devices" in out

@@ -57,7 +57,7 @@ def test_two_processes_match_one_device(stage, tmp_path):
 
 # --------------------------------------------------------------------------- jaxzero.distributed
 
-TINY = str(HERE.parent / "experiments" / "configs" / "tiny.yaml")
+TINY = str(HERE.parent / "configs" / "tiny.yaml")
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -21,7 +21,7 @@ from jaxzero import cli
 from jaxzero.train import metrics
 
 ROOT = Path(__file__).parent.parent
-TINY = str(ROOT / "experiments" / "configs" / "tiny.yaml")
+TINY = str(ROOT / "configs" / "tiny.yaml")
 
 
 def _train_argv(root: Path, name: str, *extra: str) -> list[str]:

@@ -20,7 +20,7 @@ from jaxzero.train import metrics
 pytestmark = pytest.mark.every_lane
 
 ROOT = Path(__file__).parent.parent
-TINY = str(ROOT / "experiments" / "configs" / "tiny.yaml")
+TINY = str(ROOT / "configs" / "tiny.yaml")
 TRAIN = (
     f"{sys.executable} -m jaxzero.cli train --config {TINY} --devices 2 "
     "--set logging.sample_tokens=0 --set logging.tensorboard=true --set logging.log_every=1 "

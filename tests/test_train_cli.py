@@ -19,7 +19,7 @@ from jaxzero.train import config as C
 from jaxzero.train import loop as train
 from jaxzero.train import metrics, optimizer, plot
 
-TINY = str(Path(__file__).parent.parent / "experiments" / "configs" / "tiny.yaml")
+TINY = str(Path(__file__).parent.parent / "configs" / "tiny.yaml")
 STEPS = 4
 
 

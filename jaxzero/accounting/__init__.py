@@ -1,9 +1,11 @@
 """Measuring a ZeRO step: what it holds and sends, beside what the formulas predict.
 
-:mod:`~jaxzero.accounting.estimate` (the formulas; ``jaxzero estimate``),
+:mod:`~jaxzero.accounting.estimate` (the formulas, with
+:mod:`~jaxzero.accounting.activations` for activation memory),
 :mod:`~jaxzero.accounting.hlo` (compiled HLO text parsed, with loop trip counts),
 :mod:`~jaxzero.accounting.comm` (its collectives and bytes on the wire),
 :mod:`~jaxzero.accounting.measure` (a compiled step's memory and collectives beside
-the formulas; ``Engine.report``) and :mod:`~jaxzero.accounting.report`
-(``jaxzero report``). Nothing is re-exported here: import the module you need.
+the formulas; ``Engine.report``). The ``jaxzero estimate`` and ``jaxzero report``
+commands that print them are in :mod:`jaxzero.commands`. Nothing is re-exported here:
+import the module you need.
 """

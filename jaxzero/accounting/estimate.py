@@ -1,7 +1,8 @@
 """ZeRO memory and communication estimator: the paper's formulas, no devices needed.
 
-``jaxzero estimate`` answers "does this model fit, and at which stage?" before
-anyone rents a cluster. It applies the per-device formulas of docs/zero.md
+``jaxzero estimate`` (:mod:`jaxzero.commands.estimate`) answers "does this model fit,
+and at which stage?" before anyone rents a cluster. This module is its formulas, pure
+and importing nothing of jaxzero: it applies the per-device formulas of docs/zero.md
 (``shared/design/zero.md``): model states (params, gradients, optimizer state),
 activations (Korthikanti et al. 2022) and ring communication per step. The same
 functions give :mod:`jaxzero.accounting.measure` its theoretical side, so measured and
@@ -16,18 +17,10 @@ Example:
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import re
-import sys
 from dataclasses import asdict, dataclass, field
 
-import jax
-
-from jaxzero.cli import ArgError, Parser
-from jaxzero.models import from_fields
-from jaxzero.train import config as config_lib
+from jaxzero.accounting.activations import Activations, GPTShape, activation_bytes
 
 GB = 1e9
 STAGES = (0, 1, 2, 3)
@@ -259,98 +252,6 @@ def comm_bytes(
     )
 
 
-@dataclass(frozen=True)
-class GPTShape:
-    """The dimensions of a GPT that matter to memory.
-
-    Attributes:
-      layers: transformer blocks (L).
-      d_model: hidden size (h).
-      heads: attention heads (a).
-      vocab: vocabulary size (V).
-      seq_len: sequence length (s).
-    """
-
-    layers: int
-    d_model: int
-    heads: int
-    vocab: int
-    seq_len: int
-
-    def num_params(self, tied: bool = True) -> int:
-        """Parameters of a GPT-2 style model with biases and learned positions.
-
-        Per block 12h² + 13h (QKV 3h²+3h, projection h²+h, MLP 8h²+5h, two layer
-        norms 4h); plus token and position embeddings, the final layer norm and,
-        if untied, an output projection.
-        """
-        h = self.d_model
-        blocks = self.layers * (12 * h * h + 13 * h)
-        embed = self.vocab * h + self.seq_len * h
-        head = 0 if tied else self.vocab * h
-        return blocks + embed + 2 * h + head
-
-
-@dataclass(frozen=True)
-class Activations:
-    """Activation bytes per device (Korthikanti et al. 2022, no tensor/sequence parallel).
-
-    Attributes:
-      per_layer: bytes one transformer block keeps for backward.
-      layers: bytes for all blocks (with full remat: the saved block inputs plus one
-        block's activations being recomputed).
-      output: the output layer's logits and softmax, 4·s·b·(h + V) bytes.
-    """
-
-    per_layer: float
-    layers: float
-    output: float
-
-    @property
-    def total(self) -> float:
-        return self.layers + self.output
-
-
-def activation_bytes(
-    shape: GPTShape,
-    micro_batch: int = 1,
-    remat: str = "none",
-    fused_attention: bool = False,
-    bytes_per_value: float = 2.0,
-) -> Activations:
-    """Activation memory of one micro-batch on one device.
-
-    Without recomputation a block keeps s·b·h·(34 + 5·a·s/h) bytes in 16-bit; a
-    fused (flash) attention never materialises the a·s² scores, dropping the second
-    term. Full remat keeps only each block's input (2·s·b·h) and recomputes one
-    block at a time in backward. fp32 activations double everything.
-
-    Args:
-      shape: model dimensions.
-      micro_batch: sequences per device per micro-batch (b).
-      remat: "none" or "full".
-      fused_attention: attention scores are not stored.
-      bytes_per_value: 2 for 16-bit activations, 4 for fp32.
-    """
-    if remat not in ("none", "full"):
-        raise ValueError(f"remat must be 'none' or 'full', got {remat!r}")
-    for name in ("layers", "d_model", "heads", "vocab", "seq_len"):
-        if getattr(shape, name) < 1:
-            raise ValueError(f"{name} must be positive, got {getattr(shape, name)!r}")
-    if micro_batch < 1:
-        raise ValueError(f"micro_batch must be positive, got {micro_batch!r}")
-    s, b, h, a = shape.seq_len, micro_batch, shape.d_model, shape.heads
-    scale = bytes_per_value / 2.0
-    coeff = 34.0 + (0.0 if fused_attention else 5.0 * a * s / h)
-    per_layer = s * b * h * coeff * scale
-    if remat == "full":
-        layers = shape.layers * 2.0 * s * b * h * scale + per_layer
-    else:
-        layers = shape.layers * per_layer
-    output = 4.0 * s * b * (h + shape.vocab) * scale
-    return Activations(per_layer=per_layer, layers=layers, output=output)
-
-
 @dataclass
 class StageEstimate:
     """One stage's row of the estimate (bytes unless stated)."""
@@ -494,135 +395,3 @@ def estimate(
             )
         )
     return out
-
-
-_SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-
-
-def parse_count(text: str) -> float:
-    """``'7.5e9'``, ``'7.5B'``, ``'350M'`` -> a number. Raises ValueError on nonsense."""
-    m = re.fullmatch(r"\s*([-+]?[0-9.]+(?:e[-+]?\d+)?)\s*([kmbgt]?)\s*", text, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"cannot read {text!r} as a number (examples: 7.5e9, 7.5B, 350M)")
-    return float(m.group(1)) * _SUFFIX[m.group(2).lower()]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
-        prog="jaxzero estimate",
-        description="Per-device memory and communication of ZeRO stages 0-3 (GB = 1e9 bytes).",
-    )
-    p.add_argument("--params", type=str, help="parameter count, e.g. 7.5e9, 7.5B, 350M")
-    p.add_argument(
-        "--config",
-        metavar="YAML",
-        help="a jaxzero train config: its model (GPT or "
-        "Llama, counted exactly), batch, precision, remat and devices",
-    )
-    g = p.add_argument_group("GPT shape (instead of --params; also gives activation memory)")
-    g.add_argument("--layers", type=int)
-    g.add_argument("--d-model", type=int)
-    g.add_argument("--heads", type=int)
-    g.add_argument("--vocab", type=int, default=50257)
-    g.add_argument("--seq-len", type=int, default=1024)
-    g.add_argument("--untied", action="store_true", help="separate output projection")
-    p.add_argument("--devices", "-n", type=int, default=1, help="N, devices sharding the state")
-    p.add_argument("--device-memory", type=float, default=80.0, help="GB per device")
-    p.add_argument("--precision", default="mixed", help=f"one of {sorted(PRECISIONS)}")
-    p.add_argument("--optimizer", default="adam", help=f"one of {sorted(OPTIMIZER_BYTES)}")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per device per pass")
-    p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
-    p.add_argument("--remat", default="none", choices=["none", "full"])
-    p.add_argument("--fused-attention", action="store_true")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    return p
-
-
-def _from_config(args: argparse.Namespace) -> Estimate:
-    """The estimate of a train config: the params counted from the model itself
-    (``jax.eval_shape``, nothing allocated); activations from its GPT-like dimensions."""
-    cfg = config_lib.resolve(args.config, [])
-    m = cfg.model
-    if m.vocab_size is None:
-        raise ValueError(
-            f"{args.config}: model.vocab_size is needed (it is otherwise taken from the data)"
-        )
-    model = from_fields(asdict(m))
-    psi = float(sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0)))))
-    devices = cfg.parallel.devices or args.devices
-    shape = GPTShape(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len)
-    rows = cfg.train.batch_size // (devices * cfg.parallel.micro_batches)
-    if rows < 1:
-        raise ValueError(
-            f"train.batch_size {cfg.train.batch_size} gives no rows per device "
-            f"on {devices} devices x {cfg.parallel.micro_batches} micro-batches"
-        )
-    return estimate(
-        psi,
-        devices,
-        args.device_memory * GB,
-        "mixed" if cfg.precision.compute == "bf16" else "fp32",
-        args.optimizer,
-        shape,
-        rows,
-        cfg.parallel.micro_batches,
-        "full" if m.remat == "full" else "none",
-        args.fused_attention,
-    )
-
-
-def _from_args(args: argparse.Namespace) -> Estimate:
-    if args.config is not None:
-        if args.params is not None or args.layers is not None:
-            raise ValueError("give --config or --params/a GPT shape, not both")
-        return _from_config(args)
-    shape = None
-    gpt = (args.layers, args.d_model, args.heads)
-    if any(v is not None for v in gpt):
-        if any(v is None for v in gpt):
-            raise ValueError("a GPT shape needs --layers, --d-model and --heads together")
-        shape = GPTShape(args.layers, args.d_model, args.heads, args.vocab, args.seq_len)
-        for name in ("layers", "d_model", "heads", "vocab", "seq_len"):
-            if getattr(shape, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive")
-        if shape.d_model % shape.heads:
-            raise ValueError(f"--d-model {shape.d_model} is not divisible by --heads {shape.heads}")
-    if args.params is not None:
-        psi = parse_count(args.params)
-    elif shape is not None:
-        psi = float(shape.num_params(tied=not args.untied))
-    else:
-        raise ValueError("give --params or a GPT shape (--layers, --d-model, --heads)")
-    if not math.isfinite(args.device_memory) or args.device_memory <= 0:
-        raise ValueError(f"--device-memory must be positive, got {args.device_memory}")
-    return estimate(
-        psi,
-        args.devices,
-        args.device_memory * GB,
-        args.precision,
-        args.optimizer,
-        shape,
-        args.micro_batch,
-        args.micro_batches,
-        args.remat,
-        args.fused_attention,
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``jaxzero estimate``: print the estimate; 2 and a one-line message on bad input."""
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        args = build_parser().parse_args(argv)
-        est = _from_args(args)
-    except (ArgError, ValueError) as e:  # ConfigError is a ValueError
-        print(f"jaxzero estimate: error: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return int(e.code or 0)
-    print(json.dumps(est.to_dict(), indent=2) if args.json else est.table())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,6 +6,6 @@ itself, with :mod:`~jaxzero.train.args` for its command line and
 :mod:`~jaxzero.train.optimizer` for its AdamW), :mod:`~jaxzero.train.metrics` and
 :mod:`~jaxzero.train.plot` (where the numbers go), :mod:`~jaxzero.train.resume`
 (checkpoints, signals), :mod:`~jaxzero.train.export` and :mod:`~jaxzero.train.sample`
-(weights out, text out) and :mod:`~jaxzero.train.launch` (``jaxzero launch``: the
-processes of one node). ``python -m jaxzero.train`` runs ``jaxzero train``.
+(weights out, text out). ``python -m jaxzero.train`` runs ``jaxzero train``. ``jaxzero launch``
+(the processes of one node) is :mod:`jaxzero.launch`, beside the job's rules.
 """

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a GPT with ZeRO sharding. Defaults: byte-level GPT on this Python's "
         "stdlib sources, stage 3, 8 simulated CPU devices when only a CPU is present.",
     )
-    p.add_argument("--config", help="YAML or JSON config file (see experiments/configs/)")
+    p.add_argument("--config", help="YAML or JSON config file (see configs/)")
     p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. --set optimizer.lr=3e-4 (repeatable)")  # fmt: skip
     for flag, (_, type_, help_) in SHORTCUTS.items():

@@ -128,7 +128,7 @@ class CheckpointConfig:
 
     ``final`` (on by default) saves at the end of training, so every finished run can be
     exported, sampled and extended; ``every=K`` also saves every K steps (the long
-    configs in experiments/configs set it), and SIGTERM/SIGINT save where they stop.
+    configs in configs set it), and SIGTERM/SIGINT save where they stop.
     """
 
     dir: str | None = None  # None: RUN_DIR/checkpoints

@@ -1,0 +1,154 @@
+"""``jaxzero estimate``: the ZeRO formulas of :mod:`jaxzero.accounting.estimate` on a command line.
+
+Given a parameter count, a GPT shape or a ``jaxzero train`` config (its model counted
+exactly with ``jax.eval_shape``), print per-device memory and communication for
+ZeRO stages 0-3. No devices needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import asdict
+
+import jax
+
+from jaxzero.accounting.activations import GPTShape
+from jaxzero.accounting.estimate import GB, OPTIMIZER_BYTES, PRECISIONS, Estimate, estimate
+from jaxzero.cli import ArgError, Parser
+from jaxzero.models import from_fields
+from jaxzero.train import config as config_lib
+
+_SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> float:
+    """``'7.5e9'``, ``'7.5B'``, ``'350M'`` -> a number. Raises ValueError on nonsense."""
+    m = re.fullmatch(r"\s*([-+]?[0-9.]+(?:e[-+]?\d+)?)\s*([kmbgt]?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a number (examples: 7.5e9, 7.5B, 350M)")
+    return float(m.group(1)) * _SUFFIX[m.group(2).lower()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="jaxzero estimate",
+        description="Per-device memory and communication of ZeRO stages 0-3 (GB = 1e9 bytes).",
+    )
+    p.add_argument("--params", type=str, help="parameter count, e.g. 7.5e9, 7.5B, 350M")
+    p.add_argument(
+        "--config",
+        metavar="YAML",
+        help="a jaxzero train config: its model (GPT or "
+        "Llama, counted exactly), batch, precision, remat and devices",
+    )
+    g = p.add_argument_group("GPT shape (instead of --params; also gives activation memory)")
+    g.add_argument("--layers", type=int)
+    g.add_argument("--d-model", type=int)
+    g.add_argument("--heads", type=int)
+    g.add_argument("--vocab", type=int, default=50257)
+    g.add_argument("--seq-len", type=int, default=1024)
+    g.add_argument("--untied", action="store_true", help="separate output projection")
+    p.add_argument("--devices", "-n", type=int, default=1, help="N, devices sharding the state")
+    p.add_argument("--device-memory", type=float, default=80.0, help="GB per device")
+    p.add_argument("--precision", default="mixed", help=f"one of {sorted(PRECISIONS)}")
+    p.add_argument("--optimizer", default="adam", help=f"one of {sorted(OPTIMIZER_BYTES)}")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per device per pass")
+    p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
+    p.add_argument("--remat", default="none", choices=["none", "full"])
+    p.add_argument("--fused-attention", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def _from_config(args: argparse.Namespace) -> Estimate:
+    """The estimate of a train config: the params counted from the model itself
+    (``jax.eval_shape``, nothing allocated); activations from its GPT-like dimensions."""
+    cfg = config_lib.resolve(args.config, [])
+    m = cfg.model
+    if m.vocab_size is None:
+        raise ValueError(
+            f"{args.config}: model.vocab_size is needed (it is otherwise taken from the data)"
+        )
+    model = from_fields(asdict(m))
+    psi = float(sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0)))))
+    devices = cfg.parallel.devices or args.devices
+    shape = GPTShape(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len)
+    rows = cfg.train.batch_size // (devices * cfg.parallel.micro_batches)
+    if rows < 1:
+        raise ValueError(
+            f"train.batch_size {cfg.train.batch_size} gives no rows per device "
+            f"on {devices} devices x {cfg.parallel.micro_batches} micro-batches"
+        )
+    return estimate(
+        psi,
+        devices,
+        args.device_memory * GB,
+        "mixed" if cfg.precision.compute == "bf16" else "fp32",
+        args.optimizer,
+        shape,
+        rows,
+        cfg.parallel.micro_batches,
+        "full" if m.remat == "full" else "none",
+        args.fused_attention,
+    )
+
+
+def _from_args(args: argparse.Namespace) -> Estimate:
+    if args.config is not None:
+        if args.params is not None or args.layers is not None:
+            raise ValueError("give --config or --params/a GPT shape, not both")
+        return _from_config(args)
+    shape = None
+    gpt = (args.layers, args.d_model, args.heads)
+    if any(v is not None for v in gpt):
+        if any(v is None for v in gpt):
+            raise ValueError("a GPT shape needs --layers, --d-model and --heads together")
+        shape = GPTShape(args.layers, args.d_model, args.heads, args.vocab, args.seq_len)
+        for name in ("layers", "d_model", "heads", "vocab", "seq_len"):
+            if getattr(shape, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if shape.d_model % shape.heads:
+            raise ValueError(f"--d-model {shape.d_model} is not divisible by --heads {shape.heads}")
+    if args.params is not None:
+        psi = parse_count(args.params)
+    elif shape is not None:
+        psi = float(shape.num_params(tied=not args.untied))
+    else:
+        raise ValueError("give --params or a GPT shape (--layers, --d-model, --heads)")
+    if not math.isfinite(args.device_memory) or args.device_memory <= 0:
+        raise ValueError(f"--device-memory must be positive, got {args.device_memory}")
+    return estimate(
+        psi,
+        args.devices,
+        args.device_memory * GB,
+        args.precision,
+        args.optimizer,
+        shape,
+        args.micro_batch,
+        args.micro_batches,
+        args.remat,
+        args.fused_attention,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``jaxzero estimate``: print the estimate; 2 and a one-line message on bad input."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = build_parser().parse_args(argv)
+        est = _from_args(args)
+    except (ArgError, ValueError) as e:  # ConfigError is a ValueError
+        print(f"jaxzero estimate: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    print(json.dumps(est.to_dict(), indent=2) if args.json else est.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
