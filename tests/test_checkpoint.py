@@ -27,7 +27,7 @@ from jaxzero.checkpoint import (
 )
 from jaxzero.train import args as train_args
 from jaxzero.train import loop as train
-from jaxzero.train import metrics
+from jaxzero.train import rundir
 
 TX = optax.adamw(1e-2, weight_decay=0.1)
 ROOT = Path(__file__).parent.parent
@@ -297,7 +297,7 @@ def _cmd(root: Path, name: str, *extra: str) -> list[str]:
 
 
 def _records(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in metrics.read_jsonl(run / metrics.METRICS_FILE)}
+    return {r["step"]: r["loss"] for r in rundir.read_jsonl(run / rundir.METRICS_FILE)}
 
 
 def _run_until(
@@ -309,7 +309,7 @@ def _run_until(
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         ready = saved is None or (run / "checkpoints" / str(saved)).is_dir()
-        if ready and (run / metrics.METRICS_FILE).is_file() and step in _records(run):
+        if ready and (run / rundir.METRICS_FILE).is_file() and step in _records(run):
             proc.send_signal(sig)
             break
         time.sleep(0.01)
