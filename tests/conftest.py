@@ -53,6 +53,7 @@ MODULES = {
     "test_hf": "equivalence",
     "test_hook_check": "unit",
     "test_llama": "equivalence",
+    "test_loop": "unit",
     "test_loss": "equivalence",
     "test_mesh": "unit",
     "test_multiprocess": "system",

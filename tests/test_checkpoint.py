@@ -28,6 +28,7 @@ from jaxzero.checkpoint import (
 from jaxzero.train import args as train_args
 from jaxzero.train import loop as train
 from jaxzero.train import rundir
+from jaxzero.train import steps as train_steps
 
 TX = optax.adamw(1e-2, weight_decay=0.1)
 ROOT = Path(__file__).parent.parent
@@ -416,7 +417,7 @@ def test_resume_refuses_a_model_change_and_an_empty_run(tmp_path, capsys):
 @pytest.mark.system
 def test_nan_rollback_restores_and_skips_the_batch(tmp_path, monkeypatch, capsys):
     """A non-finite loss at step 6 (faked once) rolls back to step 4 and skips its batch."""
-    seen, real = [], train.check_finite
+    seen, real = [], train_steps.check_finite
 
     def flaky(step, loss, grad_norm):
         seen.append(step)
@@ -424,7 +425,7 @@ def test_nan_rollback_restores_and_skips_the_batch(tmp_path, monkeypatch, capsys
             loss = float("nan")
         real(step, loss, grad_norm)
 
-    monkeypatch.setattr(train, "check_finite", flaky)
+    monkeypatch.setattr(train_steps, "check_finite", flaky)
     argv = _cmd(
         tmp_path,
         "nan",

@@ -16,8 +16,8 @@ import yaml
 
 from jaxzero.train import args as train_args
 from jaxzero.train import config as C
+from jaxzero.train import devices, metrics, optimizer, plot, rundir
 from jaxzero.train import loop as train
-from jaxzero.train import metrics, optimizer, plot, rundir
 
 TINY = str(Path(__file__).parent.parent / "experiments" / "configs" / "tiny.yaml")
 STEPS = 4
@@ -310,14 +310,14 @@ def test_devices_to_simulate(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     P = C.ParallelConfig
-    assert train.devices_to_simulate(P()) == 8  # CPU only, one device: simulate 8
-    assert train.devices_to_simulate(P(devices=4)) == 4
-    assert train.devices_to_simulate(P(simulate_devices=2)) == 2
+    assert devices.devices_to_simulate(P()) == 8  # CPU only, one device: simulate 8
+    assert devices.devices_to_simulate(P(devices=4)) == 4
+    assert devices.devices_to_simulate(P(simulate_devices=2)) == 2
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-    assert train.devices_to_simulate(P()) is None  # already several CPU devices
+    assert devices.devices_to_simulate(P()) is None  # already several CPU devices
     monkeypatch.delenv("XLA_FLAGS")
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
-    assert train.devices_to_simulate(P()) is None  # an accelerator: leave it alone
+    assert devices.devices_to_simulate(P()) is None  # an accelerator: leave it alone
 
 
 class _TTY(io.StringIO):

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from jaxzero.cli import ArgError, Parser
 from jaxzero.train import config as config_lib
-from jaxzero.train import finetune
-from jaxzero.train import rundir
+from jaxzero.train import finetune, rundir
 from jaxzero.train import resume as resume_lib
 from jaxzero.train.config import Config
 
