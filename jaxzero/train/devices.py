@@ -1,5 +1,5 @@
 """Which devices a run trains on: simulated CPU devices when there is nothing else, the
-mesh, and the config with what the devices decided filled in.
+mesh, and the config with what the devices decided filled in (``--print-config``).
 
 Simulated CPU devices can only be requested before the backend starts, so these run
 before JAX does any computation.
@@ -17,6 +17,8 @@ import jax
 
 from jaxzero.mesh import accelerator_expected, make_mesh, replicas_for, simulate_devices
 from jaxzero.train import config as config_lib
+from jaxzero.train import data as data_lib
+from jaxzero.train import finetune
 from jaxzero.train.config import Config, ConfigError
 
 DEFAULT_SIMULATED_DEVICES = 8
@@ -83,3 +85,25 @@ def resolve_run(cfg: Config, num_devices: int, simulated: int | None, vocab: int
         parallel=dataclasses.replace(cfg.parallel, devices=num_devices, simulate_devices=simulated),
         logging=dataclasses.replace(cfg.logging, name=name),
     )
+
+
+def printable_config(cfg: Config) -> str:
+    """``--print-config``: the config as a run resolves it, without reading the data.
+
+    Devices, simulated devices, the name and (for byte data) the vocab are filled
+    in as ``train`` would; what only the data decides is said in a YAML comment.
+    """
+    mesh, simulated = setup_devices(cfg.parallel)
+    if finetune.source(cfg) is not None:
+        cfg, _ = finetune.resolve(cfg)
+    vocab = cfg.model.vocab_size
+    if vocab is None and data_lib.data_kind(cfg.data) == "bytes":
+        vocab = data_lib.BYTE_VOCAB
+    text = config_lib.dump_yaml(resolve_run(cfg, mesh.size, simulated, vocab))
+    if finetune.source(cfg) is not None:
+        text += finetune.defaults_note(cfg)
+    if cfg.logging.name is None:
+        text += "# logging.name: from the stage, devices and start time; --name fixes it\n"
+    if vocab is None:
+        text += "# model.vocab_size: set at start-up from the data (largest token + 1)\n"
+    return text

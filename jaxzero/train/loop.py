@@ -4,7 +4,9 @@ With no arguments it trains a small byte-level GPT on this Python's standard
 library sources at stage 3 over 8 simulated CPU devices, so the first thing a
 researcher runs already shards parameters, gradients and optimizer state.
 Everything else is a config field (:mod:`jaxzero.train.config`); this module turns a
-config into an engine, a loader and a loop, and reports what happened.
+config into a run (:class:`~jaxzero.train.steps.Run`: the engine, the data, the writers,
+the checkpoints) in four phases, set-up, restore-or-init, the steps
+(:mod:`jaxzero.train.steps`) and the finish, and reports what happened.
 
 Order matters: arguments are parsed and the config validated before JAX does
 any computation, because simulated CPU devices can only be requested before
@@ -39,31 +41,9 @@ from jaxzero.train import resume as resume_lib
 from jaxzero.train.args import RESOLVED_CONFIG, build_parser, config_from_args
 from jaxzero.train.config import Config, ConfigError
 from jaxzero.train.data import DataError
-from jaxzero.train.devices import resolve_run, setup_devices
+from jaxzero.train.devices import printable_config, resolve_run, setup_devices
 from jaxzero.train.optimizer import make_optimizer
 from jaxzero.train.steps import Diverged, Run, Steps
-
-
-def printable_config(cfg: Config) -> str:
-    """``--print-config``: the config as a run resolves it, without reading the data.
-
-    Devices, simulated devices, the name and (for byte data) the vocab are filled
-    in as ``train`` would; what only the data decides is said in a YAML comment.
-    """
-    mesh, simulated = setup_devices(cfg.parallel)
-    if finetune.source(cfg) is not None:
-        cfg, _ = finetune.resolve(cfg)
-    vocab = cfg.model.vocab_size
-    if vocab is None and data_lib.data_kind(cfg.data) == "bytes":
-        vocab = data_lib.BYTE_VOCAB
-    text = config_lib.dump_yaml(resolve_run(cfg, mesh.size, simulated, vocab))
-    if finetune.source(cfg) is not None:
-        text += finetune.defaults_note(cfg)
-    if cfg.logging.name is None:
-        text += "# logging.name: from the stage, devices and start time; --name fixes it\n"
-    if vocab is None:
-        text += "# model.vocab_size: set at start-up from the data (largest token + 1)\n"
-    return text
 
 
 def build(cfg: Config, mesh: Any, hf_raw: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
