@@ -55,6 +55,7 @@ MODULES = {
     "test_hook_check": "unit",
     "test_layout": "unit",
     "test_llama": "equivalence",
+    "test_loop": "unit",
     "test_loss": "equivalence",
     "test_mesh": "unit",
     "test_multiprocess": "system",

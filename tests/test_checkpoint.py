@@ -27,7 +27,8 @@ from jaxzero.checkpoint import (
 )
 from jaxzero.train import args as train_args
 from jaxzero.train import loop as train
-from jaxzero.train import metrics
+from jaxzero.train import rundir
+from jaxzero.train import steps as train_steps
 
 TX = optax.adamw(1e-2, weight_decay=0.1)
 ROOT = Path(__file__).parent.parent
@@ -297,7 +298,7 @@ def _cmd(root: Path, name: str, *extra: str) -> list[str]:
 
 
 def _records(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in metrics.read_jsonl(run / metrics.METRICS_FILE)}
+    return {r["step"]: r["loss"] for r in rundir.read_jsonl(run / rundir.METRICS_FILE)}
 
 
 def _run_until(
@@ -309,7 +310,7 @@ def _run_until(
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         ready = saved is None or (run / "checkpoints" / str(saved)).is_dir()
-        if ready and (run / metrics.METRICS_FILE).is_file() and step in _records(run):
+        if ready and (run / rundir.METRICS_FILE).is_file() and step in _records(run):
             proc.send_signal(sig)
             break
         time.sleep(0.01)
@@ -416,7 +417,7 @@ def test_resume_refuses_a_model_change_and_an_empty_run(tmp_path, capsys):
 @pytest.mark.system
 def test_nan_rollback_restores_and_skips_the_batch(tmp_path, monkeypatch, capsys):
     """A non-finite loss at step 6 (faked once) rolls back to step 4 and skips its batch."""
-    seen, real = [], train.check_finite
+    seen, real = [], train_steps.check_finite
 
     def flaky(step, loss, grad_norm):
         seen.append(step)
@@ -424,7 +425,7 @@ def test_nan_rollback_restores_and_skips_the_batch(tmp_path, monkeypatch, capsys
             loss = float("nan")
         real(step, loss, grad_norm)
 
-    monkeypatch.setattr(train, "check_finite", flaky)
+    monkeypatch.setattr(train_steps, "check_finite", flaky)
     argv = _cmd(
         tmp_path,
         "nan",

@@ -143,7 +143,7 @@ def _launch(*argv: str, env: dict[str, str]) -> _procs.Child:
 @pytest.mark.parametrize("stage", [0, 3])
 def test_launch_train_matches_one_process(stage, tmp_path, capsys):
     from jaxzero.train import loop as train
-    from jaxzero.train import metrics
+    from jaxzero.train import rundir
 
     args = _train_args(tmp_path, f"launched{stage}", "--stage", str(stage), "--steps", "3")
     proc = _launch(
@@ -171,7 +171,7 @@ def test_launch_train_matches_one_process(stage, tmp_path, capsys):
         np.array(
             [
                 r["loss"]
-                for r in metrics.read_jsonl(tmp_path / f"{name}{stage}" / metrics.METRICS_FILE)
+                for r in rundir.read_jsonl(tmp_path / f"{name}{stage}" / rundir.METRICS_FILE)
             ]
         )
         for name in ("launched", "single")
@@ -466,7 +466,7 @@ def _torchrun() -> str | None:
 def test_under_the_real_torchrun_train_matches_one_process(tmp_path, capsys):
     """torchrun's store holds MASTER_PORT: the coordinator moves to MASTER_PORT+1."""
     from jaxzero.train import loop as train
-    from jaxzero.train import metrics
+    from jaxzero.train import rundir
 
     args = _train_args(tmp_path, "torchrun", "--stage", "3", "--steps", "3")
     done = _procs.run(
@@ -496,7 +496,7 @@ def test_under_the_real_torchrun_train_matches_one_process(tmp_path, capsys):
     )
     capsys.readouterr()
     torchrun, single = (
-        np.array([r["loss"] for r in metrics.read_jsonl(tmp_path / name / metrics.METRICS_FILE)])
+        np.array([r["loss"] for r in rundir.read_jsonl(tmp_path / name / rundir.METRICS_FILE)])
         for name in ("torchrun", "single")
     )
     assert len(torchrun) == 3

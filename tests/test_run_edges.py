@@ -18,7 +18,7 @@ import _procs
 import pytest
 
 from jaxzero import cli
-from jaxzero.train import metrics
+from jaxzero.train import rundir
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -39,7 +39,7 @@ def _train(root: Path, name: str, *extra: str) -> int:
 
 
 def _records(run: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in metrics.read_jsonl(run / metrics.METRICS_FILE)}
+    return {r["step"]: r for r in rundir.read_jsonl(run / rundir.METRICS_FILE)}
 
 
 def test_a_default_run_keeps_an_exportable_checkpoint(tmp_path, capsys):
@@ -84,7 +84,7 @@ def test_a_checkpoint_dir_holding_another_run_is_refused_before_compiling(tmp_pa
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1
     assert "already holds checkpoints of another run" in err
-    assert not (tmp_path / "other" / metrics.SUMMARY_FILE).exists()
+    assert not (tmp_path / "other" / rundir.SUMMARY_FILE).exists()
 
 
 def test_export_and_sample_name_the_step_and_warn_of_a_stale_checkpoint(tmp_path, capsys):
@@ -95,7 +95,7 @@ def test_export_and_sample_name_the_step_and_warn_of_a_stale_checkpoint(tmp_path
     err = capsys.readouterr().err
     assert f"from the checkpoint of step 2 ({run / 'checkpoints' / '2'})" in err
     assert "warning" not in err
-    with open(run / metrics.METRICS_FILE, "a") as f:  # trained on, stopped before a save
+    with open(run / rundir.METRICS_FILE, "a") as f:  # trained on, stopped before a save
         f.write('{"step": 5, "loss": 1.0}\n')
     assert cli.main(["sample", str(run), "--tokens", "2"]) == 0
     err = capsys.readouterr().err

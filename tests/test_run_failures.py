@@ -14,7 +14,7 @@ from pathlib import Path
 import _procs
 import pytest
 
-from jaxzero.train import metrics
+from jaxzero.train import metrics, rundir
 
 # orbax's write errors and exit paths differ between the JAX lines: CI runs these on both
 pytestmark = pytest.mark.every_lane
@@ -121,7 +121,7 @@ def test_a_write_that_fails_names_its_file(tmp_path):
     writer._file = open("/dev/full", "ab", buffering=0)  # noqa: SIM115 - closed below
     with pytest.raises(OSError, match="No space left on device") as e:
         writer.write({"step": 1, "loss": 1.0})
-    assert e.value.filename == str(tmp_path / metrics.METRICS_FILE)
+    assert e.value.filename == str(tmp_path / rundir.METRICS_FILE)
     writer.close()  # nothing was left buffered to fail again
 
 
@@ -136,7 +136,7 @@ def test_metrics_and_tensorboard_keep_every_step_when_killed(tmp_path):
     )
     done = _procs.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr
-    assert len(metrics.read_jsonl(tmp_path / metrics.METRICS_FILE)) == 50
+    assert len(rundir.read_jsonl(tmp_path / rundir.METRICS_FILE)) == 50
     from tensorboardX.proto.event_pb2 import Event
     from tensorboardX.record_writer import masked_crc32c
 

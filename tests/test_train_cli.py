@@ -16,8 +16,8 @@ import yaml
 
 from jaxzero.train import args as train_args
 from jaxzero.train import config as C
+from jaxzero.train import devices, metrics, optimizer, plot, rundir
 from jaxzero.train import loop as train
-from jaxzero.train import metrics, optimizer, plot
 
 TINY = str(Path(__file__).parent.parent / "configs" / "tiny.yaml")
 STEPS = 4
@@ -42,7 +42,7 @@ def _train(root: Path, stage: int) -> tuple[Path, str]:
 
 
 def _check_run_dir(run: Path) -> None:
-    records = metrics.read_jsonl(run / metrics.METRICS_FILE)
+    records = rundir.read_jsonl(run / rundir.METRICS_FILE)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
         assert {"step", "loss", "lr", "grad_norm", "tokens", "step_time"} <= set(r)
@@ -54,12 +54,12 @@ def _check_run_dir(run: Path) -> None:
     cfg = C.load_file(run / train.RESOLVED_CONFIG)  # the resolved config reloads as a config
     assert (cfg.parallel.devices, cfg.model.vocab_size, cfg.train.steps) == (8, 256, STEPS)
     assert cfg.logging.name == run.name
-    summary = (run / metrics.SUMMARY_FILE).read_text()
+    summary = (run / rundir.SUMMARY_FILE).read_text()
     assert '"flops_per_token"' in summary and '"final_val_loss"' in summary
 
 
 def _losses(run: Path) -> np.ndarray:
-    return np.array([r["loss"] for r in metrics.read_jsonl(run / metrics.METRICS_FILE)])
+    return np.array([r["loss"] for r in rundir.read_jsonl(run / rundir.METRICS_FILE)])
 
 
 def test_train_stage_3_and_stage_0_then_plot(tmp_path, capsys):
@@ -154,22 +154,22 @@ def test_read_only_run_root_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
 
 def test_run_root_parents_are_created_and_an_unstarted_run_frees_its_name(tmp_path):
     cfg = C.Config(logging=C.LoggingConfig(root=str(tmp_path / "new" / "root"), name="r"))
-    run = metrics.prepare_run_dir(cfg, True)  # missing parents are created
+    run = rundir.prepare_run_dir(cfg, True)  # missing parents are created
     assert run == tmp_path / "new" / "root" / "r" and run.is_dir()
     # Stopped before its first record: a config, an empty metrics.jsonl, an events file.
     (run / train.RESOLVED_CONFIG).write_text(C.dump_yaml(cfg))
     (run / "events.out.tfevents.1.host").write_bytes(b"stale")
-    assert (run / metrics.METRICS_FILE).read_text() == "" and not metrics.holds_run(run)
-    assert metrics.prepare_run_dir(cfg, True) == run  # the name is free again
+    assert (run / rundir.METRICS_FILE).read_text() == "" and not rundir.holds_run(run)
+    assert rundir.prepare_run_dir(cfg, True) == run  # the name is free again
     assert not list(run.glob("events.out.tfevents.*"))  # and the stale events are gone
-    (run / metrics.METRICS_FILE).write_text('{"step": 1, "loss": 2.0}\n')
-    assert metrics.holds_run(run)
+    (run / rundir.METRICS_FILE).write_text('{"step": 1, "loss": 2.0}\n')
+    assert rundir.holds_run(run)
     with pytest.raises(C.ConfigError, match="already holds a run"):
-        metrics.prepare_run_dir(cfg, True)
+        rundir.prepare_run_dir(cfg, True)
     other = tmp_path / "tb"  # someone else's event files: never deleted
     other.mkdir()
     (other / "events.out.tfevents.2.host").write_bytes(b"theirs")
-    assert metrics.holds_run(other)
+    assert rundir.holds_run(other)
 
 
 def test_rerunning_a_saved_config_gets_a_fresh_name(tmp_path):
@@ -183,7 +183,7 @@ def test_rerunning_a_saved_config_gets_a_fresh_name(tmp_path):
         return train_args.config_from_args(args).logging.name
 
     assert name() == "r"  # nothing logged there yet
-    (run / metrics.METRICS_FILE).write_text('{"step": 1, "loss": 2.0}\n')
+    (run / rundir.METRICS_FILE).write_text('{"step": 1, "loss": 2.0}\n')
     assert name().startswith("r-2")  # r-YYYYmmdd-HHMMSS
     # A name given on the command line is taken as given (and then refused as taken).
     assert name("--name", "r") == name("--set", "logging.name=r") == "r"
@@ -214,7 +214,7 @@ def test_print_config_resolves_what_it_can_without_the_data(tmp_path, capsys):
 def test_plot_to_an_unwritable_path_is_one_line_exit_2(tmp_path, capsys):
     run = tmp_path / "r"
     run.mkdir()
-    (run / metrics.METRICS_FILE).write_text('{"step": 1, "tokens": 64, "loss": 2.0}\n')
+    (run / rundir.METRICS_FILE).write_text('{"step": 1, "tokens": 64, "loss": 2.0}\n')
     err = _exit_2_error([str(run), "-o", str(_file(tmp_path) / "x.png")], capsys, plot.main)
     assert "cannot write" in err and "is a file, not a directory" in err
     out = tmp_path / "new" / "x.png"  # a missing parent directory is created
@@ -238,7 +238,7 @@ def test_nan_loss_stops_training_naming_the_step(tmp_path, capsys):
     )  # fmt: skip
     err = _error_of(argv, capsys)
     assert "at step 2" in err and "last with finite values" in err
-    records = metrics.read_jsonl(tmp_path / "nan" / metrics.METRICS_FILE)
+    records = rundir.read_jsonl(tmp_path / "nan" / rundir.METRICS_FILE)
     assert [r["step"] for r in records] == [1]  # nothing non-finite was logged
 
 
@@ -310,14 +310,14 @@ def test_devices_to_simulate(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     P = C.ParallelConfig
-    assert train.devices_to_simulate(P()) == 8  # CPU only, one device: simulate 8
-    assert train.devices_to_simulate(P(devices=4)) == 4
-    assert train.devices_to_simulate(P(simulate_devices=2)) == 2
+    assert devices.devices_to_simulate(P()) == 8  # CPU only, one device: simulate 8
+    assert devices.devices_to_simulate(P(devices=4)) == 4
+    assert devices.devices_to_simulate(P(simulate_devices=2)) == 2
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-    assert train.devices_to_simulate(P()) is None  # already several CPU devices
+    assert devices.devices_to_simulate(P()) is None  # already several CPU devices
     monkeypatch.delenv("XLA_FLAGS")
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
-    assert train.devices_to_simulate(P()) is None  # an accelerator: leave it alone
+    assert devices.devices_to_simulate(P()) is None  # an accelerator: leave it alone
 
 
 class _TTY(io.StringIO):
@@ -358,7 +358,7 @@ def test_metrics_writer_nulls_non_finite_values(tmp_path):
     writer = metrics.MetricsWriter(tmp_path, tensorboard=False)
     writer.write({"step": 1, "loss": float("nan"), "lr": 0.1})
     writer.close()
-    assert metrics.read_jsonl(tmp_path / metrics.METRICS_FILE) == [
+    assert rundir.read_jsonl(tmp_path / rundir.METRICS_FILE) == [
         {"step": 1, "loss": None, "lr": 0.1}
     ]
     metrics.MetricsWriter(None).write({"step": 1})  # inert on other processes
@@ -443,7 +443,7 @@ def test_a_run_resumes_samples_and_exports_from_another_directory(tmp_path, monk
     run = "../project/runs/ft"  # as a user types it from here
     capsys.readouterr()
     assert cli.main(["train", "--resume", run, "--steps", "3"]) == 0, capsys.readouterr().err
-    assert [r["step"] for r in metrics.read_jsonl(start / "runs/ft/metrics.jsonl")][-1] == 3
+    assert [r["step"] for r in rundir.read_jsonl(start / "runs/ft/metrics.jsonl")][-1] == 3
     assert cli.main(["sample", run, "--prompt", "t3 t4", "--tokens", "2"]) == 0
     assert capsys.readouterr().out.startswith("t3 t4")
     assert cli.main(["export", run, "--out", "ft-hf", "--format", "hf"]) == 0

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from jaxzero.cli import ArgError, Parser
 from jaxzero.train import config as config_lib
-from jaxzero.train import finetune
-from jaxzero.train import metrics as metrics_lib
+from jaxzero.train import finetune, rundir
 from jaxzero.train import resume as resume_lib
 from jaxzero.train.config import Config
 
@@ -111,7 +110,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         cfg = apply(base(finetune.defaults(cfg)))
     lg = cfg.logging
     if lg.name is not None and not _names_the_run(args) and not lg.overwrite:
-        if metrics_lib.holds_run(Path(lg.root) / lg.name):
+        if rundir.holds_run(Path(lg.root) / lg.name):
             fresh = f"{lg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
             cfg = dataclasses.replace(cfg, logging=dataclasses.replace(lg, name=fresh))
     return cfg

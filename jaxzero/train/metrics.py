@@ -1,39 +1,27 @@
-"""Where a run's numbers go: the run directory, JSONL, TensorBoard, the console, the summary.
+"""Where a run's numbers go while it trains: JSONL and TensorBoard, the console, the summary.
 
-``runs/NAME/`` holds ``config.yaml`` (resolved), ``metrics.jsonl`` (one record
-per logged step; the source of truth that ``jaxzero plot`` reads), TensorBoard
-event files with the same scalars, and ``summary.json``. Every writer here is
-inert on processes other than 0, so the loop calls them unconditionally and a
-multi-process run prints and writes once. The summary states its FLOP formula
-and the peak it divides by, because an MFU without both is not a number.
+Every writer here is inert on processes other than 0, so the loop calls them
+unconditionally and a multi-process run prints and writes once. The summary states its
+FLOP formula and the peak it divides by, because an MFU without both is not a number.
+The run directory and its files are :mod:`jaxzero.train.rundir`'s; the event file
+:mod:`jaxzero.train.events`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
-import shutil
-import socket
-import struct
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 import jax
 from tqdm.auto import tqdm
 
-from jaxzero.cli import os_reason
-from jaxzero.train.config import Config, ConfigError
-
-# tensorboardX is imported where it is used: it takes about 0.1 s to import (measured beside
-# `import jaxzero`), which `--help`, `jaxzero plot` (it reads metrics.jsonl through this
-# module) and runs with logging.tensorboard off need not pay.
-
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
+from jaxzero.train.config import Config
+from jaxzero.train.events import EventFile, write_all
+from jaxzero.train.rundir import METRICS_FILE, jsonable
 
 # Dense bf16 peak FLOP/s per chip, matched against ``device.device_kind``; nominal figures
 # from vendor data sheets. Unknown kinds get no MFU unless train.peak_flops_per_device is set.
@@ -91,8 +79,8 @@ class MetricsWriter:
         """Writes ``record`` (which has an int ``step``); non-finite floats become null."""
         if self._file is None:
             return
-        clean = {k: _jsonable(v) for k, v in record.items()}
-        _write_all(self._file, self._path, (json.dumps(clean) + "\n").encode())
+        clean = {k: jsonable(v) for k, v in record.items()}
+        write_all(self._file, self._path, (json.dumps(clean) + "\n").encode())
         if self._tb is not None:
             from tensorboardX.summary import scalar
 
@@ -108,134 +96,6 @@ class MetricsWriter:
         finally:
             if tb is not None:
                 tb.close()
-
-
-class EventFile:
-    """A TensorBoard event file (a TFRecord of ``Event`` protos), written unbuffered.
-
-    Each record is on disk when :meth:`write` returns, and a write that fails raises
-    there with the file's name, leaving nothing buffered to fail again when the
-    file is collected. The protos and checksum are tensorboardX's.
-    """
-
-    def __init__(self, run_dir: Path):
-        from tensorboardX.proto.event_pb2 import Event
-
-        self.path = run_dir / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
-        with _naming(self.path):
-            self._file = open(self.path, "ab", buffering=0)
-        self._record(Event(wall_time=time.time(), file_version="brain.Event:2"))
-
-    def write(self, summary: Any, step: int) -> None:
-        from tensorboardX.proto.event_pb2 import Event
-
-        self._record(Event(summary=summary, step=step, wall_time=time.time()))
-
-    def _record(self, event: Any) -> None:
-        from tensorboardX.record_writer import masked_crc32c
-
-        data = event.SerializeToString()
-        header = struct.pack("<Q", len(data))
-        _write_all(
-            self._file,
-            self.path,
-            header
-            + struct.pack("<I", masked_crc32c(header))
-            + data
-            + struct.pack("<I", masked_crc32c(data)),
-        )
-
-    def close(self) -> None:
-        self._file.close()
-
-
-def _write_all(file: BinaryIO, path: Path, data: bytes) -> None:
-    """All of ``data`` to an unbuffered ``file``: on disk when this returns, and nothing
-    left in a buffer to fail again at close when a write fails (a full disk)."""
-    view = memoryview(data)
-    with _naming(path):
-        while view:
-            view = view[file.write(view) :]
-
-
-@contextlib.contextmanager
-def _naming(path: Path) -> Iterator[None]:
-    """Re-raises an OSError of a write (which names no file: a full disk) naming ``path``."""
-    try:
-        yield
-    except OSError as e:
-        raise OSError(e.errno, e.strerror, str(path)) from None
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a metrics file, skipping blank lines."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def write_json(path: Path, data: Mapping[str, Any]) -> None:
-    path.write_text(json.dumps({k: _jsonable(v) for k, v in data.items()}, indent=2) + "\n")
-
-
-# --------------------------------------------------------------------------- run directory
-
-
-def holds_run(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a run's results: a logged record or a summary.
-
-    A run stopped before its first record leaves only a config, an empty
-    ``metrics.jsonl`` and event files; that is no run to protect, so its name
-    can be used again.
-    """
-    metrics = run_dir / METRICS_FILE
-    if (run_dir / SUMMARY_FILE).exists():
-        return True
-    if not metrics.is_file():  # event files without metrics are not ours to delete
-        return run_dir.is_dir() and any(run_dir.glob("events.out.tfevents.*"))
-    with open(metrics) as f:
-        return any(line.strip() for line in f)
-
-
-def prepare_run_dir(cfg: Config, is_main: bool, resume: bool = False) -> Path:
-    """``ROOT/NAME``, created (with its parents) on process 0; refuses to mix two runs' metrics.
-
-    ``resume``: the directory holds this very run, which continues.
-
-    Raises:
-      ConfigError: the directory already holds a run (and ``logging.overwrite`` is
-        off), or it cannot be created or written.
-    """
-    run_dir = Path(cfg.logging.root) / str(cfg.logging.name)
-    if not is_main or resume:
-        return run_dir
-    if holds_run(run_dir) and not cfg.logging.overwrite:
-        raise ConfigError(
-            f"run directory {str(run_dir)!r} already holds a run: choose "
-            "another --name, or --set logging.overwrite=true"
-        )
-    try:
-        old = [run_dir / METRICS_FILE, run_dir / SUMMARY_FILE]
-        old += list(run_dir.glob("events.out.tfevents.*")) if run_dir.is_dir() else []
-        for p in old:  # an overwritten run, or one stopped before its first record
-            if p.is_dir():
-                shutil.rmtree(p)
-            elif p.exists():
-                p.unlink()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / METRICS_FILE
-        probe.touch()
-    except OSError as e:
-        raise ConfigError(
-            f"cannot write run directory {str(run_dir)!r}: {os_reason(e)}; "
-            "set logging.root to a writable directory (--set logging.root=PATH)"
-        ) from None
-    return run_dir
 
 
 # --------------------------------------------------------------------------- console

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from jaxzero.cli import ArgError, Parser, os_reason, output_problem
-from jaxzero.train.metrics import METRICS_FILE, read_jsonl
+from jaxzero.train.rundir import METRICS_FILE, read_jsonl
 
 CONFIG_FILES = ("config.yaml", "config.json")
 

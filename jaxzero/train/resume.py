@@ -25,8 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from jaxzero.train import config as config_lib
 from jaxzero.train.config import Config, ConfigError
+from jaxzero.train.rundir import prepare_run_dir
 
 CHECKPOINTS = "checkpoints"
 # fields a resumed run may change; anything under model.* may not
@@ -182,6 +185,37 @@ def remove_new(directory: Path, before: set[str] | None) -> None:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+
+
+def directories(
+    cfg: Config, resume: list[str] | None, undo: list[Callable[[], Any]]
+) -> tuple[Path, Path]:
+    """The run directory, prepared, and the checkpoint directory; what a fresh run creates goes on
+    ``undo``, and it never inherits checkpoints it did not write."""
+    is_main = jax.process_index() == 0
+    if is_main and cfg.checkpoint.dir:  # before the run directory, and any compiling
+        check_writable(Path(cfg.checkpoint.dir))
+    fresh = is_main and resume is None  # this process creates the run's directory
+    before = entries(Path(cfg.logging.root) / str(cfg.logging.name)) if fresh else None
+    run_dir = prepare_run_dir(cfg, is_main, resume=resume is not None)
+    if fresh:
+        undo.append(lambda: remove_new(run_dir, before))
+    ckpt_dir = checkpoint_dir(cfg, run_dir)
+    if fresh:
+        if cfg.checkpoint.dir is None:
+            aside = set_aside(ckpt_dir)
+            if aside is not None:
+                undo.append(lambda: aside.rename(ckpt_dir))
+                print(
+                    f"jaxzero train: {ckpt_dir} held another run's checkpoints (an aborted "
+                    f"or overwritten run); moved them to {aside}"
+                )
+        elif ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+            raise ConfigError(
+                f"checkpoint.dir {str(ckpt_dir)!r} already holds checkpoints of "
+                "another run: give an empty directory, or --resume that run"
+            )
+    return run_dir, ckpt_dir
 
 
 def drop_records_after(metrics_file: Path, step: int) -> int:
