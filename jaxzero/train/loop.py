@@ -13,6 +13,7 @@ the backend starts.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -28,9 +29,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxzero import distributed
+from jaxzero import cli, distributed
 from jaxzero.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError
-from jaxzero.cli import ArgError
 from jaxzero.engine import PRECISIONS
 from jaxzero.mesh import accelerator_expected, make_mesh, replicas_for, simulate_devices
 from jaxzero.models import from_fields
@@ -42,7 +42,6 @@ from jaxzero.train import metrics as metrics_lib
 from jaxzero.train import resume as resume_lib
 from jaxzero.train.args import RESOLVED_CONFIG, build_parser, config_from_args
 from jaxzero.train.config import Config, ConfigError
-from jaxzero.train.data import DataError
 from jaxzero.train.optimizer import make_optimizer
 
 DEFAULT_SIMULATED_DEVICES = 8
@@ -50,7 +49,10 @@ MAX_ROLLBACKS = 3  # checkpoint.on_nan=rollback: then stop, the run is not recov
 
 
 class Diverged(RuntimeError):
-    """The loss or gradient norm stopped being finite."""
+    """The loss or gradient norm stopped being finite.
+
+    Not a :class:`jaxzero.Error` (exit 2: the command was given something wrong): the
+    run was valid and trained; its outcome is a failure, exit 1, with the advice."""
 
     def __init__(self, step: int, loss: float, grad_norm: float):
         self.step, self.loss, self.grad_norm = step, loss, grad_norm
@@ -575,32 +577,29 @@ def _sample(cfg: Config, engine, state, model, corpus) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``jaxzero train``; returns the exit status."""
     started = time.perf_counter()
-    try:
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+
+    def body(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         if args.print_config:
             print(printable_config(cfg), end="")
             return 0
-        train(
-            cfg,
-            started,
-            getattr(args, "resume_changes", None) if args.resume else None,
-            args.init_timeout,
-        )
-    except (ArgError, ConfigError, DataError, CheckpointError, distributed.DistributedError) as e:
-        return _leave(f"jaxzero train: error: {e}", 2)
-    except resume_lib.Stopped as e:
-        return _leave(f"jaxzero train: {e}", 128 + e.signum)
-    except resume_lib.WriteFailed as e:
-        return _leave(f"jaxzero train: error: {e}", 1)
-    except SystemExit as e:  # --help
-        return int(e.code or 0)
-    except Diverged as e:
-        return _leave(f"jaxzero train: {e}", 1)
-    except KeyboardInterrupt:
-        return _leave("jaxzero train: interrupted", 130)
-    distributed.shutdown()  # every process leaves together
-    return 0
+        try:
+            train(
+                cfg,
+                started,
+                getattr(args, "resume_changes", None) if args.resume else None,
+                args.init_timeout,
+            )
+        except resume_lib.Stopped as e:  # a signal, after saving: not an error
+            return _leave(f"jaxzero train: {e}", 128 + e.signum)
+        except resume_lib.WriteFailed as e:
+            return _leave(f"jaxzero train: error: {e}", 1)
+        except Diverged as e:
+            return _leave(f"jaxzero train: {e}", 1)
+        distributed.shutdown()  # every process leaves together
+        return 0
+
+    return cli.run("train", build_parser().parse_args, body, argv, leave=_leave)
 
 
 def _leave(message: str, status: int) -> int:
