@@ -29,6 +29,41 @@ class ArgError(Error):
     """An argparse error, raised instead of printing usage and exiting."""
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # noqa: D401 - argparse hook
+        raise ArgError(message)
+
+
+def os_reason(e: OSError) -> str:
+    """``"Read-only file system: 'runs/x'"``: the OS's reason and the path it concerns."""
+    if e.filename is None:
+        return e.strerror or str(e)
+    path = Path(e.filename)
+    if e.errno in (errno.ENOTDIR, errno.EEXIST):  # a file stands where a directory should be
+        blocker = next((p for p in (path, *path.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            return f"{str(blocker)!r} is a file, not a directory"
+    return f"{e.strerror or e}: {str(path)!r}"
+
+
+def output_problem(path: Path) -> str | None:
+    """Why the file ``path`` cannot be written, or None; creates missing parent directories.
+
+    Commands check their output paths before the work that fills them, so a
+    typo costs no compilation and gives one line instead of a traceback.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return os_reason(e)
+    if path.is_dir():
+        return f"{str(path)!r} is a directory"
+    target = path if path.exists() else path.parent
+    if not os.access(target, os.W_OK):
+        return f"{str(target)!r} is not writable"
+    return None
+
+
 def say(message: str, status: int) -> int:
     """Prints ``message`` on stderr; returns ``status``."""
     print(message, file=sys.stderr, flush=True)
@@ -64,49 +99,15 @@ def run(
     traceback is shown. ``leave(line, status)`` prints the line and returns the status
     (``jaxzero train``'s also leaves a multi-process job).
     """
+    mistakes: tuple[type[Exception], ...] = (Error, *also)
     try:
         return body(parse(sys.argv[1:] if argv is None else argv)) or 0
     except SystemExit as e:  # --help
         return int(e.code or 0)
     except KeyboardInterrupt:
         return leave(f"jaxzero {prog}: interrupted", 130)
-    except (Error, *also) as e:
+    except mistakes as e:
         return leave(f"jaxzero {prog}: error: {one_line(e)}", 2)
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # noqa: D401 - argparse hook
-        raise ArgError(message)
-
-
-def os_reason(e: OSError) -> str:
-    """``"Read-only file system: 'runs/x'"``: the OS's reason and the path it concerns."""
-    if e.filename is None:
-        return e.strerror or str(e)
-    path = Path(e.filename)
-    if e.errno in (errno.ENOTDIR, errno.EEXIST):  # a file stands where a directory should be
-        blocker = next((p for p in (path, *path.parents) if p.exists()), None)
-        if blocker is not None and not blocker.is_dir():
-            return f"{str(blocker)!r} is a file, not a directory"
-    return f"{e.strerror or e}: {str(path)!r}"
-
-
-def output_problem(path: Path) -> str | None:
-    """Why the file ``path`` cannot be written, or None; creates missing parent directories.
-
-    Commands check their output paths before the work that fills them, so a
-    typo costs no compilation and gives one line instead of a traceback.
-    """
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        return os_reason(e)
-    if path.is_dir():
-        return f"{str(path)!r} is a directory"
-    target = path if path.exists() else path.parent
-    if not os.access(target, os.W_OK):
-        return f"{str(target)!r} is not writable"
-    return None
 
 
 COMMANDS = {
