@@ -10,6 +10,7 @@ state, metrics = engine.step(state, batch)
 from jaxzero import hf, nnx
 from jaxzero.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError
 from jaxzero.engine import Engine
+from jaxzero.errors import Error
 from jaxzero.hooks import remat_layer, use_params
 from jaxzero.loss import Weighted
 from jaxzero.mesh import make_mesh, simulate_devices
@@ -23,6 +24,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointWriteError",
     "Engine",
+    "Error",
     "LeafLayout",
     "NNXEngine",
     "TrainState",

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxzero.errors import Error
 from jaxzero.partition import is_layout, path_str
 from jaxzero.state import TrainState, master_sharded, master_specs
 from jaxzero.version import __version__
@@ -61,7 +62,7 @@ FORMAT = 1
 FIELDS = ("step", "params", "master", "opt_state")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Error, ValueError):
     """A checkpoint is missing, incomplete, corrupt, or of another model."""
 
 

@@ -5,6 +5,8 @@ Each subcommand lives in its own module with a ``main(argv) -> int``; this file
 only dispatches, importing just the module asked for. Most of any command's start-up
 is ``import jaxzero`` itself (JAX, Flax, optax: 1.1-1.8 s, measured on 2 CPU cores);
 importing every subcommand's module here would add 0.1-0.16 s to each of them.
+Every ``main`` runs its body through :func:`run`, the one owner of what a command
+prints and returns on a user error (:class:`jaxzero.Error`: one line, exit 2) and Ctrl-C (130).
 """
 
 from __future__ import annotations
@@ -14,10 +16,16 @@ import errno
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+from jaxzero.errors import Error
+
+A = TypeVar("A")  # a command's parsed arguments
 
 
-class ArgError(Exception):
+class ArgError(Error):
     """An argparse error, raised instead of printing usage and exiting."""
 
 
@@ -54,6 +62,52 @@ def output_problem(path: Path) -> str | None:
     if not os.access(target, os.W_OK):
         return f"{str(target)!r} is not writable"
     return None
+
+
+def say(message: str, status: int) -> int:
+    """Prints ``message`` on stderr; returns ``status``."""
+    print(message, file=sys.stderr, flush=True)
+    return status
+
+
+def one_line(e: BaseException) -> str:
+    """``e``'s message on one line: an :class:`~jaxzero.Error`'s whole (its whitespace
+    collapsed), an OSError's reason and path, another's first line (JAX's run long)."""
+    if isinstance(e, Error):
+        return " ".join(str(e).split())
+    if isinstance(e, OSError):
+        return os_reason(e)
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def run(
+    prog: str,
+    parse: Callable[[list[str]], A],
+    body: Callable[[A], int | None],
+    argv: list[str] | None = None,
+    *,
+    also: tuple[type[Exception], ...] = (),
+    leave: Callable[[str, int], int] = say,
+) -> int:
+    """Runs ``jaxzero PROG``: the exit status of ``body(parse(argv))`` (None: 0).
+
+    The one contract of every command: a :class:`jaxzero.Error` (a bad argument among
+    them) or one of the command's ``also`` exceptions prints one line,
+    ``jaxzero PROG: error: MESSAGE``, and exits 2; Ctrl-C prints ``jaxzero PROG:
+    interrupted`` and exits 130; ``--help`` exits 0. Anything else is a bug: its
+    traceback is shown. ``leave(line, status)`` prints the line and returns the status
+    (``jaxzero train``'s also leaves a multi-process job).
+    """
+    mistakes: tuple[type[Exception], ...] = (Error, *also)
+    try:
+        return body(parse(sys.argv[1:] if argv is None else argv)) or 0
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except KeyboardInterrupt:
+        return leave(f"jaxzero {prog}: interrupted", 130)
+    except mistakes as e:
+        return leave(f"jaxzero {prog}: error: {one_line(e)}", 2)
 
 
 COMMANDS = {

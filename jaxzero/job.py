@@ -18,6 +18,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from jaxzero.errors import Error
+
 DEFAULT_INIT_TIMEOUT_CPU = 60.0  # seconds; accelerators use JAX's 300
 DEFAULT_INIT_TIMEOUT_ACCELERATOR = 300.0
 DEFAULT_HEARTBEAT_TIMEOUT = 30  # a dead peer is declared after this many seconds (JAX: 100)
@@ -50,7 +52,7 @@ TORCHRUN_PORT_OFFSET = 1
 LAUNCH_EVENTS = "JAXZERO_LAUNCH_EVENTS"
 
 
-class DistributedError(RuntimeError):
+class DistributedError(Error, RuntimeError):
     """The job cannot be set up; the message is one line naming the variables at fault."""
 
 

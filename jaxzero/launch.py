@@ -40,14 +40,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from jaxzero import cli
 from jaxzero.cli import ArgError, Parser
+from jaxzero.errors import Error
 from jaxzero.job import LAUNCH_EVENTS
 
 GRACE_SECONDS = 10.0  # SIGTERM -> SIGKILL
 POLL_SECONDS = 0.1
 ENDED_SECONDS = 1.0  # a rank's program ended this long ago and others run on: say so
 EXIT_FAILED = 1
-EXIT_USAGE = 2
 
 # Runs in each child before the command: die with the launcher (Linux), then exec.
 _TRAMPOLINE = """import ctypes, os, signal, sys
@@ -61,7 +62,7 @@ os.execvp(sys.argv[2], sys.argv[2:])
 """
 
 
-class UsageError(ValueError):
+class UsageError(Error, ValueError):
     """A bad command line; printed as one line, exit status 2."""
 
 
@@ -475,14 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["-h"], ["--help"]):
         build_parser().print_help()
         return 0
-    try:
-        plan = parse(argv)
-        return run(plan)
-    except UsageError as e:
-        print(f"jaxzero launch: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except SystemExit as e:  # --help among the options
-        return int(e.code or 0)
+    return cli.run("launch", parse, run, argv)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from jaxzero.errors import Error
+
 # The one list of tokenizer files (data/tokenizer.py reads its names from here).
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -49,7 +51,7 @@ TOKENIZER_DIRS = (TEMPLATE_DIR,)  # transformers 5: one .jinja per named templat
 MANIFEST = "jaxzero-export.json"
 
 
-class ModelDirError(ValueError):
+class ModelDirError(Error, ValueError):
     """A target jaxzero may not write or replace; its message is one line."""
 
 

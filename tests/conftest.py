@@ -46,6 +46,7 @@ MODULES = {
     "test_distributed": "unit",
     "test_docs": "system",
     "test_engine": "equivalence",
+    "test_errors": "unit",
     "test_estimate": "unit",
     "test_experiments": "system",
     "test_export": "system",

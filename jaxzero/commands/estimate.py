@@ -16,9 +16,10 @@ from dataclasses import asdict
 
 import jax
 
+from jaxzero import cli
 from jaxzero.accounting.activations import GPTShape
 from jaxzero.accounting.estimate import GB, OPTIMIZER_BYTES, PRECISIONS, Estimate, estimate
-from jaxzero.cli import ArgError, Parser
+from jaxzero.cli import Parser
 from jaxzero.models import from_fields
 from jaxzero.train import config as config_lib
 
@@ -137,17 +138,13 @@ def _from_args(args: argparse.Namespace) -> Estimate:
 
 def main(argv: list[str] | None = None) -> int:
     """``jaxzero estimate``: print the estimate; 2 and a one-line message on bad input."""
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        args = build_parser().parse_args(argv)
+
+    def body(args: argparse.Namespace) -> None:
         est = _from_args(args)
-    except (ArgError, ValueError) as e:  # ConfigError is a ValueError
-        print(f"jaxzero estimate: error: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return int(e.code or 0)
-    print(json.dumps(est.to_dict(), indent=2) if args.json else est.table())
-    return 0
+        print(json.dumps(est.to_dict(), indent=2) if args.json else est.table())
+
+    # ValueError: the formulas refuse impossible numbers with one
+    return cli.run("estimate", build_parser().parse_args, body, argv, also=(ValueError,))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import optax
 
 import jaxzero
-from jaxzero.cli import ArgError, Parser, output_problem
+from jaxzero import cli
+from jaxzero.cli import Parser, output_problem
 from jaxzero.mesh import accelerator_expected, replicas_for, simulate_devices
 from jaxzero.models import from_fields
 
@@ -148,41 +149,34 @@ def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """``jaxzero report``: returns 0, or 2 with a one-line message on bad input."""
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        args = build_parser().parse_args(argv)
+
+    def body(args: argparse.Namespace) -> None:
         _validate(args)
-    except (ArgError, ValueError) as e:
-        print(f"jaxzero report: error: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return int(e.code or 0)
+        # here: it takes 0.1 s to import (measured beside `import jaxzero`); --help need not pay
+        from jaxzero.accounting import measure as accounting
 
-    # here: it takes 0.1 s to import (measured beside `import jaxzero`); --help need not pay
-    from jaxzero.accounting import measure as accounting
-
-    n_sim = args.simulate_devices
-    if n_sim is None and not accelerator_expected():
-        n_sim = max(8, args.devices or 0)
-    reports = []
-    try:
+        n_sim = args.simulate_devices
+        if n_sim is None and not accelerator_expected():
+            n_sim = max(8, args.devices or 0)
         if n_sim is not None:
             simulate_devices(n_sim)
+        reports = []
         for stage in args.stage:
             engine, state, batch = build(args, stage)
             compiled = engine.compile(state, batch)
             if args.dump_hlo:
                 hlo_path(args.dump_hlo, stage).write_text(compiled.as_text())
             reports.append(accounting.report(engine, state, batch, compiled=compiled))
-    except (ValueError, RuntimeError, OSError) as e:
-        print(f"jaxzero report: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
-    if args.json:
-        out = [r.to_dict() for r in reports]
-        print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
-    else:
-        print("\n\n".join(r.table() for r in reports))
-    return 0
+        if args.json:
+            out = [r.to_dict() for r in reports]
+            print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
+        else:
+            print("\n\n".join(r.table() for r in reports))
+
+    # ValueError: _validate's checks and the model's own; RuntimeError: XLA refusing the
+    # step (its first line); OSError: writing --dump-hlo
+    also = (ValueError, RuntimeError, OSError)
+    return cli.run("report", build_parser().parse_args, body, argv, also=also)
 
 
 if __name__ == "__main__":

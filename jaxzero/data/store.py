@@ -34,12 +34,13 @@ import numpy as np
 
 from jaxzero.data.progress import Meter
 from jaxzero.data.tokenizer import CONFIG, TEMPLATE_DIR, TEMPLATE_FILE, Tokenizer
+from jaxzero.errors import Error
 
 VERSION = 2  # 2: the key covers the EOS, BOS, chat template and max_bytes
 BATCH = 512  # documents tokenized at once
 
 
-class StoreError(ValueError):
+class StoreError(Error, ValueError):
     """Data that cannot be tokenized; its message is one line (file and line number)."""
 
 

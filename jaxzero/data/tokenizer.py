@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer as Raw
 
+from jaxzero.errors import Error
 from jaxzero.modeldir import TEMPLATE_DIR, TEMPLATE_FILE, TOKENIZER_CONFIG, TOKENIZER_FILE
 
 FILE = TOKENIZER_FILE
@@ -32,7 +33,7 @@ EOS_SPELLINGS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_end|>", "<eos
 UNK_WARN = 0.01  # above this share of unknown tokens, text is being lost: say so
 
 
-class TokenizerError(ValueError):
+class TokenizerError(Error, ValueError):
     """A tokenizer that cannot be used; its message is one line."""
 
 

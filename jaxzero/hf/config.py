@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxzero.errors import Error
 from jaxzero.models.llama import ROPE_TYPES, LlamaConfig
 
 CONFIG = "config.json"
@@ -27,7 +28,7 @@ ARCHITECTURES = {
 SUPPORTED = ", ".join(ARCHITECTURES)
 
 
-class HFError(ValueError):
+class HFError(Error, ValueError):
     """A Hugging Face directory jaxzero cannot use; its message is one line."""
 
 

@@ -20,6 +20,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jaxzero.errors import Error
+
 CODES = {
     "F32": np.dtype(np.float32),
     "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -29,7 +31,7 @@ CODES = {
 NAMES = {dt.name: code for code, dt in CODES.items()}  # numpy dtype name -> code
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(Error, ValueError):
     """A file that is not a complete safetensors file; its message is one line."""
 
 

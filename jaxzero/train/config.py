@@ -26,8 +26,10 @@ from typing import Any, Literal
 
 import yaml
 
+from jaxzero.errors import Error
 
-class ConfigError(ValueError):
+
+class ConfigError(Error, ValueError):
     """A configuration mistake; its message is one line that names the key."""
 
 

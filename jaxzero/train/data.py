@@ -39,6 +39,7 @@ import numpy as np
 from jaxzero.data import store as store_lib
 from jaxzero.data.store import is_text, text_files
 from jaxzero.data.tokenizer import Tokenizer, TokenizerError, unk_warning
+from jaxzero.errors import Error
 from jaxzero.train.config import DataConfig
 
 TOKEN_SUFFIX = ".bin"  # nanoGPT's uint16 token files
@@ -46,7 +47,7 @@ BYTE_VOCAB = 256
 Kind = Literal["bytes", "uint16", "tokenizer"]
 
 
-class DataError(ValueError):
+class DataError(Error, ValueError):
     """A data problem the user must fix; its message is one line."""
 
 

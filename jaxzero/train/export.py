@@ -27,7 +27,6 @@ import dataclasses
 import json
 import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ import ml_dtypes
 import numpy as np
 import yaml
 
-from jaxzero import hf, modeldir
+from jaxzero import cli, hf, modeldir
 from jaxzero.checkpoint import (
     CheckpointError,
     LeafReader,
@@ -46,9 +45,9 @@ from jaxzero.checkpoint import (
     read_extra,
     read_metadata,
 )
-from jaxzero.cli import ArgError, Parser
+from jaxzero.cli import Parser
+from jaxzero.errors import Error
 from jaxzero.hf import safetensors
-from jaxzero.hf.config import HFError
 from jaxzero.models import from_fields
 from jaxzero.train.args import RESOLVED_CONFIG as RUN_CONFIG
 from jaxzero.train.config import DataConfig
@@ -75,7 +74,7 @@ FORMATS = ("jaxzero", "hf")
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}
 
 
-class ExportError(ValueError):
+class ExportError(Error, ValueError):
     """A path that is not a run, checkpoint or export; its message is one line."""
 
 
@@ -333,21 +332,6 @@ def describe_source(path: str | Path, step: int | None = None) -> str:
 # --------------------------------------------------------------------------- CLI
 
 
-def run_cli(prog: str, body: Callable[[], None]) -> int:
-    """Runs a subcommand's body; user mistakes become one line on stderr and exit 2."""
-    try:
-        body()
-    except (ArgError, ExportError, CheckpointError, safetensors.SafetensorsError, HFError) as e:
-        print(f"jaxzero {prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return int(e.code or 0)
-    except KeyboardInterrupt:
-        print(f"jaxzero {prog}: interrupted", file=sys.stderr)
-        return 130
-    return 0
-
-
 def _export_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="jaxzero export",
@@ -380,8 +364,7 @@ def _export_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``jaxzero export``."""
 
-    def body():
-        args = _export_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    def body(args: argparse.Namespace) -> None:
         host_reader_process()
         foreign = modeldir.foreign_entries(Path(args.out)) if args.overwrite else []
         out = export(args.path, args.out, args.dtype, args.step, args.format, args.overwrite)
@@ -394,4 +377,4 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(describe_source(args.path, args.step), file=sys.stderr)
 
-    return run_cli("export", body)
+    return cli.run("export", _export_parser().parse_args, body, argv)

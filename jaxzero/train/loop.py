@@ -15,6 +15,7 @@ the backend starts.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import signal
@@ -27,9 +28,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxzero import distributed
+from jaxzero import cli, distributed
 from jaxzero.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError
-from jaxzero.cli import ArgError
 from jaxzero.engine import PRECISIONS
 from jaxzero.models import from_fields
 from jaxzero.models.common import cudnn_refusal
@@ -40,7 +40,6 @@ from jaxzero.train import metrics as metrics_lib
 from jaxzero.train import resume as resume_lib
 from jaxzero.train.args import RESOLVED_CONFIG, build_parser, config_from_args
 from jaxzero.train.config import Config, ConfigError
-from jaxzero.train.data import DataError
 from jaxzero.train.devices import printable_config, resolve_run, setup_devices
 from jaxzero.train.optimizer import make_optimizer
 from jaxzero.train.steps import Diverged, Run, Steps
@@ -341,32 +340,29 @@ def _sample(cfg: Config, engine, state, model, corpus) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``jaxzero train``; returns the exit status."""
     started = time.perf_counter()
-    try:
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+
+    def body(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         if args.print_config:
             print(printable_config(cfg), end="")
             return 0
-        train(
-            cfg,
-            started,
-            getattr(args, "resume_changes", None) if args.resume else None,
-            args.init_timeout,
-        )
-    except (ArgError, ConfigError, DataError, CheckpointError, distributed.DistributedError) as e:
-        return _leave(f"jaxzero train: error: {e}", 2)
-    except resume_lib.Stopped as e:
-        return _leave(f"jaxzero train: {e}", 128 + e.signum)
-    except resume_lib.WriteFailed as e:
-        return _leave(f"jaxzero train: error: {e}", 1)
-    except SystemExit as e:  # --help
-        return int(e.code or 0)
-    except Diverged as e:
-        return _leave(f"jaxzero train: {e}", 1)
-    except KeyboardInterrupt:
-        return _leave("jaxzero train: interrupted", 130)
-    distributed.shutdown()  # every process leaves together
-    return 0
+        try:
+            train(
+                cfg,
+                started,
+                getattr(args, "resume_changes", None) if args.resume else None,
+                args.init_timeout,
+            )
+        except resume_lib.Stopped as e:  # a signal, after saving: not an error
+            return _leave(f"jaxzero train: {e}", 128 + e.signum)
+        except resume_lib.WriteFailed as e:
+            return _leave(f"jaxzero train: error: {e}", 1)
+        except Diverged as e:
+            return _leave(f"jaxzero train: {e}", 1)
+        distributed.shutdown()  # every process leaves together
+        return 0
+
+    return cli.run("train", build_parser().parse_args, body, argv, leave=_leave)
 
 
 def _leave(message: str, status: int) -> int:

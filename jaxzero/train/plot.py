@@ -9,6 +9,7 @@ tokens, so runs with different batch sizes compare fairly too.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,13 +17,15 @@ from typing import Any
 
 import yaml
 
-from jaxzero.cli import ArgError, Parser, os_reason, output_problem
+from jaxzero import cli
+from jaxzero.cli import Parser, output_problem
+from jaxzero.errors import Error
 from jaxzero.train.rundir import METRICS_FILE, read_jsonl
 
 CONFIG_FILES = ("config.yaml", "config.json")
 
 
-class PlotError(ValueError):
+class PlotError(Error, ValueError):
     """A run directory that cannot be plotted; one-line message."""
 
 
@@ -143,24 +146,18 @@ def main(argv: list[str] | None = None) -> int:
         help="PNG path (default: RUN_DIR/loss.png for one run, ./loss.png for several)",
     )
     parser.add_argument("--title", help="figure title")
-    try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+    def body(args: argparse.Namespace) -> None:
         runs = [load_run(d) for d in args.run_dirs]
         out = Path(args.output) if args.output else default_output(args.run_dirs)
         problem = output_problem(out)
         if problem:
             raise PlotError(f"cannot write {str(out)!r}: {problem}; choose another -o PATH")
         plot_runs(runs, out, args.title)
-    except (ArgError, PlotError) as e:
-        print(f"jaxzero plot: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # the disk filled up, or the path changed under us
-        print(f"jaxzero plot: error: {os_reason(e)}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return int(e.code or 0)
-    print(f"wrote {out}")
-    return 0
+        print(f"wrote {out}")
+
+    # OSError: the disk filled up, or the path changed under us
+    return cli.run("plot", parser.parse_args, body, argv, also=(OSError,))
 
 
 if __name__ == "__main__":

@@ -236,7 +236,10 @@ def drop_records_after(metrics_file: Path, step: int) -> int:
 
 
 class Stopped(Exception):
-    """Training stopped on a signal after saving a checkpoint."""
+    """Training stopped on a signal after saving a checkpoint.
+
+    Not a :class:`jaxzero.Error`: nothing was wrong; ``jaxzero train`` exits 128 + the
+    signal's number, as a process the signal ended would."""
 
     def __init__(self, signum: int, step: int, where: Path, run_dir: Path):
         self.signum, self.step, self.where, self.run_dir = signum, step, where, run_dir
@@ -249,7 +252,10 @@ class Stopped(Exception):
 
 class WriteFailed(Exception):
     """Training stopped because it could not write (disk full, permission lost); says
-    what to do, and how to resume when a checkpoint is left."""
+    what to do, and how to resume when a checkpoint is left.
+
+    Not a :class:`jaxzero.Error` (exit 2: the command was given something wrong): the
+    command was right and ran, the machine failed under it, so ``jaxzero train`` exits 1."""
 
     def __init__(self, what: str, resumable: bool, run_dir: Path):
         then = (

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxzero import hf
+from jaxzero import cli, hf
 from jaxzero.checkpoint import LeafReader, nest, param_entries, read_metadata
 from jaxzero.cli import ArgError, Parser
 from jaxzero.data.tokenizer import Tokenizer, TokenizerError, unk_share, unk_warning
@@ -35,7 +35,6 @@ from jaxzero.train.export import (
     describe_source,
     find_step_dir,
     model_fields,
-    run_cli,
     run_config,
     token_kind,
 )
@@ -249,8 +248,7 @@ def _sample_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``jaxzero sample``: prints the prompt and the generated text."""
 
-    def body():
-        args = _sample_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    def body(args: argparse.Namespace) -> None:
         if args.tokens < 0 or args.temperature < 0:
             raise ArgError("--tokens and --temperature must be >= 0")
         new, text = sample(
@@ -275,4 +273,4 @@ def main(argv: list[str] | None = None) -> int:
         if not (path / CONFIG).is_file():  # a run or checkpoint, not an export or HF dir
             print(describe_source(path, args.step), file=sys.stderr)
 
-    return run_cli("sample", body)
+    return cli.run("sample", _sample_parser().parse_args, body, argv)

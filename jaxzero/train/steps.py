@@ -30,7 +30,10 @@ MAX_ROLLBACKS = 3  # checkpoint.on_nan=rollback: then stop, the run is not recov
 
 
 class Diverged(RuntimeError):
-    """The loss or gradient norm stopped being finite."""
+    """The loss or gradient norm stopped being finite.
+
+    Not a :class:`jaxzero.Error` (exit 2: the command was given something wrong): the
+    run was valid and trained; its outcome is a failure, exit 1, with the advice."""
 
     def __init__(self, step: int, loss: float, grad_norm: float):
         self.step, self.loss, self.grad_norm = step, loss, grad_norm
