@@ -55,6 +55,7 @@ MODULES = {
     "test_llama": "equivalence",
     "test_loss": "equivalence",
     "test_mesh": "unit",
+    "test_models": "unit",
     "test_multiprocess": "system",
     "test_nnx": "equivalence",
     "test_optimizers": "equivalence",

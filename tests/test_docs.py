@@ -21,7 +21,7 @@ PAGES = {p.name: p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
 MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh",
            "jaxzero.collectives", "jaxzero.models.gpt", "jaxzero.job", "jaxzero.checkpoint",
            "jaxzero.train.data", "jaxzero.accounting.estimate", "jaxzero.nnx",
-           "jaxzero.models.llama", "jaxzero.hf.config"]  # fmt: skip
+           "jaxzero.models.llama", "jaxzero.models.llama_hf"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MODULES)

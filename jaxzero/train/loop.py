@@ -33,7 +33,7 @@ from jaxzero.checkpoint import CheckpointError, CheckpointManager, CheckpointWri
 from jaxzero.cli import ArgError
 from jaxzero.engine import PRECISIONS
 from jaxzero.mesh import accelerator_expected, make_mesh, replicas_for, simulate_devices
-from jaxzero.models import from_fields
+from jaxzero.models import Model, from_fields
 from jaxzero.models.common import cudnn_refusal
 from jaxzero.train import config as config_lib
 from jaxzero.train import data as data_lib
@@ -163,13 +163,14 @@ def evaluate(engine: Any, state: Any, batches: list[Any]) -> float:
     return sum(float(engine.eval_loss(state, b)) for b in batches) / len(batches)
 
 
-def build(cfg: Config, mesh: Any, hf_raw: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
+def build(cfg: Config, mesh: Any, model: Model | None = None) -> tuple[Model, Any, Any]:
     """The model, its engine (every parallel/precision option reaches it here), the LR
-    schedule. ``hf_raw``: a fine-tune's architecture (:func:`finetune.pin_architecture`)."""
+    schedule. ``model``: a fine-tune's (:func:`finetune.resolve`), already read from
+    its checkpoint; None: built from ``cfg.model``."""
     refused = cudnn_refusal(cfg.model.attention, PRECISIONS[cfg.precision.compute])
     if refused is not None:
         raise ConfigError(f"model.{refused}")
-    model = from_fields(dataclasses.asdict(cfg.model), hf_raw)
+    model = from_fields(cfg.model) if model is None else model
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
     engine = model.engine(
         tx,
@@ -302,10 +303,9 @@ def _train(
                 "another run: give an empty directory, or --resume that run"
             )
     ckpt = CheckpointManager(ckpt_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
-    hf_raw = None
     if pretrained is not None:
-        cfg, hf_raw = finetune.pin_architecture(cfg, pretrained, run_dir, is_main)
-    model, engine, schedule = build(cfg, mesh, hf_raw)
+        cfg, _ = finetune.pin_architecture(cfg, pretrained, run_dir, is_main)
+    model, engine, schedule = build(cfg, mesh, pretrained)
     extra: dict[str, Any] = {}
     if resume is not None:
         state, extra = ckpt.restore(engine)  # CheckpointError: nothing (readable) to resume
@@ -319,7 +319,7 @@ def _train(
                 (run_dir / RESOLVED_CONFIG).write_text(config_lib.dump_yaml(cfg))
                 writer.text("config", config_lib.dump_yaml(cfg))
             if pretrained is not None:
-                state = finetune.load(cfg, engine)  # each device reads its slices
+                state = finetune.load(cfg, engine, pretrained)  # each device: its slices
             elif resume is None:
                 state = engine.init_from(model.init, jax.random.key(cfg.train.seed))
             per_run = None if job.multi else simulated  # multi-process: the mesh line says it
