@@ -42,17 +42,7 @@ from jaxzero.models.llama_hf import (
 from jaxzero.partition import LeafLayout, is_layout, layouts_for
 from jaxzero.state import TrainState
 
-__all__ = [
-    "HFError",
-    "SafetensorsError",
-    "check",
-    "hf_config",
-    "llama_config",
-    "load",
-    "model",
-    "read_params",
-    "save",
-]
+__all__ = ["HFError", "SafetensorsError", "check", "load", "model", "read_params", "save"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

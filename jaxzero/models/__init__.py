@@ -24,7 +24,6 @@ from jaxzero.models.llama_hf import llama_config, read_json
 from jaxzero.models.protocol import Model, ReferenceModel
 
 __all__ = [
-    "ARCHS",
     "GPT",
     "GPTConfig",
     "Llama",
