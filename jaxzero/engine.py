@@ -188,7 +188,6 @@ class Engine:
         self.batch_devices = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))
         self.batch_sharding = NamedSharding(self.mesh, P(batch_axes(self.mesh)))
         self.layouts: Any = None  # set by init
-        self.model: Any = None  # the model object, when one built this engine (Llama.engine)
         self._state_shardings: Any = None
         self._step_fn: (
             Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]] | None

@@ -41,7 +41,7 @@ for _ in range(3):
     local = {"inputs": t[4 * proc : 4 * proc + 4, :-1], "targets": t[4 * proc : 4 * proc + 4, 1:]}
     state, metrics = engine.step(state, engine.shard_batch(local))
     losses.append(float(metrics["loss"]))
-hf.save(out, engine, state, dtype="float32")
+hf.save(out, model, engine, state, dtype="float32")
 sharded = {
     lay.path: lay.size
     for lay in jax.tree.leaves(engine.layouts, is_leaf=jaxzero.partition.is_layout)

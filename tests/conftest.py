@@ -59,6 +59,7 @@ MODULES = {
     "test_loop": "unit",
     "test_loss": "equivalence",
     "test_mesh": "unit",
+    "test_models": "unit",
     "test_multiprocess": "system",
     "test_nnx": "equivalence",
     "test_optimizers": "equivalence",

@@ -23,7 +23,7 @@ MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh
            "jaxzero.collectives", "jaxzero.models.gpt", "jaxzero.job", "jaxzero.checkpoint",
            "jaxzero.train.data", "jaxzero.accounting.estimate", "jaxzero.nnx",
            "jaxzero.accounting.activations",
-           "jaxzero.models.llama", "jaxzero.hf.config"]  # fmt: skip
+           "jaxzero.models.llama", "jaxzero.models.llama_hf"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -423,7 +423,7 @@ def finetuned(tmp_path_factory):
     (run / "config.yaml").write_text(C.dump_yaml(cfg))
     engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
     with jaxzero.CheckpointManager(run / "checkpoints") as ckpt:
-        ckpt.save(engine, hf.load(base, engine))
+        ckpt.save(engine, hf.load(base, engine, model))
     return run, base
 
 
@@ -493,7 +493,7 @@ def test_exports_carry_the_tokenizer_files_hf_save_does(finetuned, tmp_path, cap
     run, base = finetuned
     model = hf.model(base)
     engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
-    hf.save(tmp_path / "saved", engine, hf.load(base, engine))
+    hf.save(tmp_path / "saved", model, engine, hf.load(base, engine, model))
     want = _tokenizer_files(base)
     assert {"chat_template.jinja", "additional_chat_templates/tool_use.jinja"} <= set(want)
     assert "special_tokens_map.json" in want and "tokenizer_config.json" in want

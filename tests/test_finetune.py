@@ -18,6 +18,7 @@ import pytest
 from jaxzero import cli, hf, make_mesh
 from jaxzero.data.tokenizer import Tokenizer
 from jaxzero.hf import safetensors
+from jaxzero.models import from_fields
 from jaxzero.train import data as data_lib
 from jaxzero.train import finetune
 from jaxzero.train import loop as train_loop
@@ -418,15 +419,18 @@ def test_a_nan_in_the_weights_is_one_line_naming_the_tensor(pairs, tmp_path, cap
 @pytest.mark.unit
 def test_no_process_reads_the_architecture_another_writes(tmp_path):
     """pin_architecture on a process other than 0 writes nothing, and that process's
-    model is built from what it computed, not from rank 0's file (not there yet)."""
+    model is built from what it computed, not from rank 0's file (not there yet); a
+    resumed run builds the same architecture from the pinned copy."""
     src = FIXTURES / "qwen2_tied/sharded"  # an untied head: the copy differs from the source
     cfg, pretrained = finetune.resolve(
         _finetune_config(src, tmp_path / "absent.jsonl", FIXTURES / "llama_gqa/single")
     )
     cfg, raw = finetune.pin_architecture(cfg, pretrained, tmp_path, is_main=False)
     assert not (tmp_path / finetune.HF_CONFIG).exists()
-    model, _, _ = train_loop.build(cfg, make_mesh(1), raw)
-    assert model.config == pretrained.config and model.hf_config == raw
+    model, _, _ = train_loop.build(cfg, make_mesh(1), pretrained)
+    assert model is pretrained  # the checkpoint's config.json, read once by resolve
+    rebuilt = from_fields(cfg.model, raw)  # as --resume builds it, from the copy
+    assert rebuilt.config == pretrained.config and getattr(rebuilt, "hf_config", None) == raw
     assert raw["tie_word_embeddings"] is False
     finetune.pin_architecture(cfg, pretrained, tmp_path, is_main=True)  # what resume reads
     assert json.loads((tmp_path / finetune.HF_CONFIG).read_text()) == raw

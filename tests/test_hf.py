@@ -22,7 +22,8 @@ import pytest
 import jaxzero
 from jaxzero import hf
 from jaxzero.hf import safetensors
-from jaxzero.hf.config import HFError, llama_config
+from jaxzero.models import GPT, GPTConfig, Llama
+from jaxzero.models.llama_hf import HFError, llama_config
 from tests._models import rel_diff, train_reference
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -116,7 +117,7 @@ def test_finetune_round_trip_is_bit_exact_and_matches_one_device(tmp_path):
     trained = engine.gather_params(state)
     assert rel_diff(trained, ref_params) < 1e-4
 
-    out = hf.save(tmp_path / "ft", engine, state, dtype="float32", max_shard_size=30_000)
+    out = hf.save(tmp_path / "ft", model, engine, state, dtype="float32", max_shard_size=30_000)
     again = hf.model(out)
     engine1 = again.engine(tx, mesh=jaxzero.make_mesh(4), stage=1)
     reloaded = engine1.gather_params(hf.load(out, engine1))
@@ -132,7 +133,7 @@ def test_saved_directory_is_what_transformers_reads(tmp_path):
     model = hf.model(src)
     engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=2)
     state = hf.load(src, engine)
-    out = hf.save(tmp_path / "out", engine, state, max_shard_size=16_000)
+    out = hf.save(tmp_path / "out", model, engine, state, max_shard_size=16_000)
     names = sorted(p.name for p in out.iterdir())
     shards = [n for n in names if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", n)]
     assert len(shards) >= 2 and "model.safetensors.index.json" in names
@@ -175,7 +176,7 @@ def test_a_model_built_here_saves_as_its_architecture(tmp_path):
     model = Llama(cfg)
     engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
     params = jax.tree.map(np.asarray, model.init(jax.random.key(0)))
-    out = hf.save(tmp_path / "m", engine, engine.init(params), dtype="float32")
+    out = hf.save(tmp_path / "m", model, engine, engine.init(params), dtype="float32")
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"]  # q/k/v biases, none on o_proj
     back = hf.model(out, seq_len=8).config
@@ -314,7 +315,7 @@ def test_load_holds_about_one_param_on_the_host(tmp_path):
     model = Llama(cfg)
     engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(8), stage=3)
     state = engine.init_from(model.init, jax.random.key(0))
-    hf.save(tmp_path / "big", engine, state, dtype="float32")
+    hf.save(tmp_path / "big", model, engine, state, dtype="float32")
     largest = max(
         x.size * 4 for x in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0)))
     )
@@ -452,13 +453,13 @@ def test_save_never_replaces_the_models_source_and_replaces_its_own_output(tmp_p
     before = {p.name: p.read_bytes() for p in src.iterdir()}
     for out in (src, src.parent):
         with pytest.raises(HFError, match="the model's source directory .* never replaces it"):
-            hf.save(out, engine, state, overwrite=True)
+            hf.save(out, model, engine, state, overwrite=True)
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
-    hf.save(tmp_path / "out", engine, state)
-    hf.save(tmp_path / "out", engine, state)  # its own earlier output
+    hf.save(tmp_path / "out", model, engine, state)
+    hf.save(tmp_path / "out", model, engine, state)  # its own earlier output
     (tmp_path / "out" / "notes.txt").write_text("mine")
     with pytest.raises(HFError, match=r"\(notes.txt\)"):
-        hf.save(tmp_path / "out", engine, state)
+        hf.save(tmp_path / "out", model, engine, state)
 
 
 def test_save_refuses_a_non_empty_directory(tmp_path):
@@ -468,11 +469,14 @@ def test_save_refuses_a_non_empty_directory(tmp_path):
     state = hf.load(src, engine)
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(HFError, match=r"holds files jaxzero did not write \(notes.txt\)") as e:
-        hf.save(tmp_path, engine, state)
+        hf.save(tmp_path, model, engine, state)
     _one_line(e)
     assert (tmp_path / "notes.txt").read_text() == "mine"
-    hf.save(tmp_path, engine, state, overwrite=True)
+    hf.save(tmp_path, model, engine, state, overwrite=True)
     assert not (tmp_path / "notes.txt").exists() and (tmp_path / "model.safetensors").is_file()
-    gpt = jaxzero.Engine(lambda p, b: 0.0, optax.sgd(0.1), mesh=jaxzero.make_mesh(1))
-    with pytest.raises(HFError, match="needs an engine from Llama.engine"):
-        hf.save(tmp_path / "x", gpt, state)
+    gpt = GPT(GPTConfig(seq_len=8, d_model=16, n_layers=1, n_heads=2))
+    with pytest.raises(HFError, match="hf.save writes a Llama .* not a GPT"):
+        hf.save(tmp_path / "x", gpt, engine, state)
+    other = Llama(dataclasses.replace(model.config, num_hidden_layers=1))
+    with pytest.raises(HFError, match="the engine's params are not this model's"):
+        hf.save(tmp_path / "x", other, engine, state)

@@ -1,10 +1,10 @@
 """Hugging Face checkpoints in and out: Llama, Qwen2 and Mistral, any stage, any mesh.
 
-    model = jaxzero.hf.model("path/to/Llama-3.2-1B")        # reads config.json
+    model = jaxzero.hf.model("path/to/Llama-3.2-1B")               # reads config.json
     engine = model.engine(optax.adamw(1e-5), stage=3)
-    state = jaxzero.hf.load("path/to/Llama-3.2-1B", engine)  # each device reads its slice
-    ...                                                      # train
-    jaxzero.hf.save("out/", engine, state)                   # transformers loads it
+    state = jaxzero.hf.load("path/to/Llama-3.2-1B", engine, model)  # each device: its slice
+    ...                                                             # train
+    jaxzero.hf.save("out/", model, engine, state)                   # transformers loads it
 
 ``load`` reads the safetensors files memory-mapped, one param at a time and only the
 slices this process's devices hold, converting bf16/fp16/fp32 on disk into the
@@ -27,7 +27,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxzero import modeldir
-from jaxzero.hf.config import (
+from jaxzero.hf.safetensors import SafetensorsError, SafetensorsFile
+from jaxzero.hf.safetensors import write as write_safetensors
+from jaxzero.models.llama import Llama
+from jaxzero.models.llama_hf import (
     CONFIG,
     GENERATION_CONFIG,
     HFError,
@@ -36,9 +39,6 @@ from jaxzero.hf.config import (
     llama_config,
     read_json,
 )
-from jaxzero.hf.safetensors import SafetensorsError, SafetensorsFile
-from jaxzero.hf.safetensors import write as write_safetensors
-from jaxzero.models.llama import Llama
 from jaxzero.partition import LeafLayout, is_layout, layouts_for
 from jaxzero.state import TrainState
 
@@ -198,24 +198,19 @@ def check(path: str | Path, m: Llama | None = None) -> Llama:
     return m
 
 
-def load(path: str | Path, engine: Any) -> TrainState:
+def load(path: str | Path, engine: Any, m: Llama | None = None) -> TrainState:
     """A train state (step 0, fresh optimizer) with the checkpoint's params, written
     straight into ``engine``'s shardings.
 
     Each param is read memory-mapped, only over the slices this process's devices
     hold, and converted to fp32 (the master precision), so host memory grows by about
-    one param, not the model. ``engine`` comes from ``model(path).engine(...)`` (or
-    any engine of a :class:`Llama` of the same shapes) and need not be initialised.
+    one param, not the model. ``engine`` comes from ``m.engine(...)`` and need not be
+    initialised; ``m`` is the :class:`Llama` it was built from (default: the
+    checkpoint's, :func:`model` of ``path``: pass it when you have it, so that
+    ``config.json`` is read once).
     """
     path = Path(path)
-    m = model(path)
-    own = getattr(engine, "model", None)
-    if own is not None and getattr(own, "config", None) is not None:
-        keys = ("vocab_size", "hidden_size", "num_hidden_layers", "tie_word_embeddings")
-        mine = {k: getattr(own.config, k, None) for k in keys}
-        theirs = {k: getattr(m.config, k) for k in keys}
-        if mine != theirs:
-            raise HFError(f"the engine's model {mine} is not the checkpoint's {theirs}")
+    m = model(path) if m is None else m
     return engine.init_from_slices(*_reader(path, m))
 
 
@@ -322,13 +317,15 @@ def write_model(
 
 def save(
     path: str | Path,
+    m: Llama,
     engine: Any,
     state: TrainState,
     dtype: str = "bfloat16",
     max_shard_size: int = 5 * 2**30,
     overwrite: bool = False,
 ) -> Path:
-    """Write ``state``'s params as a Hugging Face model directory.
+    """Write ``state``'s params (of the Llama ``m``, trained by ``engine``) as a Hugging
+    Face model directory.
 
     ``config.json`` (the source's, when the model came from :func:`model`),
     ``generation_config.json``, safetensors of ``dtype`` with ``{"format": "pt"}``
@@ -342,14 +339,18 @@ def save(
     replaces it whole), and the model's source directory is never replaced. Every
     process must call; process 0 writes.
     """
-    m = getattr(engine, "model", None)
     if not isinstance(m, Llama):
         raise HFError(
-            "hf.save needs an engine from Llama.engine(...) (jaxzero.hf.model(path)"
-            ".engine(...)): it writes that model's architecture"
+            f"hf.save writes a Llama (jaxzero.hf.model(path), or model.arch=llama), "
+            f"not a {type(m).__name__}"
         )
     engine._require_init()
     leaves = [(lay.path, lay.shape) for lay in jax.tree.leaves(engine.layouts, is_leaf=is_layout)]
+    if leaves != _leaves(m):
+        raise HFError(
+            "hf.save: the engine's params are not this model's (pass the Llama the engine "
+            "was built from)"
+        )
     arrays = (x for _, x in engine.iter_params(state))
     out = write_model(
         path, m, leaves, arrays, dtype, max_shard_size, overwrite, writer=jax.process_index() == 0
@@ -357,6 +358,14 @@ def save(
     if jax.process_count() > 1:  # the others return once the directory is in place
         multihost_utils.sync_global_devices(f"jaxzero.hf.save {out}")
     return out
+
+
+def _leaves(m: Llama) -> list[tuple[str, tuple[int, ...]]]:
+    """``(param path, shape)`` of ``m``'s params in tree order, nothing allocated."""
+    shapes = jax.eval_shape(lambda: m.init(jax.random.key(0)))
+    return [
+        (lay.path, lay.shape) for lay in jax.tree.leaves(layouts_for(shapes, 1), is_leaf=is_layout)
+    ]
 
 
 def _write_side_files(out: Path, m: Llama, dtype: str, files: list[str], shards: list) -> None:

@@ -243,26 +243,3 @@ def generate(
         if token in stop:
             break
     return np.asarray(tokens, np.int32)[None]
-
-
-class CachedSampling:
-    """``generate`` for a model with ``new_cache``, ``decode`` and ``config.seq_len``
-    (the window): :class:`GPT` and :class:`Llama` share it."""
-
-    config: Any
-
-    def generate(
-        self: Any,
-        params: Any,
-        prompt: np.ndarray,
-        max_new_tokens: int,
-        rng: jax.Array,
-        temperature: float = 0.8,
-        top_k: int | None = None,
-        eos: int | Iterable[int] | None = None,
-    ) -> np.ndarray:
-        """``prompt`` (int array ``[1, P]``) and up to ``max_new_tokens`` sampled after it
-        over the ``seq_len`` window, stopping after a token in ``eos``
-        (:func:`generate`); ``top_k`` keeps the k likeliest tokens (None: all)."""
-        window = self.config.seq_len
-        return generate(self, window, params, prompt, max_new_tokens, rng, temperature, top_k, eos)

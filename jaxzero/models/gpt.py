@@ -16,14 +16,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from jaxzero.engine import Engine
 from jaxzero.hooks import remat_layer, use_params
 from jaxzero.models.common import (  # noqa: F401 - attention_impl: part of this API
     ATTENTION,
     REMAT_POLICIES,
-    CachedSampling,
     KVCache,
     LayerCache,
     attention_impl,
@@ -32,6 +29,7 @@ from jaxzero.models.common import (  # noqa: F401 - attention_impl: part of this
     positions,
     token_loss,
 )
+from jaxzero.models.protocol import ReferenceModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +98,7 @@ class Block(nn.Module):
         return x_BxSxD + nn.Dense(d, dtype=dt, kernel_init=out_init, name="out")(y_BxSxF), cache
 
 
-class GPT(CachedSampling):
+class GPT(ReferenceModel):
     """Token + position embeddings, ``n_layers`` scanned blocks, final LN, LM head.
 
     Params (a plain nested dict)::
@@ -111,12 +109,17 @@ class GPT(CachedSampling):
         ln_f/scale, ln_f/bias      D
         head/kernel  D x V   (untied only)
 
+    The :class:`~jaxzero.models.Model` protocol: ``engine``, ``num_params``,
+    ``flops_per_token`` and ``generate`` come from :class:`ReferenceModel`.
+
     Example:
       >>> model = GPT(GPTConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2))
       >>> params = model.init(jax.random.key(0))
       >>> model.apply(params, jnp.zeros((1, 8), jnp.int32)).shape
       (1, 8, 256)
     """
+
+    STACKED = r"^blocks/"
 
     def __init__(self, config: GPTConfig):
         self.config = config
@@ -163,22 +166,9 @@ class GPT(CachedSampling):
         ``segment_ids`` and ``loss_mask`` as :func:`jaxzero.models.common.token_loss`."""
         return token_loss(self.apply(params, batch["inputs"], batch.get("segment_ids")), batch)
 
-    def engine(self, optimizer: optax.GradientTransformation, **kwargs):
-        """An :class:`jaxzero.Engine` for this model, with per-layer gathering."""
-        kwargs.setdefault("per_layer", True)
-        kwargs.setdefault("stacked", r"^blocks/")
-        return Engine(self.loss_fn, optimizer, **kwargs)
-
-    @staticmethod
-    def num_params(params: Any) -> int:
-        return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
-
-    def flops_per_token(self, num_params: int | None = None) -> float:
-        """Training FLOPs per token: 6·N (matmuls, fwd+bwd) + 12·L·D·S (attention)."""
-        c = self.config
-        if num_params is None:
-            num_params = self.num_params(jax.eval_shape(self.init, jax.random.key(0)))
-        return 6.0 * num_params + 12.0 * c.n_layers * c.d_model * c.seq_len
+    def attention_shape(self) -> tuple[int, int]:
+        """Attention FLOPs of :meth:`flops_per_token` (6·N + 12·L·D·S): ``(L, D)``."""
+        return self.config.n_layers, self.config.d_model
 
     def new_cache(self, params: dict[str, Any]) -> KVCache:
         """An empty key/value cache over the ``seq_len`` window (sampling)."""

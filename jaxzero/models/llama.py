@@ -22,16 +22,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 from flax import nnx
 
-from jaxzero.engine import Engine
 from jaxzero.hooks import remat_layer, use_params
 from jaxzero.models.common import (
     ATTENTION,
     REMAT_POLICIES,
-    CachedSampling,
     KVCache,
     LayerCache,
     causal_attention,
@@ -39,6 +35,7 @@ from jaxzero.models.common import (
     positions,
     token_loss,
 )
+from jaxzero.models.protocol import ReferenceModel
 from jaxzero.models.rope import ROPE_TYPES, apply_rotary, rope_frequencies, rotary
 from jaxzero.nnx import bind, split, use
 
@@ -297,8 +294,9 @@ class LlamaModule(nnx.Module):
 # --------------------------------------------------------------------------- protocol
 
 
-class Llama(CachedSampling):
-    """The model protocol the engine, the CLI and :mod:`jaxzero.hf` use (as :class:`GPT`).
+class Llama(ReferenceModel):
+    """The :class:`~jaxzero.models.Model` protocol over :class:`LlamaModule` (``engine``,
+    ``num_params``, ``flops_per_token`` and ``generate`` from :class:`ReferenceModel`).
 
     Params are a plain nested dict in Hugging Face's names::
 
@@ -319,6 +317,7 @@ class Llama(CachedSampling):
       (1, 8, 64)
     """
 
+    STACKED = r"^layers/"
     # the Hugging Face directory and config.json it came from (jaxzero.hf.model, or a
     # run's model.hf_config): hf.save writes that architecture and copies its files
     hf_dir: Path | None = None
@@ -358,30 +357,15 @@ class Llama(CachedSampling):
         ``segment_ids`` and ``loss_mask`` as :func:`jaxzero.models.common.token_loss`."""
         return token_loss(self.apply(params, batch["inputs"], batch.get("segment_ids")), batch)
 
-    def engine(self, optimizer: optax.GradientTransformation, **kwargs):
-        """An :class:`jaxzero.Engine` for this model, gathering one layer at a time.
-
-        ``engine.model`` is this model (what :func:`jaxzero.hf.save` writes out).
-        """
-        kwargs.setdefault("per_layer", True)
-        kwargs.setdefault("stacked", r"^layers/")
-        engine = Engine(self.loss_fn, optimizer, **kwargs)
-        engine.model = self
-        return engine
-
-    @staticmethod
-    def num_params(params: Any) -> int:
-        return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
-
-    def flops_per_token(self, num_params: int | None = None) -> float:
-        """Training FLOPs per token: 6 x the matmul params (every param but an untied
-        input embedding, which is a lookup) + 12·L·S·(heads·head_dim) for attention."""
+    def attention_shape(self) -> tuple[int, int]:
+        """``(layers, heads x head_dim)``: attention's FLOPs (:meth:`flops_per_token`)."""
         c = self.config
-        if num_params is None:
-            num_params = self.num_params(jax.eval_shape(self.init, jax.random.key(0)))
-        lookup = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
-        attn = 12.0 * c.num_hidden_layers * c.seq_len * c.num_attention_heads * c.head_size
-        return 6.0 * (num_params - lookup) + attn
+        return c.num_hidden_layers, c.num_attention_heads * c.head_size
+
+    def lookup_params(self) -> int:
+        """An untied input embedding is a lookup, not a matmul (tied: it is the head)."""
+        c = self.config
+        return 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
 
     def new_cache(self, params: dict[str, Any]) -> KVCache:
         """An empty key/value cache over the ``seq_len`` window (sampling), grouped-query:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import yaml
 
 from jaxzero.errors import Error
+from jaxzero.models.fields import ModelConfig  # the model section's schema, defined there
 
 
 class ConfigError(Error, ValueError):

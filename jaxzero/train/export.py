@@ -48,28 +48,15 @@ from jaxzero.checkpoint import (
 from jaxzero.cli import Parser
 from jaxzero.errors import Error
 from jaxzero.hf import safetensors
-from jaxzero.models import from_fields
+from jaxzero.models import Llama, from_fields
+from jaxzero.models.fields import EXPORTED
 from jaxzero.train.args import RESOLVED_CONFIG as RUN_CONFIG
 from jaxzero.train.config import DataConfig
 from jaxzero.train.data import data_kind
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-MODEL_FIELDS = (
-    "arch",
-    "vocab_size",
-    "seq_len",
-    "d_model",
-    "n_layers",
-    "n_heads",
-    "d_ff",
-    "tie_embeddings",
-    "remat",
-    "n_kv_heads",
-    "head_dim",
-    "rope_theta",
-    "hf_config",
-)
+MODEL_FIELDS = EXPORTED  # the run's model fields an export carries (jaxzero.models.fields)
 FORMATS = ("jaxzero", "hf")
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -154,7 +141,8 @@ def token_kind(config: dict[str, Any]) -> str:
 
 
 def model_fields(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    """The GPT fields of a run config; a ``vocab_size`` taken from the data comes from wte."""
+    """The model fields of a run config (:data:`MODEL_FIELDS`); a ``vocab_size`` taken
+    from the data comes from the embedding's shape."""
     model = {k: config["model"][k] for k in MODEL_FIELDS if k in config["model"]}
     if model.get("vocab_size") is None:
         embedding = ["embed_tokens", "weight"] if model.get("arch") == "llama" else ["wte"]
@@ -231,6 +219,7 @@ def export_hf(
             f"{fields.get('arch') or 'gpt'} (export it with --format jaxzero)"
         )
     model = from_fields(fields)
+    assert isinstance(model, Llama)  # arch: llama
     base = _base_model(run)
     if base is not None and base.is_dir():
         model.hf_dir = base  # its generation_config.json, as hf.save copies it

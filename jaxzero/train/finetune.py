@@ -13,8 +13,11 @@ value a user gives wins.
 A damaged checkpoint (a missing, truncated or wrong-shaped tensor, a missing shard, an
 unreadable index, non-finite values) stops the run with one line, as ``jaxzero sample``
 does: the tensors are checked before anything is created or compiled, their values as
-they load. Every process computes the architecture it trains from the checkpoint
-itself; none reads back the copy process 0 writes (a second process would race it).
+they load. The checkpoint's ``config.json`` is read once at start-up, by
+:func:`resolve`: the :class:`~jaxzero.models.Llama` it returns (its ``config``, the
+``config.json`` as read, the directory) is what the run builds its engine from and
+loads the weights into. Every process computes it from the checkpoint itself; none
+reads back the copy process 0 writes (a second process would race it).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from jaxzero import hf
-from jaxzero.hf.config import CONFIG, hf_config, llama_config, read_json
 from jaxzero.modeldir import TOKENIZER_FILE as TOKENIZER
+from jaxzero.models import Llama
+from jaxzero.models.llama_hf import CONFIG, hf_config, llama_config, read_json
 from jaxzero.train.config import Config, ConfigError, ModelConfig
 from jaxzero.train.data import data_kind
 
@@ -110,8 +114,10 @@ def defaults_note(cfg: Config) -> str:
     return f"# fine-tuning defaults (train.init_from; a value you set wins): {', '.join(kept)}\n"
 
 
-def resolve(cfg: Config) -> tuple[Config, Any]:
-    """The config with the checkpoint's model fields (and tokenizer), and its model."""
+def resolve(cfg: Config) -> tuple[Config, Llama]:
+    """The config with the checkpoint's model fields (and tokenizer), and its model: the
+    one reading of its ``config.json`` the run makes (:func:`pin_architecture`,
+    ``train.loop.build`` and :func:`load` take the model)."""
     path = source(cfg)
     if path is None:
         raise ConfigError("finetune.resolve needs train.init_from=hf:PATH")
@@ -164,14 +170,14 @@ def resolve(cfg: Config) -> tuple[Config, Any]:
 
 
 def pin_architecture(
-    cfg: Config, model: Any, run_dir: Path, is_main: bool
+    cfg: Config, model: Llama, run_dir: Path, is_main: bool
 ) -> tuple[Config, dict[str, Any]]:
     """The config naming the run's copy of the checkpoint's effective ``config.json``
     (``model.hf_config``, which process 0 writes), and that config itself.
 
-    Every process builds its model from the returned dict, computed here from the
-    checkpoint it already read, never from the file: another process may not have
-    written it yet.
+    The copy is for later commands (``--resume``, sample, export); this run trains
+    ``model``, which every process computed from the checkpoint itself, never from the
+    file: another process may not have written it yet.
     """
     out = run_dir / HF_CONFIG
     raw = hf_config(model.config, "float32", model.hf_config)
@@ -182,12 +188,13 @@ def pin_architecture(
     ), raw
 
 
-def load(cfg: Config, engine: Any) -> Any:
-    """The train state with the checkpoint's weights (:func:`jaxzero.hf.load`); a file
-    that fails as it is read, or a non-finite value, is one line (ConfigError)."""
+def load(cfg: Config, engine: Any, model: Llama) -> Any:
+    """The train state with the checkpoint's weights (:func:`jaxzero.hf.load`) into
+    ``engine``, built from ``model`` (:func:`resolve`'s); a file that fails as it is
+    read, or a non-finite value, is one line (ConfigError)."""
     path = source(cfg)
     assert path is not None  # a fine-tune's config
     try:
-        return hf.load(path, engine)
+        return hf.load(path, engine, model)
     except (hf.HFError, hf.SafetensorsError) as e:
         raise ConfigError(f"train.init_from: {e}") from None

@@ -31,7 +31,7 @@ import numpy as np
 from jaxzero import cli, distributed
 from jaxzero.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError
 from jaxzero.engine import PRECISIONS
-from jaxzero.models import from_fields
+from jaxzero.models import Model, from_fields
 from jaxzero.models.common import cudnn_refusal
 from jaxzero.train import config as config_lib
 from jaxzero.train import data as data_lib
@@ -45,13 +45,14 @@ from jaxzero.train.optimizer import make_optimizer
 from jaxzero.train.steps import Diverged, Run, Steps
 
 
-def build(cfg: Config, mesh: Any, hf_raw: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
+def build(cfg: Config, mesh: Any, model: Model | None = None) -> tuple[Model, Any, Any]:
     """The model, its engine (every parallel/precision option reaches it here), the LR
-    schedule. ``hf_raw``: a fine-tune's architecture (:func:`finetune.pin_architecture`)."""
+    schedule. ``model``: a fine-tune's (:func:`finetune.resolve`), already read from
+    its checkpoint; None: built from ``cfg.model``."""
     refused = cudnn_refusal(cfg.model.attention, PRECISIONS[cfg.precision.compute])
     if refused is not None:
         raise ConfigError(f"model.{refused}")
-    model = from_fields(dataclasses.asdict(cfg.model), hf_raw)
+    model = from_fields(cfg.model) if model is None else model
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
     engine = model.engine(
         tx,
@@ -181,10 +182,9 @@ def _set_up(
     cfg, corpus = _load_data(cfg, mesh.size, simulated)
     run_dir, ckpt_dir = resume_lib.directories(cfg, resume, undo)
     ckpt = CheckpointManager(ckpt_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
-    hf_raw = None
     if pretrained is not None:
-        cfg, hf_raw = finetune.pin_architecture(cfg, pretrained, run_dir, _is_main())
-    model, engine, schedule = build(cfg, mesh, hf_raw)
+        cfg, _ = finetune.pin_architecture(cfg, pretrained, run_dir, _is_main())
+    model, engine, schedule = build(cfg, mesh, pretrained)
     return Run(
         cfg, job, mesh, simulated, corpus, run_dir, ckpt, stop, watch, resume, pretrained,
         model, engine, schedule,
@@ -245,7 +245,7 @@ def _restore_or_init(
     if restored is not None:
         state, extra = restored
     elif run.pretrained is not None:
-        state, extra = finetune.load(cfg, run.engine), {}  # each device reads its slices
+        state, extra = finetune.load(cfg, run.engine, run.pretrained), {}  # each: its slices
     else:
         state, extra = run.engine.init_from(run.model.init, jax.random.key(cfg.train.seed)), {}
     per_run = None if run.job.multi else run.simulated  # multi-process: the mesh line says it

@@ -22,8 +22,8 @@ from jaxzero.checkpoint import LeafReader, nest, param_entries, read_metadata
 from jaxzero.cli import ArgError, Parser
 from jaxzero.data.tokenizer import Tokenizer, TokenizerError, unk_share, unk_warning
 from jaxzero.hf import safetensors
-from jaxzero.hf.config import GENERATION_CONFIG
-from jaxzero.models import from_fields
+from jaxzero.models import Model, from_fields
+from jaxzero.models.llama_hf import GENERATION_CONFIG
 from jaxzero.partition import path_str
 from jaxzero.train.data import decode
 from jaxzero.train.export import (
@@ -40,14 +40,14 @@ from jaxzero.train.export import (
 )
 
 
-def load_model(path: str | Path, step: int | None = None) -> tuple[Any, dict[str, Any], str]:
+def load_model(path: str | Path, step: int | None = None) -> tuple[Model, dict[str, Any], str]:
     """``(model, fp32 params, token kind)`` from a Hugging Face model directory (token
     ids in and out), an export dir or any checkpoint location."""
     path = Path(path)
     if path.is_dir() and (path / CONFIG).is_file() and "architectures" in _json(path / CONFIG):
         try:
-            model = hf.model(path)
-            return model, hf.read_params(path, model), "ids"
+            llama = hf.model(path)
+            return llama, hf.read_params(path, llama), "ids"
         except (hf.HFError, hf.SafetensorsError) as e:
             raise ExportError(str(e)) from None
     if path.is_dir() and (path / WEIGHTS).is_file():
@@ -89,7 +89,7 @@ def _json(path: Path) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _check_shapes(model: Any, flat: dict[str, np.ndarray], source: str) -> None:
+def _check_shapes(model: Model, flat: dict[str, np.ndarray], source: str) -> None:
     """Refuse params that the config's model would not build, naming the first mismatch."""
     want = {
         path_str(p): tuple(x.shape)
@@ -147,7 +147,7 @@ def find_tokenizer(path: str | Path, step: int | None = None) -> Path | None:
     return Path(name).expanduser() if name else None
 
 
-def eos_ids(path: str | Path, model: Any, tok: Tokenizer | None) -> set[int]:
+def eos_ids(path: str | Path, model: Model, tok: Tokenizer | None) -> set[int]:
     """The tokens that end a reply: the tokenizer's EOS and the ``eos_token_id`` (an id or
     a list) of the model's ``config.json`` and of a ``generation_config.json`` beside the
     weights, where ``transformers``' ``generate`` reads it. Byte and bare-id models: none."""

@@ -71,7 +71,7 @@ class Run:
     stop: resume_lib.StopSignals
     watch: metrics_lib.Stopwatch
     resume: list[str] | None  # resuming: the config changes said at start-up
-    pretrained: Any  # a fine-tune's source checkpoint, else None
+    pretrained: Any  # a fine-tune's model, read from its checkpoint (finetune.resolve), else None
     model: Any
     engine: Any
     schedule: Callable[[int], Any]

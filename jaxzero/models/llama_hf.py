@@ -1,4 +1,6 @@
-"""Hugging Face ``config.json`` to :class:`LlamaConfig` and back, and the weight names.
+"""Hugging Face ``config.json`` to :class:`LlamaConfig` and back, and the weight names:
+next to the config they build, so that :mod:`jaxzero.models` needs nothing above it
+(:mod:`jaxzero.hf` reads and writes the weights, and re-exports these names).
 
 ``transformers`` 5 keeps the rotary settings under ``rope_parameters``
 (``{"rope_type", "rope_theta", ...}``); earlier versions keep ``rope_theta`` at the top
@@ -14,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxzero.errors import Error
-from jaxzero.models.llama import ROPE_TYPES, LlamaConfig
+from jaxzero.models.llama import LlamaConfig
+from jaxzero.models.rope import ROPE_TYPES
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -33,6 +36,7 @@ class HFError(Error, ValueError):
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; a missing, unreadable or non-object file is one line."""
     try:
         value = json.loads(path.read_text())
     except FileNotFoundError:
