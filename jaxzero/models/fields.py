@@ -33,7 +33,7 @@ class ModelConfig:
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
-    d_ff: int | None = None  # None: 4 * d_model (gpt), 8/3 * d_model to 32 (llama)
+    d_ff: int | None = None  # None: GPT 4 * d_model, Llama models.llama_ff(d_model)
     tie_embeddings: bool = True
     remat: Literal["none", "full", "dots"] = "none"  # activation checkpointing policy
     attention: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cuDNN on GPUs in bf16

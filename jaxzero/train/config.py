@@ -35,32 +35,6 @@ class ConfigError(Error, ValueError):
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Model and shape. ``vocab_size=None`` takes it from the data (256 for bytes).
-
-    ``arch: llama`` trains the Llama (RMSNorm, rotary positions, SwiGLU, grouped-query
-    attention with ``n_kv_heads``); ``d_ff=None`` is then 8/3·d_model (to 32).
-    """
-
-    arch: Literal["gpt", "llama"] = "gpt"
-    vocab_size: int | None = None
-    seq_len: int = 64
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int | None = None  # None: GPT 4 * d_model, Llama models.llama_ff(d_model)
-    tie_embeddings: bool = True
-    remat: Literal["none", "full", "dots"] = "none"  # activation checkpointing policy
-    attention: Literal["auto", "xla", "cudnn"] = "auto"  # auto: cuDNN on GPUs in bf16
-    n_kv_heads: int | None = None  # llama: key/value heads (None: n_heads)
-    head_dim: int | None = None  # llama: None: d_model // n_heads
-    rope_theta: float = 10000.0  # llama: rotary base
-    # a Hugging Face config.json that defines the Llama exactly (biases, rope scaling, ...);
-    # train.init_from sets it to the copy in the run directory
-    hf_config: str | None = None
-
-
-@dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from. ``path=None`` uses this Python's standard library sources."""
 
