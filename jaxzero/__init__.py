@@ -31,7 +31,18 @@ __all__ = [
     "make_mesh",
     "nnx",
     "remat_layer",
+    "report",
     "simulate_devices",
     "use_params",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``jaxzero.report(engine, state, batch)``: :func:`jaxzero.accounting.measure.report`,
+    imported on first use, so ``import jaxzero`` skips the accounting (0.1 s)."""
+    if name == "report":
+        from jaxzero.accounting.measure import report
+
+        return report
+    raise AttributeError(f"module 'jaxzero' has no attribute {name!r}")

@@ -19,9 +19,9 @@ ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
 PAGES = {p.name: p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
 MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh",
-           "jaxzero.collectives", "jaxzero.models.gpt", "jaxzero.job", "jaxzero.checkpoint",
+           "jaxzero.collectives", "jaxzero.models.gpt", "jaxzero.job", "jaxzero.checkpoint.manager",
            "jaxzero.train.data", "jaxzero.accounting.estimate", "jaxzero.nnx",
-           "jaxzero.models.llama", "jaxzero.hf.config"]  # fmt: skip
+           "jaxzero.models.llama", "jaxzero.hf.config", "jaxzero.plan"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MODULES)

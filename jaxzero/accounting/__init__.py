@@ -4,6 +4,7 @@
 :mod:`~jaxzero.accounting.hlo` (compiled HLO text parsed, with loop trip counts),
 :mod:`~jaxzero.accounting.comm` (its collectives and bytes on the wire),
 :mod:`~jaxzero.accounting.measure` (a compiled step's memory and collectives beside
-the formulas; ``Engine.report``) and :mod:`~jaxzero.accounting.report`
-(``jaxzero report``). Nothing is re-exported here: import the module you need.
+the formulas; :func:`jaxzero.report` is its ``report``) and
+:mod:`~jaxzero.accounting.report` (``jaxzero report``). Nothing is re-exported here:
+import the module you need.
 """

@@ -216,7 +216,7 @@ def load(path: str | Path, engine: Any) -> TrainState:
         theirs = {k: getattr(m.config, k) for k in keys}
         if mine != theirs:
             raise HFError(f"the engine's model {mine} is not the checkpoint's {theirs}")
-    return engine.init_from_slices(*_reader(path, m))
+    return engine._init_from_slices(*_reader(path, m))
 
 
 def read_params(path: str | Path, m: Llama | None = None) -> dict[str, Any]:
@@ -348,9 +348,8 @@ def save(
             "hf.save needs an engine from Llama.engine(...) (jaxzero.hf.model(path)"
             ".engine(...)): it writes that model's architecture"
         )
-    engine._require_init()
-    leaves = [(lay.path, lay.shape) for lay in jax.tree.leaves(engine.layouts, is_leaf=is_layout)]
-    arrays = (x for _, x in engine.iter_params(state))
+    leaves = [(lay.path, lay.shape) for lay in engine.plan.leaves()]
+    arrays = (x for _, x in engine._iter_params(state))
     out = write_model(
         path, m, leaves, arrays, dtype, max_shard_size, overwrite, writer=jax.process_index() == 0
     )

@@ -406,8 +406,7 @@ def _loop(
     stop: resume_lib.StopSignals,
 ) -> dict:
     b, seq, steps, lg = cfg.train.batch_size, cfg.model.seq_len, cfg.train.steps, cfg.logging
-    by_process = data_lib.process_rows(engine.batch_sharding.devices_indices_map((b, seq)), b)
-    rows = by_process[jax.process_index()]
+    rows = engine.process_rows(b)
     loader = data_lib.Loader(
         corpus.train, seq, b, cfg.train.seed, rows, corpus.train_mask, corpus.eos, corpus.train_docs
     )
