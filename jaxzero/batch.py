@@ -75,6 +75,7 @@ def check(batch: Batch, divisor: int, divisor_note: str, treedef: Any = None) ->
     if len(set(sizes.values())) != 1 or None in sizes.values():
         raise ValueError(f"every batch leaf needs the same leading (batch) dim, got {sizes}")
     b = next(iter(sizes.values()))
+    assert b is not None  # refused above
     if b % divisor:
         raise ValueError(
             f"global batch {b} is not divisible by {divisor_note} = {divisor}; "

@@ -286,6 +286,7 @@ class Engine:
     def plan_for(self, shapes: Params) -> Plan:
         """The plan for params of ``shapes`` (``jax.ShapeDtypeStruct`` leaves): built at
         the first call, the same one after; other shapes are refused in one line."""
+        plan_lib.check_dtypes(shapes, self.compute_dtype, self.precision)  # each init's own
         if self._plan is None:
             self._plan = plan_lib.make_plan(shapes, self.settings, self.loss_fn, self.tx)
         else:

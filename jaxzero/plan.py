@@ -214,7 +214,7 @@ def check_dtypes(shapes: Params, compute_dtype: Any, precision: str) -> None:
             f"{' ...' if len(converted) > 4 else ''}. The engine keeps fp32 master params "
             f"and computes in {jnp.dtype(compute_dtype).name} "
             f"(precision={precision!r}); pass float32 params to silence this.",
-            stacklevel=5,  # check_dtypes < make_plan < Engine.plan_for < Engine.init < caller
+            stacklevel=4,  # check_dtypes < Engine.plan_for < Engine.init < its caller
         )
 
 
@@ -224,9 +224,9 @@ def make_plan(
     loss_fn: step_lib.LossFn,
     tx: optax.GradientTransformation,
 ) -> Plan:
-    """The plan for params of ``shapes`` (a tree of ``jax.ShapeDtypeStruct``)."""
+    """The plan for params of ``shapes`` (a tree of ``jax.ShapeDtypeStruct``; their
+    dtypes are checked by :func:`check_dtypes`, at every init)."""
     cfg, mesh = settings.step, settings.mesh
-    check_dtypes(shapes, cfg.compute_dtype, settings.precision)
     layouts = layouts_for(
         shapes,
         settings.num_shards,

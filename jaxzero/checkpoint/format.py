@@ -125,7 +125,7 @@ def fingerprints(leaves: dict[str, Any], shapes: dict[str, list[int]]) -> dict[s
 def _param_paths(tree: Any) -> list[list[Any]]:
     """Each param's key path as JSON: ``[["k", "blocks"], ["i", 0], ...]``."""
 
-    def key(k):
+    def key(k: Any) -> list[Any]:
         if hasattr(k, "idx"):
             return ["i", int(k.idx)]
         return ["k", str(getattr(k, "key", getattr(k, "name", k)))]
@@ -143,7 +143,7 @@ def params_from_meta(meta: dict[str, Any]) -> Any:
             leaf = jax.ShapeDtypeStruct(tuple(entry["shape"]), jnp.dtype(entry["dtype"]))
             node = node.setdefault(k, leaf if last else {})
 
-    def listify(node):
+    def listify(node: Any) -> Any:
         if not isinstance(node, dict):
             return node
         kids = {k: listify(v) for k, v in node.items()}

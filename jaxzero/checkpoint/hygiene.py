@@ -75,7 +75,7 @@ class Echoes(logging.Filter):
             return
         previous = sys.unraisablehook
 
-        def hook(u):
+        def hook(u: Any) -> None:
             if not (
                 isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value)
             ):

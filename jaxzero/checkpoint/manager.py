@@ -108,7 +108,7 @@ class CheckpointManager:
         if self.directory.is_dir():
             self._open()
 
-    def _open(self):
+    def _open(self) -> Any:
         if self._manager is None:
             Echoes.install()
             self.directory.mkdir(parents=True, exist_ok=True)
