@@ -8,7 +8,6 @@ accelerators by default, on CPUs at stage 3; ``donate=``, see :mod:`jaxzero.back
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -19,27 +18,17 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from jaxzero import backend
 from jaxzero import batch as batch_lib
-from jaxzero import loss as loss_lib
 from jaxzero import plan as plan_lib
-from jaxzero import step as step_lib
-from jaxzero.mesh import batch_axes, make_mesh
+from jaxzero import settings as settings_lib
+from jaxzero.mesh import make_mesh
 from jaxzero.partition import LeafLayout, Rule, unpad
-from jaxzero.plan import Plan, Settings
+from jaxzero.plan import Plan
+from jaxzero.settings import PRECISIONS  # noqa: F401 - the app reads it here
 from jaxzero.state import TrainState
 from jaxzero.types import Batch, Metrics, Params
 
-PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 NOT_INITIALISED = "call engine.init(params) or engine.init_from(...) first"
-
-
-def _dtype(name: Any, what: str) -> Any:
-    if name in PRECISIONS:
-        return PRECISIONS[name]
-    if name in (jnp.float32, jnp.bfloat16, "float32", "bfloat16"):
-        return jnp.dtype(name).type
-    raise ValueError(f"unknown {what} {name!r}: use 'fp32' or 'bf16'")
 
 
 def _setting(name: str, doc: str) -> Any:
@@ -170,54 +159,26 @@ class Engine:
         seed: int = 0,
         compiler_options: dict[str, Any] | None = None,
     ):
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-            raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-        if not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
-        if optimizer is None:
-            raise TypeError(
-                "optimizer is required: pass an optax transformation, e.g. optax.adamw(1e-3)"
-            )
-        if isinstance(optimizer, optax.MultiSteps):  # accumulates over calls of step
-            optimizer = optimizer.gradient_transformation()
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(
-                f"optimizer must be an optax transformation (e.g. optax.adamw(1e-3)), "
-                f"got {optimizer!r}"
-            )
-        loss_lib.check_rng_contract(loss_fn, loss_takes_rng)
-        self.loss_fn, self.tx = loss_fn, optimizer
-        mesh = make_mesh() if mesh is None else mesh
-        compute_dtype = _dtype(precision, "precision")
-        bucket, whole_tree_bucket = backend.bucket_bytes(bucket_mb, mesh)
-        axes = batch_axes(mesh)
-        self.settings = Settings(
-            step=step_lib.StepConfig(
-                stage=stage,
-                compute_dtype=compute_dtype,
-                reduce_dtype=_dtype(reduce_dtype or precision, "reduce_dtype"),
-                mixed=compute_dtype != jnp.float32,
-                micro_batches=micro_batches,
-                max_grad_norm=max_grad_norm,
-                per_layer=per_layer,
-                batch_axes=axes,
-                batch_devices=math.prod(mesh.shape[a] for a in axes),
-                bucket_bytes=bucket,
-                whole_tree_bucket_bytes=whole_tree_bucket,
-                dot_barrier=backend.dot_barrier(dot_barrier, mesh),
-                rng_seed=int(seed) if loss_takes_rng else None,
-            ),
-            mesh=mesh,
+        self.loss_fn = loss_fn
+        self.tx, self.settings = settings_lib.make_settings(
+            loss_fn,
+            optimizer,
+            mesh=make_mesh() if mesh is None else mesh,
+            stage=stage,
             precision=precision,
-            rules=tuple(rules),
+            reduce_dtype=reduce_dtype,
+            micro_batches=micro_batches,
+            max_grad_norm=max_grad_norm,
+            per_layer=per_layer,
+            rules=rules,
             stacked=stacked,
             min_shard_size=min_shard_size,
-            donate=backend.donate(donate, mesh, stage),
-            compiler_options=backend.compiler_options(mesh, compiler_options),
+            bucket_mb=bucket_mb,
+            donate=donate,
+            dot_barrier=dot_barrier,
+            loss_takes_rng=loss_takes_rng,
+            seed=seed,
+            compiler_options=compiler_options,
         )
         self.model: Any = None  # the model object, when one built this engine (Llama.engine)
         self._plan: Plan | None = None
@@ -387,28 +348,9 @@ class Engine:
         stacked for a scan lie along the same axes one dim further in:
         ``NamedSharding(engine.mesh, P(None, *engine.batch_sharding.spec))``.
 
-        Example (four steps in one program, an EMA of the params carried beside them):
-          >>> import jax, jax.numpy as jnp, optax, jaxzero
-          >>> from jax.sharding import NamedSharding, PartitionSpec as P
-          >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
-          >>> engine = jaxzero.Engine(loss_fn, optax.sgd(0.1), mesh=jaxzero.make_mesh(1))
-          >>> state = engine.init({"w": jnp.zeros((4, 2))})
-          >>> def body(carry, batch):
-          ...     state, ema = carry
-          ...     state, metrics = engine.step_fn(state, batch)
-          ...     ema = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, ema, state.params)
-          ...     return (state, ema), metrics
-          >>> def four_steps(state, ema, batches):  # batches stacked on a leading axis
-          ...     return jax.lax.scan(body, (state, ema), batches)
-          >>> sh = engine.state_shardings
-          >>> stacked = NamedSharding(engine.mesh, P(None, *engine.batch_sharding.spec))
-          >>> run = jax.jit(four_steps, in_shardings=(sh, sh.params, stacked),
-          ...               out_shardings=((sh, sh.params), None), donate_argnums=(0, 1))
-          >>> x = jax.random.normal(jax.random.key(1), (4, 8, 4))
-          >>> ema = jax.tree.map(jnp.copy, state.params)
-          >>> (state, ema), metrics = run(state, ema, {"x": x, "y": x[..., :2]})
-          >>> int(state.step), metrics["loss"].shape
-          (4, (4,))
+        ``docs/stages.md`` ("Your own loop: the pure step") scans ten steps in one
+        program with an EMA of the params carried beside them; ``tests/test_engine.py``
+        checks that it trains as the same calls of :meth:`step`.
         """
         return self.plan.step_fn
 

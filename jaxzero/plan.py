@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,8 +40,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero import step as step_lib
-from jaxzero.mesh import batch_axes, num_shards
-from jaxzero.partition import LeafLayout, Rule, is_layout, layouts_for, pad, path_str, unpad
+from jaxzero.partition import LeafLayout, is_layout, layouts_for, pad, path_str, unpad
+from jaxzero.settings import Settings
 from jaxzero.state import (
     TrainState,
     master_sharded,
@@ -56,39 +56,6 @@ from jaxzero.types import Batch, Layouts, Metrics, OptState, Params, Shardings
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
 EvalFn = Callable[[Params, Batch], jax.Array]
 Read = Callable[[LeafLayout, tuple[slice, ...]], np.ndarray]
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """An engine's validated choices: everything a plan depends on but the shapes.
-
-    Attributes:
-      step: the step's static choices (stage, dtypes, micro-batches, buckets, ...).
-      mesh: the device mesh.
-      precision: ``"fp32"`` or ``"bf16"``, as the engine was given it.
-      rules, stacked, min_shard_size: how leaves are laid out (:func:`layouts_for`).
-      donate: whether the jitted step donates its input state.
-      compiler_options: the XLA options the step is compiled with.
-    """
-
-    step: step_lib.StepConfig
-    mesh: Mesh
-    precision: str
-    rules: tuple[Rule, ...]
-    stacked: str | None
-    min_shard_size: int
-    donate: bool
-    compiler_options: Mapping[str, Any]
-
-    @property
-    def num_shards(self) -> int:
-        """N: the devices a sharded leaf is split over."""
-        return num_shards(self.mesh)
-
-    @property
-    def batch_sharding(self) -> NamedSharding:
-        """A global batch's layout: its leading dim split over the batch axes."""
-        return NamedSharding(self.mesh, P(batch_axes(self.mesh)))
 
 
 @dataclasses.dataclass(frozen=True)
