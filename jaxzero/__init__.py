@@ -34,6 +34,17 @@ __all__ = [
     "make_mesh",
     "nnx",
     "remat_layer",
+    "report",
     "simulate_devices",
     "use_params",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``jaxzero.report(engine, state, batch)``: :func:`jaxzero.accounting.measure.report`,
+    imported on first use, so ``import jaxzero`` skips the accounting (0.1 s)."""
+    if name == "report":
+        from jaxzero.accounting.measure import report
+
+        return report
+    raise AttributeError(f"module 'jaxzero' has no attribute {name!r}")

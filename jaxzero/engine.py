@@ -1,16 +1,15 @@
 """``Engine``: a loss function and an optimizer, trained at a ZeRO stage on a mesh.
 
-The engine owns the static decisions (layouts, shardings, the jitted step) and
-holds no arrays: state goes in and out of :meth:`Engine.step`, which donates it
-(on accelerators by default, on CPUs at stage 3; ``donate=``, see :mod:`jaxzero.backend`).
+The engine validates its settings, builds its :class:`~jaxzero.plan.Plan` (layouts,
+shardings, the pure step) once from the params' shapes at the first init, and holds
+no arrays: state goes in and out of :meth:`Engine.step`, which donates it (on
+accelerators by default, on CPUs at stage 3; ``donate=``, see :mod:`jaxzero.backend`).
 """
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,34 +17,30 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from jaxzero import backend
-from jaxzero import loss as loss_lib
-from jaxzero import step as step_lib
-from jaxzero.mesh import batch_axes, make_mesh, num_shards
-from jaxzero.partition import LeafLayout, Rule, is_layout, layouts_for, pad, path_str, unpad
-from jaxzero.state import (
-    TrainState,
-    master_sharded,
-    master_specs,
-    opt_layouts,
-    params_sharded,
-    state_specs,
-    stored_shapes,
-)
+from jaxzero import batch as batch_lib
+from jaxzero import plan as plan_lib
+from jaxzero import settings as settings_lib
+from jaxzero.mesh import make_mesh
+from jaxzero.partition import LeafLayout, Rule, unpad
+from jaxzero.plan import Plan
+from jaxzero.settings import PRECISIONS  # noqa: F401 - the app reads it here
+from jaxzero.state import TrainState
+from jaxzero.types import Batch, Metrics, Params
 
-__all__ = ["Engine", "EngineLike", "gather_leaf"]
+__all__ = ["Engine", "gather_leaf"]
 
-PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+NOT_INITIALISED = "call engine.init(params) or engine.init_from(...) first"
 
 
-def _dtype(name: Any, what: str) -> Any:
-    if name in PRECISIONS:
-        return PRECISIONS[name]
-    if name in (jnp.float32, jnp.bfloat16, "float32", "bfloat16"):
-        return jnp.dtype(name).type
-    raise ValueError(f"unknown {what} {name!r}: use 'fp32' or 'bf16'")
+def _setting(name: str, doc: str) -> Any:
+    """A read-only attribute of the engine: its settings' step config field ``name``."""
+    return property(lambda self: getattr(self.settings.step, name), doc=doc)
+
+
+def _planned(name: str, doc: str) -> Any:
+    """A read-only attribute of the engine: its plan's field ``name`` (after init)."""
+    return property(lambda self: getattr(self.plan, name), doc=doc)
 
 
 class Engine:
@@ -55,7 +50,7 @@ class Engine:
       loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss of a batch; or any
         form of :mod:`jaxzero.loss`: ``Weighted(total, weight)`` for masked or uneven
         token counts (exact over devices and micro-batches), ``(loss, aux)`` for extra
-        metrics, a third ``rng`` parameter for a PRNG key (Flax's ``rngs=`` takes it).
+        metrics. With ``loss_takes_rng=True`` it is ``loss_fn(params, batch, rng)``.
       optimizer: any optax transformation (required: e.g. ``optax.adamw(1e-3)``).
         It sees logical shapes and runs on the sharded state in the global view, so
         elementwise ones stay local and the rest (clipping, LAMB, Adafactor, Muon) get
@@ -96,6 +91,12 @@ class Engine:
         kernels. None: the backend's default (:data:`jaxzero.backend.DOT_BARRIER`,
         on for CPUs). The math is the same either way; only the dots' kernel, and so
         their rounding, differs.
+      loss_takes_rng: call ``loss_fn(params, batch, rng)`` with a PRNG key for its rows
+        (dropout: a mask per row of the global batch, :mod:`jaxzero.loss`; Flax's
+        ``rngs=`` takes it as it is), ``rng=None`` in :meth:`eval_loss`. Off (the
+        default), the loss gets two arguments; a loss whose third positional parameter
+        has no default is then refused in one line, so a key never arrives unasked
+        (``def loss_fn(params, batch, deterministic=False)`` keeps its default).
       seed: the seed of the key a ``loss_fn(params, batch, rng)`` gets (dropout: a
         mask per row of the global batch, :mod:`jaxzero.loss`), and of an NNX module's
         random streams in the step (:class:`jaxzero.NNXEngine`).
@@ -104,7 +105,14 @@ class Engine:
         and pipelined collectives that overlap gathers with compute); a value of
         None removes that option.
 
+    An engine is built for one set of param shapes: its first init (:meth:`init`,
+    :meth:`init_from`, :meth:`abstract_state`, a restore) makes :attr:`plan`, every
+    decision taken from those shapes; a later init with the same shapes reuses it (the
+    step stays compiled), one with other shapes is refused: make a new engine.
+
     Attributes:
+      plan: the :class:`~jaxzero.plan.Plan` (after the first init): layouts, specs,
+        shardings, the pure step; ``print(engine.plan)`` shows every leaf's layout.
       mesh: the device mesh.
       batch_sharding: how a global batch lies on the mesh (its leading dim split over
         the batch axes); :meth:`shard_batch` puts a batch there.
@@ -149,300 +157,179 @@ class Engine:
         bucket_mb: float | None = None,
         donate: bool | None = None,
         dot_barrier: bool | None = None,
+        loss_takes_rng: bool = False,
         seed: int = 0,
         compiler_options: dict[str, Any] | None = None,
     ):
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-            raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-        if not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
-        if optimizer is None:
-            raise TypeError(
-                "optimizer is required: pass an optax transformation, e.g. optax.adamw(1e-3)"
-            )
-        if isinstance(optimizer, optax.MultiSteps):  # accumulates over calls of step
-            optimizer = optimizer.gradient_transformation()
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(
-                f"optimizer must be an optax transformation (e.g. optax.adamw(1e-3)), "
-                f"got {optimizer!r}"
-            )
-        self.loss_fn, self.tx = loss_fn, optimizer
-        self.mesh = make_mesh() if mesh is None else mesh
-        self.stage, self.precision = stage, precision
-        self.compute_dtype = _dtype(precision, "precision")
-        self.reduce_dtype = _dtype(reduce_dtype or precision, "reduce_dtype")
-        self.micro_batches, self.max_grad_norm = micro_batches, max_grad_norm
-        self.per_layer, self.rules, self.stacked = per_layer, tuple(rules), stacked
-        self.min_shard_size = min_shard_size
-        self.bucket_bytes, self.whole_tree_bucket_bytes = backend.bucket_bytes(bucket_mb, self.mesh)
-        self.donate = backend.donate(donate, self.mesh, stage)
-        self.dot_barrier = backend.dot_barrier(dot_barrier, self.mesh)
-        self.compiler_options = backend.compiler_options(self.mesh, compiler_options)
-        self.rng_seed = int(seed) if loss_lib.takes_rng(loss_fn) else None
-        self.num_shards = num_shards(self.mesh)
-        self.batch_devices = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))
-        self.batch_sharding = NamedSharding(self.mesh, P(batch_axes(self.mesh)))
-        self.layouts: Any = None  # set by init
-        self._state_shardings: Any = None
-        self._step_fn: (
-            Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]] | None
-        ) = None
-        self._batch_treedef = None
+        self.loss_fn = loss_fn
+        self.tx, self.settings = settings_lib.make_settings(
+            loss_fn,
+            optimizer,
+            mesh=make_mesh() if mesh is None else mesh,
+            stage=stage,
+            precision=precision,
+            reduce_dtype=reduce_dtype,
+            micro_batches=micro_batches,
+            max_grad_norm=max_grad_norm,
+            per_layer=per_layer,
+            rules=rules,
+            stacked=stacked,
+            min_shard_size=min_shard_size,
+            bucket_mb=bucket_mb,
+            donate=donate,
+            dot_barrier=dot_barrier,
+            loss_takes_rng=loss_takes_rng,
+            seed=seed,
+            compiler_options=compiler_options,
+        )
+        self._plan: Plan | None = None
+        self._batch_treedef: Any = None
 
-    # --- static structure ------------------------------------------------------------
+    # --- settings (known from the start) -----------------------------------------------
+
+    stage = _setting("stage", "The ZeRO stage, 0-3.")
+    compute_dtype = _setting("compute_dtype", "The params' and activations' dtype.")
+    reduce_dtype = _setting("reduce_dtype", "The dtype gradients are reduced in.")
+    mixed = _setting("mixed", "Whether the state keeps fp32 master params (bf16 training).")
+    micro_batches = _setting("micro_batches", "Gradient accumulation steps per step.")
+    max_grad_norm = _setting("max_grad_norm", "The clipping norm (None: no clipping).")
+    per_layer = _setting("per_layer", "Whether the model calls use_params per layer.")
+    batch_devices = _setting("batch_devices", "The devices the global batch is split over.")
+    bucket_bytes = _setting("bucket_bytes", "The largest packed collective, in bytes.")
+    whole_tree_bucket_bytes = _setting(
+        "whole_tree_bucket_bytes", "The same in a per_layer=False stage-3 use_params call."
+    )
+    dot_barrier = _setting("dot_barrier", "Whether gradients pass collectives.dot_barrier.")
+    rng_seed = _setting("rng_seed", "The loss's key seed (None: the loss takes no rng).")
 
     @property
-    def mixed(self) -> bool:
-        return self.compute_dtype != jnp.float32
+    def mesh(self) -> Mesh:
+        """The device mesh."""
+        return self.settings.mesh
 
     @property
-    def num_params(self) -> int:
-        """Ψ: logical parameter count, padding excluded."""
-        return sum(lay.size for lay in jax.tree.leaves(self.layouts, is_leaf=is_layout))
-
-    def _config(self) -> step_lib.StepConfig:
-        return step_lib.StepConfig(
-            stage=self.stage,
-            compute_dtype=self.compute_dtype,
-            reduce_dtype=self.reduce_dtype,
-            mixed=self.mixed,
-            micro_batches=self.micro_batches,
-            max_grad_norm=self.max_grad_norm,
-            per_layer=self.per_layer,
-            batch_axes=batch_axes(self.mesh),
-            batch_devices=self.batch_devices,
-            bucket_bytes=self.bucket_bytes,
-            whole_tree_bucket_bytes=self.whole_tree_bucket_bytes,
-            dot_barrier=self.dot_barrier,
-            rng_seed=self.rng_seed,
-        )
-
-    def _set_layouts(self, shapes: Any) -> None:
-        converted = []
-        for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
-            if not jnp.issubdtype(leaf.dtype, jnp.floating):
-                raise TypeError(
-                    f"param {path_str(path)!r} has dtype {leaf.dtype}; jaxzero trains "
-                    "floating-point params only (keep constants out of the params tree)"
-                )
-            if leaf.dtype not in (jnp.float32, self.compute_dtype):
-                converted.append(f"{path_str(path)} ({jnp.dtype(leaf.dtype).name})")
-        if converted:
-            warnings.warn(
-                f"{len(converted)} param(s) converted: {', '.join(converted[:4])}"
-                f"{' ...' if len(converted) > 4 else ''}. The engine keeps fp32 master params "
-                f"and computes in {jnp.dtype(self.compute_dtype).name} "
-                f"(precision={self.precision!r}); pass float32 params to silence this.",
-                stacklevel=3,
-            )
-        self.layouts = layouts_for(
-            shapes,
-            self.num_shards,
-            rules=self.rules,
-            stacked=self.stacked,
-            min_shard_size=self.min_shard_size,
-        )
-        self.opt_layouts = opt_layouts(self.tx, self.layouts, self.min_shard_size)
-        self.specs = state_specs(self.stage, self.layouts, self.opt_layouts, self.mixed)
-        self._state_shardings = jax.tree.map(
-            lambda s: NamedSharding(self.mesh, s), self.specs, is_leaf=lambda x: isinstance(x, P)
-        )
-        self._build_jits()
-
-    def _require_init(self) -> None:
-        if self.layouts is None:
-            raise RuntimeError("call engine.init(params) or engine.init_from(...) first")
+    def precision(self) -> str:
+        return self.settings.precision
 
     @property
-    def state_shardings(self) -> TrainState:
-        """The ``NamedSharding`` of every leaf of the train state (a ``TrainState`` of
-        shardings): the state's ``in_shardings`` and ``out_shardings`` when you jit
-        :attr:`step_fn` yourself. Known once the engine is initialised."""
-        self._require_init()
-        return self._state_shardings
+    def donate(self) -> bool:
+        """Whether :meth:`step` donates its input state."""
+        return self.settings.donate
+
+    @property
+    def compiler_options(self) -> dict[str, Any]:
+        """The XLA options :meth:`step` is compiled with."""
+        return dict(self.settings.compiler_options)
+
+    @property
+    def num_shards(self) -> int:
+        """N: the devices a sharded leaf is split over."""
+        return self.settings.num_shards
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """How a global batch lies on the mesh: its leading dim over the batch axes."""
+        return self.settings.batch_sharding
+
+    # --- the plan (after the first init) -------------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        """Every decision taken from the params' shapes (:class:`~jaxzero.plan.Plan`)."""
+        if self._plan is None:
+            raise RuntimeError(NOT_INITIALISED)
+        return self._plan
+
+    @property
+    def has_plan(self) -> bool:
+        """Whether an init has built :attr:`plan` yet."""
+        return self._plan is not None
+
+    def plan_for(self, shapes: Params) -> Plan:
+        """The plan for params of ``shapes`` (``jax.ShapeDtypeStruct`` leaves): built at
+        the first call, the same one after; other shapes are refused in one line."""
+        plan_lib.check_dtypes(shapes, self.compute_dtype, self.precision)  # each init's own
+        if self._plan is None:
+            self._plan = plan_lib.make_plan(shapes, self.settings, self.loss_fn, self.tx)
+        else:
+            wrong = plan_lib.shape_mismatch(self._plan, shapes)
+            if wrong:
+                raise ValueError(wrong)
+        return self._plan
+
+    layouts = _planned("layouts", "The params' LeafLayout tree.")
+    opt_layouts = _planned("opt_layouts", "The optimizer state's layout tree.")
+    specs = _planned("specs", "The train state's PartitionSpec tree.")
+    state_shardings = _planned(
+        "state_shardings",
+        "The ``NamedSharding`` of every leaf of the train state (a ``TrainState`` of "
+        "shardings): the state's ``in_shardings`` and ``out_shardings`` when you jit "
+        ":attr:`step_fn` yourself.",
+    )
+    num_params = _planned("num_params", "Ψ: logical parameter count, padding excluded.")
 
     # --- state creation --------------------------------------------------------------
 
-    def _state_from_padded(self, master32: Any, opt_state: Any = None, step: Any = 0) -> TrainState:
-        """The state from fp32 master params in their stored layout (traced).
-
-        ``opt_state`` (stored layout) defaults to a fresh ``tx.init``.
-        """
-        lays = self.layouts
-        if master_sharded(self.stage) and not params_sharded(self.stage):
-            params = jax.tree.map(lambda m, lay: unpad(m, lay), master32, lays)
-        else:
-            params = master32
-        params = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
-        if opt_state is None:
-            logical = jax.tree.map(lambda m, lay: unpad(m, lay), master32, lays)
-            opt_state = jax.tree.map(
-                lambda lay, x: self._master_layout(x, lay),
-                self.opt_layouts,
-                self.tx.init(logical),
-                is_leaf=is_layout,
-            )
-        return TrainState(
-            step=jnp.asarray(step, jnp.int32),
-            params=params,
-            master=master32 if self.mixed else None,
-            opt_state=opt_state,
-        )
-
-    def state_from(self, master32: Any, opt_state: Any, step: int) -> TrainState:
-        """A state from restored parts: fp32 master params and optimizer state, each
-        already in this engine's stored layout and sharding (``CheckpointManager``)."""
-        self._require_init()
-        build = jax.jit(self._state_from_padded, out_shardings=self.state_shardings)
-        return build(master32, opt_state, step)
-
-    def _master_layout(self, x: Any, lay) -> Any:
-        return pad(x, lay) if master_sharded(self.stage) else x
-
-    def init(self, params: Any) -> TrainState:
+    def init(self, params: Params) -> TrainState:
         """A sharded train state from an existing params pytree.
 
         Host (numpy) leaves are padded on the host and sent slice by slice, so a
         stage-3 model is never whole on one device.
         """
-        dtype = lambda x: x.dtype if hasattr(x, "dtype") else np.result_type(x)  # float64 too
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype(x)), params)
-        self._set_layouts(shapes)
-        master_sh = self._master_shardings()
+        plan = self.plan_for(plan_lib.shapes_of(params))
 
-        def put(x, lay, sh):
+        def put(x: Any, lay: LeafLayout, sh: NamedSharding) -> jax.Array:
             if isinstance(x, jax.Array):
                 return jax.jit(
-                    lambda a: self._master_layout(a.astype(jnp.float32), lay), out_shardings=sh
+                    lambda a: plan_lib.to_master(plan, a.astype(jnp.float32), lay),
+                    out_shardings=sh,
                 )(x)
-            return jax.device_put(self._master_layout(np.asarray(x, np.float32), lay), sh)
+            return jax.device_put(plan_lib.to_master(plan, np.asarray(x, np.float32), lay), sh)
 
-        return self._state_from_master(jax.tree.map(put, params, self.layouts, master_sh))
+        master = jax.tree.map(put, params, plan.layouts, plan.master_shardings)
+        return plan_lib.state_from_master(plan, master)
 
-    def _master_shardings(self) -> Any:
-        return jax.tree.map(
-            lambda spec: NamedSharding(self.mesh, spec),
-            master_specs(self.stage, self.layouts),
-            is_leaf=lambda x: isinstance(x, P),
-        )
+    def _init_from_slices(self, shapes: Params, read: plan_lib.Read) -> TrainState:
+        """A state whose params are read slice by slice, straight into their shardings
+        (:func:`jaxzero.plan.read_state`; :func:`jaxzero.hf.load`'s loader)."""
+        return plan_lib.read_state(self.plan_for(shapes), read)
 
-    def _state_from_master(self, master32: Any) -> TrainState:
-        """The state (fresh optimizer) from fp32 master params, stored and sharded."""
-        # the fp32 copy becomes the master (or the stage-3 params) unless stages 1-2
-        # keep none: then nothing in the state has its sharded shape to reuse it for
-        temporary = not self.mixed and self.stage in (1, 2)
-        build = jax.jit(
-            self._state_from_padded,
-            out_shardings=self.state_shardings,
-            donate_argnums=() if temporary else 0,
-        )
-        return build(master32)
-
-    def init_from_slices(
-        self, shapes: Any, read: Callable[[LeafLayout, tuple[slice, ...]], np.ndarray]
-    ) -> TrainState:
-        """A state whose params are read slice by slice, straight into their shardings.
-
-        ``shapes`` is the params' ``ShapeDtypeStruct`` tree; ``read(layout, index)``
-        returns the region ``index`` (slices within ``layout.shape``) of one param, in
-        any float dtype. It is called only for what this process's devices hold (each
-        distinct slice once), never for the padding, so a loader holds about one
-        slice at a time, not the model (:func:`jaxzero.hf.load`).
-        """
-        if self.layouts is None:
-            self._set_layouts(shapes)
-        elif jax.tree.map(lambda s: tuple(s.shape), shapes) != jax.tree.map(
-            lambda lay: lay.shape, self.layouts, is_leaf=is_layout
-        ):
-            raise ValueError("the engine was initialised with params of other shapes")
-
-        def leaf(lay: LeafLayout, sh: NamedSharding) -> jax.Array:
-            stored = lay.padded_shape if master_sharded(self.stage) else lay.shape
-            # replicas (stage 0, small leaves, hybrid meshes) ask for the same slices:
-            # each distinct one is read once; together they are at most this one leaf
-            cache: dict[tuple, np.ndarray] = {}
-
-            def callback(index: tuple[slice, ...] | None) -> np.ndarray:
-                assert index is not None  # JAX passes every shard's index (typed optional)
-                span = tuple(s.indices(n)[:2] for s, n in zip(index, stored, strict=True))
-                if span not in cache:
-                    inside = tuple(
-                        slice(min(a, n), min(b, n))
-                        for (a, b), n in zip(span, lay.shape, strict=True)
-                    )
-                    out = np.zeros([b - a for a, b in span], np.float32)
-                    out[tuple(slice(0, s.stop - s.start) for s in inside)] = read(lay, inside)
-                    cache[span] = out
-                return cache[span]
-
-            return jax.make_array_from_callback(stored, sh, callback)
-
-        return self._state_from_master(
-            jax.tree.map(leaf, self.layouts, self._master_shardings(), is_leaf=is_layout)
-        )
-
-    def init_from(self, init_fn: Callable[..., Any], *args: Any) -> TrainState:
+    def init_from(self, init_fn: Callable[..., Params], *args: Any) -> TrainState:
         """Create params with ``init_fn(*args)`` directly in their sharded layout.
 
         ``jax.eval_shape`` gives the shapes; the init runs under ``jit`` with the
         state's ``out_shardings``, so each device computes and keeps only its slice.
         """
-        self._set_layouts(jax.eval_shape(init_fn, *args))
+        plan = self.plan_for(jax.eval_shape(init_fn, *args))
 
-        def build(*a):
+        def build(*a: Any) -> TrainState:
             p = init_fn(*a)
             p = jax.tree.map(
-                lambda x, lay: self._master_layout(x.astype(jnp.float32), lay), p, self.layouts
+                lambda x, lay: plan_lib.to_master(plan, x.astype(jnp.float32), lay),
+                p,
+                plan.layouts,
             )
-            return self._state_from_padded(p)
+            return plan_lib.fresh_state(plan, p)
 
-        return jax.jit(build, out_shardings=self.state_shardings)(*args)
+        return jax.jit(build, out_shardings=plan.state_shardings)(*args)
 
-    def abstract_state(self, params_shapes: Any) -> TrainState:
+    def abstract_state(self, params_shapes: Params) -> TrainState:
         """The state's shapes, dtypes and shardings, allocating nothing.
 
         ``params_shapes`` is a pytree of ``jax.ShapeDtypeStruct`` (e.g.
         ``jax.eval_shape(model.init, key)``); the result lowers and compiles the
         step (:meth:`compile`) for models too large to create here.
         """
-        self._set_layouts(params_shapes)
-        return self.state_shapes()
+        return plan_lib.state_shapes(self.plan_for(params_shapes))
 
     def state_shapes(self) -> TrainState:
-        """:meth:`abstract_state` of an initialised engine (its layouts and jits stay)."""
-        self._require_init()
-        master = stored_shapes(self.layouts, master_sharded(self.stage), jnp.float32)
-        shapes = jax.eval_shape(self._state_from_padded, master)
-        return jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-            shapes,
-            self.state_shardings,
-        )
+        """:meth:`abstract_state` of an initialised engine (its plan and jits stay)."""
+        return plan_lib.state_shapes(self.plan)
 
     # --- the step ----------------------------------------------------------------------
 
-    def _build_jits(self) -> None:
-        cfg, lays, mesh = self._config(), self.layouts, self.mesh
-        self._step_fn = step_lib.make_train_step(
-            cfg, mesh, lays, self.opt_layouts, self.specs, self.loss_fn, self.tx
-        )
-        self._step = jax.jit(  # engine.step: the public step_fn, jitted
-            self._step_fn,
-            in_shardings=(self.state_shardings, self.batch_sharding),
-            out_shardings=(self.state_shardings, NamedSharding(mesh, P())),
-            donate_argnums=0 if self.donate else (),
-            compiler_options=self.compiler_options or None,
-        )
-        ev_sharded = step_lib.make_eval(cfg, mesh, lays, self.specs, self.loss_fn)
-        self._eval = jax.jit(ev_sharded, compiler_options=self.compiler_options or None)
-
     @property
-    def step_fn(self) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+    def step_fn(self) -> plan_lib.StepFn:
         """The pure train step ``(state, batch) -> (new_state, metrics)``, not jitted.
 
         :meth:`step` is this function under ``jax.jit``; take it to build your own loop
@@ -462,80 +349,49 @@ class Engine:
         stacked for a scan lie along the same axes one dim further in:
         ``NamedSharding(engine.mesh, P(None, *engine.batch_sharding.spec))``.
 
-        Example (four steps in one program, an EMA of the params carried beside them):
-          >>> import jax, jax.numpy as jnp, optax, jaxzero
-          >>> from jax.sharding import NamedSharding, PartitionSpec as P
-          >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
-          >>> engine = jaxzero.Engine(loss_fn, optax.sgd(0.1), mesh=jaxzero.make_mesh(1))
-          >>> state = engine.init({"w": jnp.zeros((4, 2))})
-          >>> def body(carry, batch):
-          ...     state, ema = carry
-          ...     state, metrics = engine.step_fn(state, batch)
-          ...     ema = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, ema, state.params)
-          ...     return (state, ema), metrics
-          >>> def four_steps(state, ema, batches):  # batches stacked on a leading axis
-          ...     return jax.lax.scan(body, (state, ema), batches)
-          >>> sh = engine.state_shardings
-          >>> stacked = NamedSharding(engine.mesh, P(None, *engine.batch_sharding.spec))
-          >>> run = jax.jit(four_steps, in_shardings=(sh, sh.params, stacked),
-          ...               out_shardings=((sh, sh.params), None), donate_argnums=(0, 1))
-          >>> x = jax.random.normal(jax.random.key(1), (4, 8, 4))
-          >>> ema = jax.tree.map(jnp.copy, state.params)
-          >>> (state, ema), metrics = run(state, ema, {"x": x, "y": x[..., :2]})
-          >>> int(state.step), metrics["loss"].shape
-          (4, (4,))
+        ``docs/stages.md`` ("Your own loop: the pure step") scans ten steps in one
+        program with an EMA of the params carried beside them; ``tests/test_engine.py``
+        checks that it trains as the same calls of :meth:`step`.
         """
-        self._require_init()
-        assert self._step_fn is not None  # built with the layouts (_build_jits)
-        return self._step_fn
+        return self.plan.step_fn
 
-    def _check_batch(self, batch: Any) -> None:
-        leaves, treedef = jax.tree.flatten(batch)
-        if not leaves:
-            raise ValueError("batch is empty: pass a pytree of arrays with a leading batch dim")
-        if self._batch_treedef is not None and treedef != self._batch_treedef:
-            raise ValueError(
-                f"batch structure changed: expected {self._batch_treedef}, got {treedef}. "
-                "Every step must receive the same pytree of arrays."
-            )
-        sizes = {
-            path_str(p): (np.shape(x)[0] if np.ndim(x) else None)
-            for p, x in jax.tree_util.tree_leaves_with_path(batch)
-        }
-        if len(set(sizes.values())) != 1 or None in sizes.values():
-            raise ValueError(f"every batch leaf needs the same leading (batch) dim, got {sizes}")
-        b = next(iter(sizes.values()))
-        need = self.batch_devices * self.micro_batches
-        if b % need:
-            raise ValueError(
-                f"global batch {b} is not divisible by {self.batch_devices} devices x "
-                f"{self.micro_batches} micro-batches = {need}; use a multiple of {need}"
-            )
-        self._batch_treedef = treedef
+    def process_rows(self, global_batch_size: int) -> slice:
+        """The rows of a global batch of ``global_batch_size`` that this process feeds.
 
-    def shard_batch(self, batch: Any) -> Any:
+        In the spirit of ``jax.make_array_from_process_local_data``: with several
+        processes, each passes :meth:`shard_batch` (or :meth:`step`) only these rows of
+        the global batch, and the engine assembles the global array. One process: all
+        rows. The rows are contiguous and in process order; the size must be a multiple
+        of the batch devices times ``micro_batches``.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, jaxzero
+          >>> engine = jaxzero.Engine(lambda p, b: jnp.mean(b["x"] @ p["w"]),
+          ...                         optax.sgd(0.1), mesh=jaxzero.make_mesh(1))
+          >>> engine.process_rows(8)
+          slice(0, 8, None)
+        """
+        need, note = self._divisor()
+        return batch_lib.rows_of(self.batch_sharding, global_batch_size, need, note)
+
+    def shard_batch(self, batch: Batch) -> Batch:
         """Host arrays, or arrays on any device(s) → global arrays split over the batch axes.
 
-        With several processes, each passes only the rows its devices hold (its
-        contiguous share of the global batch, in process order).
+        With several processes, each passes only its rows of the global batch
+        (:meth:`process_rows`); the result is the global batch.
         """
-        sh = self.batch_sharding
+        return batch_lib.place(batch, self.batch_sharding)
 
-        def one(x):
-            if isinstance(x, jax.Array):
-                if x.sharding.is_equivalent_to(sh, x.ndim):
-                    return x
-                if not x.is_fully_addressable:  # a global array laid out differently
-                    return jax.jit(lambda a: a, out_shardings=sh)(x)
-                if jax.process_count() == 1:  # e.g. committed to one device
-                    return jax.device_put(x, sh)
-            if jax.process_count() == 1:
-                return jax.device_put(np.asarray(x), sh)
-            return jax.make_array_from_process_local_data(sh, np.asarray(x))
+    def _divisor(self) -> tuple[int, str]:
+        """What a global batch's rows must be a multiple of, and its name."""
+        note = f"{self.batch_devices} devices x {self.micro_batches} micro-batches"
+        return self.batch_devices * self.micro_batches, note
 
-        return jax.tree.map(one, batch)
+    def _check_batch(self, batch: Batch) -> None:
+        need, note = self._divisor()
+        self._batch_treedef = batch_lib.check(batch, need, note, self._batch_treedef)
 
-    def _global_batch(self, batch: Any) -> Any:
+    def _global_batch(self, batch: Batch) -> Batch:
         leaves = jax.tree.leaves(batch)
         if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
             sh = self.batch_sharding
@@ -550,7 +406,7 @@ class Engine:
         self._check_batch(batch)
         return batch
 
-    def step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         """One optimizer step on the global ``batch``; ``state`` is consumed (donated,
         :attr:`donate`): use only the state a step returns.
 
@@ -558,46 +414,40 @@ class Engine:
         ``"tokens"`` (the global weight) for a weighted loss and ``"aux"`` when the
         loss returns aux metrics.
         """
-        self._require_init()
-        return self._step(state, self._global_batch(batch))
+        step = plan_lib.jitted_step(self.plan)
+        result: tuple[TrainState, Metrics] = step(state, self._global_batch(batch))
+        return result
 
-    def eval_loss(self, state: TrainState, batch: Any) -> jax.Array:
+    def eval_loss(self, state: TrainState, batch: Batch) -> jax.Array:
         """Mean loss of ``batch`` at the current params, without a gradient."""
-        self._require_init()
-        return self._eval(state.params, self._global_batch(batch))
+        evaluate = plan_lib.jitted_eval(self.plan)
+        loss: jax.Array = evaluate(state.params, self._global_batch(batch))
+        return loss
 
-    def compile(self, state: TrainState, batch: Any) -> jax.stages.Compiled:
+    def compile(self, state: TrainState, batch: Batch) -> jax.stages.Compiled:
         """The compiled step, for its HLO and ``memory_analysis()`` (nothing runs).
 
         ``state`` and ``batch`` may be arrays or ``jax.ShapeDtypeStruct`` trees
         (:meth:`abstract_state`).
         """
-        self._require_init()
-        return self._step.lower(state, self._global_batch(batch)).compile()
+        step = plan_lib.jitted_step(self.plan)
+        compiled: jax.stages.Compiled = step.lower(state, self._global_batch(batch)).compile()
+        return compiled
 
     # --- reading back ------------------------------------------------------------------
 
-    def gather_params(self, state: TrainState) -> Any:
+    def gather_params(self, state: TrainState) -> Params:
         """Full fp32 params on the host, with the structure ``init`` was given."""
-        self._require_init()
         src = state.master if self.mixed else state.params
-        return jax.tree.map(gather_leaf, src, self.layouts)
+        return jax.tree.map(gather_leaf, src, self.plan.layouts)
 
-    def iter_params(self, state: TrainState) -> Iterator[tuple[LeafLayout, np.ndarray]]:
+    def _iter_params(self, state: TrainState) -> Iterator[tuple[LeafLayout, np.ndarray]]:
         """``(layout, full fp32 param)`` one leaf at a time, in tree order, so a writer
         holds one param on the host, not the model. Every process must iterate."""
-        self._require_init()
+        plan = self.plan
         src = state.master if self.mixed else state.params
-        for x, lay in zip(
-            jax.tree.leaves(src), jax.tree.leaves(self.layouts, is_leaf=is_layout), strict=True
-        ):
+        for x, lay in zip(jax.tree.leaves(src), plan.leaves(), strict=True):
             yield lay, gather_leaf(x, lay)
-
-    def report(self, state: TrainState, batch: Any):
-        """Measured memory and communication beside the ZeRO formulas."""
-        from jaxzero.accounting import measure as accounting  # 0.1 s that import jaxzero skips
-
-        return accounting.report(self, state, batch)
 
 
 def gather_leaf(x: jax.Array, lay: LeafLayout) -> np.ndarray:
@@ -605,61 +455,3 @@ def gather_leaf(x: jax.Array, lay: LeafLayout) -> np.ndarray:
     if jax.process_count() > 1 and not x.is_fully_replicated:
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(unpad(np.asarray(jax.device_get(x)), lay), np.float32)
-
-
-class EngineLike(Protocol):
-    """What :mod:`jaxzero.checkpoint` and :mod:`jaxzero.accounting` use of an engine:
-    its static decisions and the state builders a restore needs. :class:`Engine` (and so
-    :class:`~jaxzero.NNXEngine`) satisfies it; nothing else of an engine is read there.
-
-    Attributes:
-      stage: the ZeRO stage, 0–3.
-      precision: ``"fp32"`` or ``"bf16"``.
-      mesh: the device mesh.
-      num_shards: N, the devices a sharded leaf is split over.
-      layouts: the params' :class:`~jaxzero.LeafLayout` tree (None before init).
-      opt_layouts: the optimizer state's layout tree (set by init, as ``layouts``).
-      compute_dtype: the params' and activations' dtype (bf16 runs: bfloat16).
-      reduce_dtype: the dtype gradients are reduced in.
-      micro_batches: gradient accumulation steps per optimizer step.
-      per_layer: whether the model gathers (stage 3) and reduces per layer.
-      bucket_bytes: the largest packed collective, in bytes.
-      whole_tree_bucket_bytes: the same in a ``per_layer=False`` model's stage-3
-        ``use_params`` call (the whole tree).
-      donate: whether the step donates its input state.
-    """
-
-    stage: int
-    precision: str
-    mesh: Mesh
-    num_shards: int
-    layouts: Any
-    opt_layouts: Any
-    compute_dtype: Any
-    reduce_dtype: Any
-    micro_batches: int
-    per_layer: bool
-    bucket_bytes: int
-    whole_tree_bucket_bytes: int
-    donate: bool
-
-    @property
-    def num_params(self) -> int:
-        """Ψ: logical parameter count, padding excluded."""
-        ...
-
-    def abstract_state(self, params_shapes: Any) -> TrainState:
-        """Sets the layouts from the params' shapes; the state's shapes and shardings."""
-        ...
-
-    def state_shapes(self) -> TrainState:
-        """The state's shapes and shardings of an initialised engine."""
-        ...
-
-    def state_from(self, master32: Any, opt_state: Any, step: int) -> TrainState:
-        """A state from fp32 master params and optimizer state in the stored layout."""
-        ...
-
-    def compile(self, state: TrainState, batch: Any) -> jax.stages.Compiled:
-        """The compiled step (nothing runs)."""
-        ...

@@ -15,7 +15,8 @@ below) on each device's share of each micro-batch. It may return:
   like the loss, in ``metrics["aux"]``: averaged in the scalar form; in the weighted
   form they are sums too (e.g. correct tokens), divided by the global weight.
 
-A ``loss_fn`` with a third parameter gets ``rng``: one PRNG key for its rows
+With ``Engine(..., loss_takes_rng=True)`` the loss is called as ``loss_fn(params,
+batch, rng)`` and gets ``rng``: one PRNG key for its rows
 (:func:`batch_key`), which Flax takes as it is (``model.apply(..., rngs={"dropout":
 rng})``, ``nnx.Dropout(...)(x, rngs=rng)``). A draw from it, or from a key split or
 folded from it, whose leading dim is a multiple of the rows (``(rows, ...)``, or
@@ -94,14 +95,31 @@ def unpack(out: Any) -> tuple[jax.Array, jax.Array | None, Any]:
     return _scalar(out, "loss"), None, aux
 
 
-def takes_rng(loss_fn: Callable) -> bool:
-    """Whether ``loss_fn`` has a third positional parameter (the rows' key)."""
+def check_rng_contract(loss_fn: Callable[..., Any], takes_rng: bool) -> None:
+    """Refuse a loss that cannot be called as the engine will call it.
+
+    ``takes_rng``: the engine calls ``loss_fn(params, batch, rng)``; else
+    ``loss_fn(params, batch)``. The signature is read only to refuse, never to guess:
+    a loss whose third positional parameter has no default would otherwise get no key
+    (or, before, a key it did not ask for); one with a default keeps its default.
+    """
     try:
-        params = inspect.signature(loss_fn).parameters.values()
-    except (TypeError, ValueError):  # builtins, some C callables
-        return False
+        params = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):  # builtins, some C callables: nothing to check
+        return
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
+    varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
+    if takes_rng and len(positional) < 3 and not varargs:
+        raise ValueError(
+            "loss_takes_rng=True, but loss_fn takes fewer than three positional "
+            "parameters: define it as loss_fn(params, batch, rng)"
+        )
+    if not takes_rng and len(positional) >= 3 and positional[2].default is inspect.Parameter.empty:
+        raise ValueError(
+            f"loss_fn's third parameter {positional[2].name!r} has no default, but the "
+            "engine passes two arguments: pass loss_takes_rng=True for a PRNG key there "
+            "(dropout), or give it a default"
+        )
 
 
 # A key's data: threefry's two words, then this device's first row of the global batch.

@@ -47,16 +47,17 @@ from flax import nnx
 
 from jaxzero.engine import Engine
 from jaxzero.hooks import use_params
-from jaxzero.loss import takes_rng
+from jaxzero.loss import check_rng_contract
 from jaxzero.partition import path_str
 from jaxzero.state import TrainState
+from jaxzero.types import Batch, Params
 
 __all__ = ["NNXEngine", "use"]
 
 M = TypeVar("M", bound=nnx.Module)
 
 
-def split(module: M) -> tuple[nnx.GraphDef[M], dict[str, Any], nnx.State]:
+def split(module: M) -> tuple[nnx.GraphDef[M], Params, nnx.State]:
     """``(graphdef, params, rest)``: the module's ``nnx.Param`` values as a plain nested
     dict (what the engine shards) and every other variable as an ``nnx.State``."""
     # flax types split's result as variadic: two filters give exactly two states
@@ -105,7 +106,7 @@ def _held(state: nnx.State) -> dict[str, Any]:
     }
 
 
-def bind(graphdef: nnx.GraphDef[M], template: nnx.State, params: Any, rest: nnx.State) -> M:
+def bind(graphdef: nnx.GraphDef[M], template: nnx.State, params: Params, rest: nnx.State) -> M:
     """A module from ``graphdef`` with ``params`` (a nested dict like :func:`split`'s)
     as its ``nnx.Param`` values; ``template`` is a ``Param`` state of the same structure."""
     state = jax.tree.map(lambda v: v, template)  # a fresh copy to fill in
@@ -133,7 +134,8 @@ class NNXEngine(Engine):
         used. An abstract one (``nnx.eval_shape(lambda: Model(...))``) with
         :meth:`init_from` never allocates the whole model.
       loss_fn: ``loss_fn(model, batch) -> scalar``, the mean loss of a batch (or any
-        form of :mod:`jaxzero.loss`, ``rng`` as a third parameter included).
+        form of :mod:`jaxzero.loss`); ``loss_fn(model, batch, rng)`` with
+        ``loss_takes_rng=True``. The module's own random streams are fed either way.
       optimizer: as for :class:`jaxzero.Engine` (required, e.g. ``optax.adamw(1e-3)``).
       **kwargs: as for :class:`jaxzero.Engine` (``stage``, ``per_layer``,
         ``stacked``, ...). Param paths (for ``rules`` and ``stacked``) are the
@@ -145,6 +147,8 @@ class NNXEngine(Engine):
         model: nnx.Module,
         loss_fn: Callable[..., Any],
         optimizer: optax.GradientTransformation,
+        *,
+        loss_takes_rng: bool = False,
         **kwargs: Any,
     ):
         if not isinstance(model, nnx.Module):
@@ -155,9 +159,10 @@ class NNXEngine(Engine):
         self._template = nnx.state(model, nnx.Param)
         self.model_loss_fn = loss_fn
 
-        with_rng = takes_rng(loss_fn)
+        check_rng_contract(loss_fn, loss_takes_rng)
+        with_rng = loss_takes_rng
 
-        def params_loss(params: Any, batch: Any, rng: Any) -> Any:
+        def params_loss(params: Params, batch: Batch, rng: jax.Array | None) -> Any:
             # always given rng (None in eval_loss): it feeds the module's streams
             rest = feed_streams(self.rest, rng)
             held = _held(rest)
@@ -174,9 +179,10 @@ class NNXEngine(Engine):
                 )
             return out
 
-        super().__init__(params_loss, optimizer, **kwargs)
+        # the step always passes the key (None in eval_loss): it feeds the module's streams
+        super().__init__(params_loss, optimizer, loss_takes_rng=True, **kwargs)
 
-    def init(self, params: Any = None) -> TrainState:
+    def init(self, params: Params = None) -> TrainState:
         """The sharded state from the module's own params (or ``params``, a nested dict)."""
         params = self._params if params is None else params
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):

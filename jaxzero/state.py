@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.partition import is_layout, leaf_layout, path_str
+from jaxzero.partition import LeafLayout, is_layout, leaf_layout, path_str
+from jaxzero.types import Layouts, OptState, Params, Specs
 
 
 @jax.tree_util.register_dataclass
@@ -47,9 +48,9 @@ class TrainState:
     # a jax.Array in a state; the trees of the same structure (state_specs, the checkpoint's
     # leaf names) hold a PartitionSpec, a sharding or None there
     step: Any
-    params: Any
-    master: Any
-    opt_state: Any
+    params: Params
+    master: Params
+    opt_state: OptState
 
 
 def params_sharded(stage: int) -> bool:
@@ -61,14 +62,14 @@ def master_sharded(stage: int) -> bool:
     return stage >= 1
 
 
-def logical_shapes(layouts: Any, dtype: Any = jnp.float32) -> Any:
+def logical_shapes(layouts: Layouts, dtype: Any = jnp.float32) -> Params:
     """``ShapeDtypeStruct`` of every param at its logical (unpadded) shape."""
     return jax.tree.map(
         lambda lay: jax.ShapeDtypeStruct(lay.shape, dtype), layouts, is_leaf=is_layout
     )
 
 
-def stored_shapes(layouts: Any, sharded: bool, dtype: Any) -> Any:
+def stored_shapes(layouts: Layouts, sharded: bool, dtype: Any) -> Params:
     """``ShapeDtypeStruct`` of every leaf as stored: padded when sharded."""
     return jax.tree.map(
         lambda lay: jax.ShapeDtypeStruct(lay.padded_shape if sharded else lay.shape, dtype),
@@ -77,7 +78,9 @@ def stored_shapes(layouts: Any, sharded: bool, dtype: Any) -> Any:
     )
 
 
-def opt_layouts(tx: optax.GradientTransformation, layouts: Any, min_shard_size: int = 64) -> Any:
+def opt_layouts(
+    tx: optax.GradientTransformation, layouts: Layouts, min_shard_size: int = 64
+) -> OptState:
     """A layout for every optimizer-state leaf, decided by the leaf's own shape.
 
     The state is built from the logical params, so its leaves have the shapes the
@@ -95,7 +98,7 @@ def opt_layouts(tx: optax.GradientTransformation, layouts: Any, min_shard_size: 
     n = next(iter(by_path.values())).num_shards if by_path else 1
     shapes = jax.eval_shape(tx.init, logical_shapes(layouts))
 
-    def one(path, leaf):
+    def one(path: Any, leaf: jax.ShapeDtypeStruct) -> LeafLayout:
         for i in range(len(path)):  # longest suffix first: "1/mu/blocks/w" -> "blocks/w"
             lay = by_path.get(path_str(path[i:]))
             if lay is not None and lay.shape == tuple(leaf.shape):
@@ -105,11 +108,11 @@ def opt_layouts(tx: optax.GradientTransformation, layouts: Any, min_shard_size: 
     return jax.tree_util.tree_map_with_path(one, shapes)
 
 
-def _specs(layouts: Any, sharded: bool) -> Any:
+def _specs(layouts: Layouts, sharded: bool) -> Specs:
     return jax.tree.map(lambda lay: lay.spec() if sharded else P(), layouts, is_leaf=is_layout)
 
 
-def state_specs(stage: int, layouts: Any, opt_lays: Any, mixed: bool) -> TrainState:
+def state_specs(stage: int, layouts: Layouts, opt_lays: OptState, mixed: bool) -> TrainState:
     """PartitionSpecs of every leaf of the TrainState (same structure)."""
     return TrainState(
         step=P(),
@@ -119,6 +122,6 @@ def state_specs(stage: int, layouts: Any, opt_lays: Any, mixed: bool) -> TrainSt
     )
 
 
-def master_specs(stage: int, layouts: Any) -> Any:
+def master_specs(stage: int, layouts: Layouts) -> Specs:
     """fp32 master params (and reduced gradients): replicated in stage 0, then sharded."""
     return _specs(layouts, master_sharded(stage))

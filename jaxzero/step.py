@@ -65,6 +65,7 @@ from jaxzero.hooks import Stored, UseOp, use_params
 from jaxzero.mesh import DATA  # the state's axis, named where no mesh is at hand
 from jaxzero.partition import LeafLayout, is_layout, pad, unpad
 from jaxzero.state import TrainState, master_sharded, master_specs
+from jaxzero.types import Batch, Layouts, Metrics, OptState, Params
 
 LossFn = Callable[..., Any]  # (params, batch[, rng]) -> a scalar or a jaxzero.loss form
 
@@ -92,13 +93,17 @@ class StepConfig:
         return tuple(a for a in self.batch_axes if a != DATA)
 
 
-def _map(f, layouts, *trees):
+def _map(f: Callable[..., Any], layouts: Layouts, *trees: Any) -> Any:
     return jax.tree.map(lambda lay, *xs: f(lay, *xs), layouts, *trees, is_leaf=is_layout)
 
 
 def model_view(
-    cfg: StepConfig, layouts: Any, params: Any, slots: Any = None, barriers: Any = None
-) -> Any:
+    cfg: StepConfig,
+    layouts: Layouts,
+    params: Params,
+    slots: Params = None,
+    barriers: Any = None,
+) -> Params:
     """What ``loss_fn`` receives: plain arrays (stages 0–1) or gathered/hooked leaves.
 
     A per-layer model at stages 0–1 with the dot barrier gets hooked leaves too, whose
@@ -112,7 +117,7 @@ def model_view(
     if barriers is None:
         barriers = _map(lambda lay: cfg.dot_barrier, layouts)
 
-    def wrap(lay: LeafLayout, barrier: bool, value, slot=None):
+    def wrap(lay: LeafLayout, barrier: bool, value: jax.Array, slot: Any = None) -> Stored:
         op = UseOp(
             lay,
             cfg.stage == 3,
@@ -133,7 +138,9 @@ def model_view(
     return stored if cfg.per_layer else use_params(stored)
 
 
-def dot_barriers(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any) -> Any:
+def dot_barriers(
+    cfg: StepConfig, layouts: Layouts, loss_fn: LossFn, params: Params, batch: Batch
+) -> Any:
     """Which leaves' gradients pass :func:`collectives.dot_barrier` (all False when the
     barrier is off): those that may be a dot's, from a trace of the plain model's
     gradient (whole params, no hooks; ``use_params`` is the identity on them).
@@ -143,7 +150,7 @@ def dot_barriers(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, ba
     whole = _map(lambda lay, x: jax.ShapeDtypeStruct(lay.shape, x.dtype), layouts, params)
     rows = jax.tree.leaves(batch)[0].shape[0]
 
-    def grad(p, b):
+    def grad(p: Params, b: Batch) -> Params:
         rng = None if cfg.rng_seed is None else loss_lib.batch_key(cfg.rng_seed, 0, 0, rows)
         return jax.grad(lambda p: loss_lib.unpack(_loss(cfg, loss_fn, p, b, rng, False))[0])(p)
 
@@ -151,7 +158,12 @@ def dot_barriers(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, ba
 
 
 def _loss(
-    cfg: StepConfig, loss_fn: LossFn, view: Any, batch: Any, rng: Any = None, check=True
+    cfg: StepConfig,
+    loss_fn: LossFn,
+    view: Params,
+    batch: Batch,
+    rng: jax.Array | None = None,
+    check: bool = True,
 ) -> Any:
     """``loss_fn(view, batch[, rng])``; per-layer models are first checked to use
     ``use_params``."""
@@ -166,7 +178,7 @@ def _first_row(cfg: StepConfig, rows: int) -> jax.Array:
     return jax.lax.axis_index(cfg.batch_axes) * rows
 
 
-def _slots(layouts: Any, sharded: bool) -> Any:
+def _slots(layouts: Layouts, sharded: bool) -> Params:
     """Zero gradient slots shaped like this device's slice of each leaf."""
     return _map(
         lambda lay: jnp.zeros(lay.shard_shape if sharded else lay.shape, jnp.float32), layouts
@@ -174,8 +186,8 @@ def _slots(layouts: Any, sharded: bool) -> Any:
 
 
 def local_gradients(
-    cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any, step: Any = 0
-):
+    cfg: StepConfig, layouts: Layouts, loss_fn: LossFn, params: Params, batch: Batch, step: Any = 0
+) -> tuple[jax.Array, jax.Array, Any, Params, bool]:
     """This device's loss terms and gradients, summed over micro-batches.
 
     Returns ``(total, weight, aux, grads, weighted)``. Scalar-mean losses
@@ -196,7 +208,7 @@ def local_gradients(
     mb0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows // k, *x.shape[1:]), x.dtype), batch)
     barriers = dot_barriers(cfg, layouts, loss_fn, params, mb0)
 
-    def loss_of(diff, mb, j):
+    def loss_of(diff: Params, mb: Batch, j: Any) -> tuple[jax.Array, Any]:
         if hooked:
             view = model_view(cfg, layouts, params, diff, barriers)
         else:
@@ -214,7 +226,7 @@ def local_gradients(
 
     value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
 
-    def grad_fn(diff, mb, j):
+    def grad_fn(diff: Params, mb: Batch, j: Any) -> tuple[Any, Params]:
         (_, terms), grads = value_and_grad(diff, mb, j)
         if not hooked and not cfg.per_layer:  # else in use_params
             grads = jax.tree.map(
@@ -229,7 +241,7 @@ def local_gradients(
     mbs = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
     f32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
 
-    def body(carry, xs):
+    def body(carry: Any, xs: Any) -> tuple[Any, None]:
         mb, j = xs
         terms, g = grad_fn(diff0, mb, j)
         return jax.tree.map(lambda a, b: a + b, carry, (f32(terms), f32(g))), None
@@ -243,7 +255,7 @@ def local_gradients(
     return total / k, weight, mean(aux), mean(acc), False
 
 
-def reduce_gradients(cfg: StepConfig, layouts: Any, grads: Any) -> Any:
+def reduce_gradients(cfg: StepConfig, layouts: Layouts, grads: Params) -> Params:
     """Stage 0: all-reduce; stage 1: reduce-scatter. Returns fp32 global-mean gradients."""
     lays = jax.tree.leaves(layouts, is_leaf=is_layout)
     gs, treedef = jax.tree.flatten(grads)
@@ -260,7 +272,7 @@ def reduce_gradients(cfg: StepConfig, layouts: Any, grads: Any) -> Any:
 SPLIT_NORM_MIN = 1 << 15
 
 
-def global_norm(cfg: StepConfig, layouts: Any, grads: Any) -> jax.Array:
+def global_norm(cfg: StepConfig, layouts: Layouts, grads: Params) -> jax.Array:
     """The true L2 norm of the whole gradient, however it is sharded.
 
     Each device sums the squares of its own part: a sharded leaf's shard, and 1/N of a
@@ -304,7 +316,7 @@ def _sum_sq_of_own_part(g: jax.Array, n: int) -> jax.Array:
     return own
 
 
-def clip(grads: Any, norm: jax.Array, max_norm: float | None) -> Any:
+def clip(grads: Params, norm: jax.Array, max_norm: float | None) -> Params:
     """``optax.clip_by_global_norm`` with a norm computed across shards."""
     if max_norm is None:
         return grads
@@ -312,8 +324,8 @@ def clip(grads: Any, norm: jax.Array, max_norm: float | None) -> Any:
 
 
 def gradient_step(
-    cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any, step: Any = 0
-):
+    cfg: StepConfig, layouts: Layouts, loss_fn: LossFn, params: Params, batch: Batch, step: Any = 0
+) -> tuple[jax.Array, Params, jax.Array, Metrics]:
     """Per device: the global loss, reduced (and clipped) gradients, their global norm
     and the metrics of the loss's form (``tokens`` when weighted, ``aux``).
 
@@ -343,32 +355,32 @@ def gradient_step(
     return loss, grads, norm, metrics
 
 
-def gather_params(cfg: StepConfig, layouts: Any, params: Any) -> Any:
+def gather_params(cfg: StepConfig, layouts: Layouts, params: Params) -> Params:
     """Per device: all-gather the updated working params (stages 1–2), in buckets."""
     values, treedef = jax.tree.flatten(params)
     lays = jax.tree.leaves(layouts, is_leaf=is_layout)
     return jax.tree.unflatten(treedef, collectives.gather_buckets(values, lays, cfg.bucket_bytes))
 
 
-def _logical(layouts: Any, tree: Any) -> Any:
+def _logical(layouts: Layouts, tree: Any) -> Any:
     return _map(lambda lay, x: unpad(x, lay) if x.shape != lay.shape else x, layouts, tree)
 
 
-def _stored(layouts: Any, tree: Any, sharded: bool) -> Any:
+def _stored(layouts: Layouts, tree: Any, sharded: bool) -> Any:
     return _map(lambda lay, x: pad(x, lay) if sharded else x, layouts, tree)
 
 
 def optimizer_update(
     tx: optax.GradientTransformation,
-    layouts: Any,
-    opt_lays: Any,
+    layouts: Layouts,
+    opt_lays: OptState,
     sharded: bool,
-    grads: Any,
-    opt_state: Any,
-    master: Any,
+    grads: Params,
+    opt_state: OptState,
+    master: Params,
     value: jax.Array | None = None,
-    value_fn: Callable[[Any], jax.Array] | None = None,
-):
+    value_fn: Callable[[Params], jax.Array] | None = None,
+) -> tuple[Params, OptState]:
     """``tx.update`` in the global view, on logical shapes; returns stored master and state.
 
     This runs outside ``shard_map`` on sharded global arrays, so XLA's partitioner
@@ -390,19 +402,21 @@ def optimizer_update(
     return _stored(layouts, m, sharded), _stored(opt_lays, s, sharded)
 
 
-def _value_fn(loss_and_grads: Callable[[Any], tuple[jax.Array, Any]]) -> Callable:
+def _value_fn(
+    loss_and_grads: Callable[[Params], tuple[jax.Array, Params]],
+) -> Callable[[Params], jax.Array]:
     """``value_fn(params) -> loss`` for optax's line searches, which differentiate it:
     its gradient is the step's own (reduced over devices), not autodiff of the sharded
     forward pass."""
 
     @jax.custom_vjp
-    def value_fn(params: Any) -> jax.Array:
+    def value_fn(params: Params) -> jax.Array:
         return loss_and_grads(params)[0]
 
-    def fwd(params: Any) -> tuple[jax.Array, Any]:
+    def fwd(params: Params) -> tuple[jax.Array, Params]:
         return loss_and_grads(params)
 
-    def bwd(grads: Any, ct: jax.Array) -> tuple[Any]:
+    def bwd(grads: Params, ct: jax.Array) -> tuple[Params]:
         return (jax.tree.map(lambda g: (ct * g).astype(g.dtype), grads),)
 
     value_fn.defvjp(fwd, bwd)
@@ -412,8 +426,8 @@ def _value_fn(loss_and_grads: Callable[[Any], tuple[jax.Array, Any]]) -> Callabl
 def make_train_step(
     cfg: StepConfig,
     mesh: Mesh,
-    layouts: Any,
-    opt_lays: Any,
+    layouts: Layouts,
+    opt_lays: OptState,
     specs: TrainState,
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
@@ -464,17 +478,17 @@ def make_train_step(
         check_vma=False,
     )
 
-    def loss_and_grads(logical: Any, batch: Any, step: Any) -> tuple[jax.Array, Any]:
+    def loss_and_grads(logical: Params, batch: Batch, step: Any) -> tuple[jax.Array, Params]:
         master = place(_stored(layouts, logical, sharded))
         loss, grads, _, _ = unclipped(working(master), batch, step)
         return loss, _logical(layouts, grads)
 
-    def working(master: Any) -> Any:
+    def working(master: Params) -> Params:
         """The working params (compute dtype, the stage's layout) of stored master params."""
         params = jax.tree.map(lambda m: m.astype(cfg.compute_dtype), master)
         return gather(params) if cfg.stage in (1, 2) else params
 
-    def train_step(state: TrainState, batch: Any):
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         loss, grads, norm, extra = grads_of(state.params, batch, state.step)
         master = state.master if cfg.mixed else state.params
         value_fn = _value_fn(lambda logical: loss_and_grads(logical, batch, state.step))
@@ -493,7 +507,9 @@ def make_train_step(
     return train_step
 
 
-def eval_loss(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch: Any):
+def eval_loss(
+    cfg: StepConfig, layouts: Layouts, loss_fn: LossFn, params: Params, batch: Batch
+) -> jax.Array:
     """Forward-only loss over the global batch, combined as the step combines it; a loss
     that takes ``rng`` gets None (no dropout)."""
     view = params
@@ -505,7 +521,9 @@ def eval_loss(cfg: StepConfig, layouts: Any, loss_fn: LossFn, params: Any, batch
     return jax.lax.psum(total, cfg.batch_axes) / _nonzero(jax.lax.psum(weight, cfg.batch_axes))
 
 
-def make_eval(cfg: StepConfig, mesh: Mesh, layouts: Any, specs: TrainState, loss_fn: LossFn):
+def make_eval(
+    cfg: StepConfig, mesh: Mesh, layouts: Layouts, specs: TrainState, loss_fn: LossFn
+) -> Callable[[Params, Batch], jax.Array]:
     """``evaluate(params, batch)``: :func:`eval_loss` over the mesh, in the global view."""
     # check_vma=False as for the step (the module docstring says why): the loss runs as
     # plain per-device JAX; P() holds because eval_loss ends in a pmean or psum.

@@ -10,21 +10,18 @@ import jaxzero.distributed
 
 job = jaxzero.distributed.initialize()  # no arguments: MASTER_ADDR, RANK, ... only
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _models import mlp_batches, mlp_loss, mlp_params  # noqa: E402
 from _procs import write_report  # noqa: E402
 
 import jaxzero  # noqa: E402
-from jaxzero.train.data import process_rows  # noqa: E402
 
 out = {"rank": job.rank, "world_size": job.world_size, "local_rank": job.local_rank}
 for name, mesh in [("stage3", jaxzero.make_mesh(4)), ("hybrid", jaxzero.make_mesh(4, replicas=2))]:
     engine = jaxzero.Engine(mlp_loss, optax.adamw(1e-3), mesh=mesh, stage=3)
     state = engine.init(mlp_params())
-    rows = process_rows(engine.batch_sharding.devices_indices_map((16, 1)), 16)
-    mine = rows[jax.process_index()]
+    mine = engine.process_rows(16)
     losses = []
     for batch in mlp_batches(5):
         local = {k: v[mine] for k, v in batch.items()}

@@ -33,7 +33,7 @@ def logged(lay, index):
     return read(lay, index)
 
 
-state = engine.init_from_slices(shapes, logged)
+state = engine._init_from_slices(shapes, logged)
 rng = np.random.default_rng(3)
 losses = []
 for _ in range(3):

@@ -65,6 +65,7 @@ MODULES = {
     "test_optimizers": "equivalence",
     "test_packing": "equivalence",
     "test_partition": "unit",
+    "test_plan": "equivalence",
     "test_procs": "unit",
     "test_run_edges": "system",
     "test_run_failures": "system",

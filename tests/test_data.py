@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxzero import batch as batch_lib
 from jaxzero.train import data as D
 from jaxzero.train.config import DataConfig
 
@@ -186,7 +187,7 @@ def _fake_device_map(batch, num_procs, devices_per_proc):
 @pytest.mark.parametrize("num_procs, per_proc", [(1, 8), (2, 4), (4, 2), (8, 1)])
 def test_per_process_rows_cover_the_global_batch_exactly_once(num_procs, per_proc):
     batch = 32
-    rows = D.process_rows(_fake_device_map(batch, num_procs, per_proc), batch)
+    rows = batch_lib.process_rows(_fake_device_map(batch, num_procs, per_proc), batch)
     assert sorted(rows) == list(range(num_procs))
     covered = np.concatenate([np.arange(batch)[rows[p]] for p in range(num_procs)])
     np.testing.assert_array_equal(np.sort(covered), np.arange(batch))
@@ -205,7 +206,7 @@ def test_non_contiguous_rows_are_refused():
         FakeDevice(2, 0): (slice(4, 6),),
     }
     with pytest.raises(ValueError, match="non-contiguous"):
-        D.process_rows(dev, 6)
+        batch_lib.process_rows(dev, 6)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
@@ -217,7 +218,7 @@ def test_process_rows_of_a_real_mesh(replicas):
 
     mesh = make_mesh(8, replicas=replicas)
     sharding = NamedSharding(mesh, P(batch_axes(mesh)))
-    rows = D.process_rows(sharding.devices_indices_map((16, 4)), 16)
+    rows = batch_lib.process_rows(sharding.devices_indices_map((16, 4)), 16)
     assert rows == {0: slice(0, 16)}  # one process holds every row
 
 

@@ -322,7 +322,7 @@ def test_cli_subprocess_error_has_no_traceback(saved, tmp_path):
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
 def test_host_fingerprint_is_the_saved_one(dtype):
     """The numpy fingerprint export checks equals the one the checkpoint writes."""
-    from jaxzero.checkpoint import _fingerprints, host_fingerprint
+    from jaxzero.checkpoint.format import _fingerprints, host_fingerprint
 
     x = np.asarray(jax.random.normal(jax.random.key(0), (37, 53))).astype(dtype)
     want = int(jax.device_get(_fingerprints((jnp.asarray(x),), ((37, 53),)))[0])

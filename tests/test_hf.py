@@ -251,7 +251,7 @@ def test_load_reads_each_slice_once_and_never_the_padding():
         calls.append((lay.path, tuple((s.start, s.stop) for s in index)))
         return read(lay, index)
 
-    state = engine.init_from_slices(shapes, logged)
+    state = engine._init_from_slices(shapes, logged)
     assert len(calls) == len(set(calls))
     assert rel_diff(engine.gather_params(state), hf.read_params(src)) == 0.0
 

@@ -19,6 +19,7 @@ from tests._models import (
     gpt,
     gpt_batches,
     mlp_batches,
+    mlp_loss,
     mlp_params,
     rel_diff,
     train_reference,
@@ -127,6 +128,7 @@ def test_dropout_and_aux_are_the_same_at_any_stage_device_count_and_micro_batchi
         engine = jaxzero.Engine(
             dropout_loss,
             tx,
+            loss_takes_rng=True,
             mesh=jaxzero.make_mesh(devices),
             stage=stage,
             micro_batches=micro,
@@ -147,7 +149,9 @@ def test_dropout_and_aux_are_the_same_at_any_stage_device_count_and_micro_batchi
         np.testing.assert_allclose(
             [b["loss"], b["aux"]["close"]], [a["loss"], a["aux"]["close"]], rtol=1e-5
         )
-    other_seed = jaxzero.Engine(dropout_loss, tx, mesh=jaxzero.make_mesh(1), stage=0, seed=4)
+    other_seed = jaxzero.Engine(
+        dropout_loss, tx, mesh=jaxzero.make_mesh(1), stage=0, seed=4, loss_takes_rng=True
+    )
     _, metrics = other_seed.step(other_seed.init(mlp_params()), data[0])
     assert abs(float(metrics["loss"]) - one[0]["loss"]) > 1e-4, "the seed must matter"
 
@@ -199,6 +203,7 @@ def test_linen_dropout_with_the_loss_rng_is_the_same_at_every_stage_as_on_one_de
         engine = jaxzero.Engine(
             linen_loss,
             tx,
+            loss_takes_rng=True,
             mesh=jaxzero.make_mesh(devices),
             stage=stage,
             micro_batches=micro,
@@ -228,7 +233,9 @@ def test_eval_combines_like_the_step_and_passes_no_rng(gpt_params):
     state = engine.init(gpt_params)
     w = masked_loss(gpt_params, data)
     np.testing.assert_allclose(float(engine.eval_loss(state, data)), w.total / w.weight, rtol=1e-5)
-    engine = jaxzero.Engine(dropout_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=0)
+    engine = jaxzero.Engine(
+        dropout_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=0, loss_takes_rng=True
+    )
     b = mlp_batches(1, batch=16)[0]
     got = float(engine.eval_loss(engine.init(mlp_params()), b))
     w, _ = dropout_loss(mlp_params(), b, None)
@@ -259,3 +266,33 @@ def test_a_batch_with_nothing_to_learn_from_is_zero_not_nan(gpt_params):
     assert float(metrics["loss"]) == 0.0 and float(metrics["tokens"]) == 0.0
     assert float(metrics["grad_norm"]) == 0.0
     assert rel_diff(engine.gather_params(state), gpt_params) == 0.0
+
+
+def test_the_rng_is_given_only_when_asked_for():
+    """``loss_takes_rng`` is the contract, not the signature: a third parameter with a
+    default keeps it; one without is refused in one line; asking with two is refused."""
+    mesh, tx, b = jaxzero.make_mesh(2), optax.sgd(0.1), mlp_batches(1, batch=16)[0]
+    seen = []
+
+    def with_default(params, batch, deterministic=False):
+        seen.append(deterministic)
+        return mlp_loss(params, batch)
+
+    engine = jaxzero.Engine(with_default, tx, mesh=mesh, stage=0)
+    engine.step(engine.init(mlp_params()), b)
+    assert seen and all(d is False for d in seen)  # never a key in place of the default
+    assert engine.rng_seed is None
+    with pytest.raises(ValueError, match="third parameter 'rng' has no default") as e:
+        jaxzero.Engine(dropout_loss, tx, mesh=mesh)
+    assert "loss_takes_rng=True" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="loss_takes_rng=True, but loss_fn takes fewer"):
+        jaxzero.Engine(mlp_loss, tx, mesh=mesh, loss_takes_rng=True)
+    keys = []
+
+    def rng_loss(params, batch, rng):
+        keys.append(rng)
+        return mlp_loss(params, batch)
+
+    engine = jaxzero.Engine(rng_loss, tx, mesh=mesh, stage=0, loss_takes_rng=True)
+    engine.step(engine.init(mlp_params()), b)
+    assert keys and all(k is not None for k in keys)

@@ -119,6 +119,42 @@ def test_torchrun_variables_alone_stage3_and_hybrid_match_one_process_of_4(tmp_p
         assert rel_diff(params, ref_params) <= 1e-5, name
 
 
+def test_each_process_feeds_the_rows_the_engine_names(tmp_path):
+    """``engine.process_rows(B)``: 2 processes x 2 devices, each passes only its rows; the
+    global batch assembles in process order and trains like one process of 4 devices."""
+    import jaxzero
+
+    port, report = free_port(), tmp_path / "report.json"
+    procs = [
+        _procs.Child(
+            [sys.executable, str(HERE / "_mp_rows_worker.py")],
+            env=_torchrun_env(
+                i,
+                port,
+                XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                **{REPORT: str(report)},
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+        for i in range(2)
+    ]
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    got = read_report(report)
+    assert got["rows"] == [[0, 8], [8, 16]]  # contiguous, in process order
+    assert got["assembled"]
+    assert "global batch 12 is not divisible by 4 devices x 2 micro-batches = 8" in got["refused"]
+    engine = jaxzero.Engine(
+        mlp_loss, optax.adamw(1e-3), mesh=jaxzero.make_mesh(4), stage=3, micro_batches=2
+    )
+    ref_losses, _, _ = train_engine(engine, mlp_params(), mlp_batches(5))
+    assert rel_diff(np.array(got["losses"]), ref_losses) <= 1e-5
+
+
 def _train_args(root: Path, name: str, *extra: str) -> list[str]:
     return [
         "--config", TINY, "--name", name, "--set", f"logging.root={root}",

@@ -208,3 +208,25 @@ def test_use_is_identity_outside_the_engine():
     x = jnp.ones((2, 13))
     plain = MLP(13, 37, 5, 1, nnx.Rngs(0))
     np.testing.assert_array_equal(model(x), plain(x))
+
+
+def test_the_loss_gets_the_key_only_when_asked_for():
+    """The module's streams are fed either way; ``loss_fn(model, batch, rng)`` needs
+    ``loss_takes_rng=True`` and then gets the step's key (None in eval_loss)."""
+    keys = []
+
+    def with_rng(model, batch, rng):
+        keys.append(rng)
+        return loss_fn(model, batch)
+
+    model = MLP(13, 37, 5, 1, nnx.Rngs(0))
+    with pytest.raises(ValueError, match="third parameter 'rng' has no default"):
+        jaxzero.NNXEngine(model, with_rng, optax.sgd(0.1))
+    engine = jaxzero.NNXEngine(
+        model, with_rng, optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=0, loss_takes_rng=True
+    )
+    state, _ = engine.step(engine.init(), batches(1)[0])
+    assert keys and all(k is not None for k in keys)
+    keys.clear()
+    engine.eval_loss(state, batches(1)[0])
+    assert keys and all(k is None for k in keys)

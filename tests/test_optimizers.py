@@ -162,7 +162,7 @@ def test_optimizer_state_layouts_follow_each_leaf():
         lay = lays[jax.tree_util.keystr(path)]
         assert x.shape == lay.padded_shape
         assert x.sharding.spec == lay.spec()
-    r = engine.report(state, mlp_batches(1)[0])  # optimizer bytes counted leaf by leaf
+    r = jaxzero.report(engine, state, mlp_batches(1)[0])  # optimizer bytes counted leaf by leaf
     assert r.persistent["total"] - r.persistent["other"] == r.expected.persistent
 
 

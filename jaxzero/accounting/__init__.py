@@ -5,7 +5,8 @@
 :mod:`~jaxzero.accounting.hlo` (compiled HLO text parsed, with loop trip counts),
 :mod:`~jaxzero.accounting.comm` (its collectives and bytes on the wire),
 :mod:`~jaxzero.accounting.measure` (a compiled step's memory and collectives beside
-the formulas; ``Engine.report``). The ``jaxzero estimate`` and ``jaxzero report``
-commands that print them are in :mod:`jaxzero.commands`. Nothing is re-exported here:
+the formulas; :func:`jaxzero.report` is its ``report``). The ``jaxzero estimate`` and
+``jaxzero report`` commands that print them are in :mod:`jaxzero.commands`. Nothing is
+re-exported here:
 import the module you need.
 """

@@ -44,7 +44,8 @@ from jaxzero.accounting.hlo import Buffer
 from jaxzero.partition import is_layout
 
 if TYPE_CHECKING:
-    from jaxzero.engine import EngineLike
+    from jaxzero.engine import Engine
+    from jaxzero.plan import Plan
     from jaxzero.state import TrainState
 
 # ----------------------------------------------------------------------------- memory
@@ -447,16 +448,14 @@ def _scope_rows(report: Report) -> list[tuple[str, float, float | None, float | 
     ]
 
 
-def _stage3_notes(
-    engine: EngineLike, collectives: list[Collective], scalar_elements: int
-) -> list[str]:
+def _stage3_notes(plan: Plan, collectives: list[Collective], scalar_elements: int) -> list[str]:
     """Explain stage-3 traffic below 3Ψ: how much the backward pass gathers again.
 
     The design gathers every param twice (forward, backward) per reduce-scatter of
     its gradient. Counting elements (not bytes, so dtypes do not matter) shows how
     much of that second gather the compiled step really does.
     """
-    if engine.stage != 3:
+    if plan.stage != 3:
         return []
 
     def elements(kind: str) -> int:
@@ -470,13 +469,13 @@ def _stage3_notes(
 
     gathered, scattered = elements("all-gather"), elements("reduce-scatter")
     notes = []
-    if not engine.per_layer:
+    if not plan.settings.step.per_layer:
         notes.append(
             "per_layer=False: the engine gathers the whole tree once per micro-batch and keeps "
             "it through the backward pass (coarse stage 3): the theory column counts one gather "
             "(2Ψb), not ZeRO-3's two (3Ψb)"
         )
-    if engine.per_layer and scattered and gathered < 2 * scattered * (1 - 1e-3):
+    if plan.settings.step.per_layer and scattered and gathered < 2 * scattered * (1 - 1e-3):
         notes.append(
             f"the backward pass gathers {max(gathered / scattered - 1, 0):.1%} of the params "
             "again (design: 100%); it keeps the rest from the forward pass, alive until used"
@@ -493,7 +492,7 @@ def _itemsize(dtype: Any) -> int:
 
 
 def report(
-    engine: EngineLike,
+    engine: Engine,
     state: TrainState,
     batch: Any,
     *,
@@ -506,13 +505,16 @@ def report(
     share of ``state`` and parses the compiled HLO.
 
     Args:
-      engine: a :class:`jaxzero.Engine` (what is read of it: :class:`~jaxzero.engine.EngineLike`).
+      engine: an initialised :class:`jaxzero.Engine`: what is read of it is its
+        :attr:`~jaxzero.Engine.plan` and its compiled step (:meth:`~jaxzero.Engine.compile`).
       state: its TrainState (from ``engine.init``).
       batch: a sample global batch.
       scalar_elements: buffers with fewer elements count as scalars.
       compiled: an already compiled step, to skip compiling again.
     """
-    dev0 = engine.mesh.devices.flat[0]
+    plan = engine.plan
+    cfg = plan.settings.step
+    dev0 = plan.mesh.devices.flat[0]
     persistent = {
         "params": device0_bytes(state.params, dev0),
         "master": device0_bytes(state.master, dev0),
@@ -524,23 +526,23 @@ def report(
 
     compiled = compiled if compiled is not None else engine.compile(state, batch)
     hlo = collectives_from_hlo(compiled.as_text())
-    n = engine.num_shards
-    replicas = int(engine.mesh.devices.size) // n
+    n = plan.num_shards
+    replicas = int(plan.mesh.devices.size) // n
     tr = traffic(hlo.collectives, scalar_elements, group_size=n)
 
-    psi = int(engine.num_params)
-    reduce_dtype = engine.reduce_dtype
-    param_bytes, grad_bytes = _itemsize(engine.compute_dtype), _itemsize(reduce_dtype)
+    psi = int(plan.num_params)
+    reduce_dtype = cfg.reduce_dtype
+    param_bytes, grad_bytes = _itemsize(cfg.compute_dtype), _itemsize(reduce_dtype)
     master_bytes = 4.0 if state.master is not None else 0.0
-    opt_lays = jax.tree.leaves(engine.opt_layouts, is_leaf=is_layout)
+    opt_lays = jax.tree.leaves(plan.opt_layouts, is_leaf=is_layout)
     opt_sizes = [x.dtype.itemsize for x in jax.tree.leaves(state.opt_state)]
     per_param = sum(lay.size * b for lay, b in zip(opt_lays, opt_sizes, strict=True)) / psi
-    k = engine.micro_batches
-    gathers = 2 if engine.per_layer else 1  # coarse stage 3 gathers once
+    k = cfg.micro_batches
+    gathers = 2 if cfg.per_layer else 1  # coarse stage 3 gathers once
     th = theory(
         psi,
         n,
-        engine.stage,
+        plan.stage,
         param_bytes,
         grad_bytes,
         master_bytes,
@@ -549,11 +551,11 @@ def report(
         param_gathers=gathers,
         replicas=replicas,
     )
-    layouts = jax.tree.leaves(engine.layouts, is_leaf=is_layout)
+    layouts = plan.leaves()
     ex = layout_expectation(
         layouts,
         n,
-        engine.stage,
+        plan.stage,
         param_bytes,
         grad_bytes,
         master_bytes,
@@ -574,19 +576,19 @@ def report(
             f"{ex.replicated_params:,} params sit in leaves too small to shard: replicated, "
             "their gradients all-reduced (the 'layouts' column counts them)"
         )
-    notes += _stage3_notes(engine, hlo.collectives, scalar_elements)
+    notes += _stage3_notes(plan, hlo.collectives, scalar_elements)
     config = {
-        "stage": engine.stage,
+        "stage": plan.stage,
         "num_shards": n,
         "replicas": replicas,
-        "devices": int(engine.mesh.devices.size),
-        "precision": engine.precision,
-        "compute_dtype": str(np.dtype(engine.compute_dtype)),
+        "devices": int(plan.mesh.devices.size),
+        "precision": plan.settings.precision,
+        "compute_dtype": str(np.dtype(cfg.compute_dtype)),
         "reduce_dtype": str(np.dtype(reduce_dtype)),
         "micro_batches": k,
-        "bucket_mb": engine.bucket_bytes / 2**20,
-        "whole_tree_bucket_mb": engine.whole_tree_bucket_bytes / 2**20,  # per_layer=False, stage 3
-        "donate": engine.donate,  # without donation the peak holds two states
+        "bucket_mb": cfg.bucket_bytes / 2**20,
+        "whole_tree_bucket_mb": cfg.whole_tree_bucket_bytes / 2**20,  # per_layer=False, stage 3
+        "donate": plan.settings.donate,  # without donation the peak holds two states
         "num_params": psi,
         "padded_params": ex.padded_params,
         "scalar_elements": scalar_elements,

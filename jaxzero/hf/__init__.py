@@ -211,7 +211,7 @@ def load(path: str | Path, engine: Any, m: Llama | None = None) -> TrainState:
     """
     path = Path(path)
     m = model(path) if m is None else m
-    return engine.init_from_slices(*_reader(path, m))
+    return engine._init_from_slices(*_reader(path, m))
 
 
 def read_params(path: str | Path, m: Llama | None = None) -> dict[str, Any]:
@@ -344,14 +344,13 @@ def save(
             f"hf.save writes a Llama (jaxzero.hf.model(path), or model.arch=llama), "
             f"not a {type(m).__name__}"
         )
-    engine._require_init()
-    leaves = [(lay.path, lay.shape) for lay in jax.tree.leaves(engine.layouts, is_leaf=is_layout)]
+    leaves = [(lay.path, lay.shape) for lay in engine.plan.leaves()]
     if leaves != _leaves(m):
         raise HFError(
             "hf.save: the engine's params are not this model's (pass the Llama the engine "
             "was built from)"
         )
-    arrays = (x for _, x in engine.iter_params(state))
+    arrays = (x for _, x in engine._iter_params(state))
     out = write_model(
         path, m, leaves, arrays, dtype, max_shard_size, overwrite, writer=jax.process_index() == 0
     )

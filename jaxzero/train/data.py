@@ -473,31 +473,6 @@ def read_documents(
     }
 
 
-def process_rows(device_rows: Mapping[Any, Any], batch_size: int) -> dict[int, slice]:
-    """Which contiguous rows of the global batch each process must supply.
-
-    Args:
-      device_rows: ``sharding.devices_indices_map((batch_size, seq_len))``: for
-        each device (anything with ``process_index``), its index tuple.
-      batch_size: global rows.
-
-    Returns:
-      ``{process_index: slice}``. Raises if a process's rows are not contiguous,
-      which ``make_array_from_process_local_data`` needs.
-    """
-    held: dict[int, set[int]] = {}
-    for device, index in device_rows.items():
-        span = range(*index[0].indices(batch_size))
-        held.setdefault(device.process_index, set()).update(span)
-    out = {}
-    for proc, rows in sorted(held.items()):
-        lo, hi = min(rows), max(rows) + 1
-        if len(rows) != hi - lo:
-            raise ValueError(f"process {proc} holds non-contiguous batch rows {sorted(rows)}")
-        out[proc] = slice(lo, hi)
-    return out
-
-
 class Loader:
     """Deterministic batches of a token stream, resumable from :meth:`state_dict`.
 

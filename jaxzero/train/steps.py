@@ -121,8 +121,7 @@ class Steps:
         after ``state``'s step) and the fixed validation batches, sharded."""
         cfg, engine, c = run.cfg, run.engine, run.corpus
         b, seq, seed = cfg.train.batch_size, cfg.model.seq_len, cfg.train.seed
-        by_process = data_lib.process_rows(engine.batch_sharding.devices_indices_map((b, seq)), b)
-        rows = by_process[jax.process_index()]
+        rows = engine.process_rows(b)
         loader = data_lib.Loader(c.train, seq, b, seed, rows, c.train_mask, c.eos, c.train_docs)
         first = int(state.step) + 1
         loader.load_state_dict(position or {"step": first - 1, "seed": seed})

@@ -1,0 +1,103 @@
+"""A global batch on the mesh: which rows each process feeds, checks, and placement.
+
+The one owner of the rule "process ``p`` feeds rows ``process_rows(...)[p]`` of the
+global batch": :meth:`jaxzero.Engine.process_rows` asks it, and so does the training
+app's data loader, so a script and ``jaxzero train`` split a batch alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxzero.partition import path_str
+from jaxzero.types import Batch
+
+
+def process_rows(device_rows: Mapping[Any, Any], batch_size: int) -> dict[int, slice]:
+    """Which contiguous rows of the global batch each process must supply.
+
+    Args:
+      device_rows: ``sharding.devices_indices_map((batch_size, ...))``: for each device
+        (anything with ``process_index``), its index tuple.
+      batch_size: global rows.
+
+    Returns:
+      ``{process_index: slice}``. Raises if a process's rows are not contiguous,
+      which ``jax.make_array_from_process_local_data`` needs.
+    """
+    held: dict[int, set[int]] = {}
+    for device, index in device_rows.items():
+        span = range(*index[0].indices(batch_size))
+        held.setdefault(device.process_index, set()).update(span)
+    out = {}
+    for proc, rows in sorted(held.items()):
+        lo, hi = min(rows), max(rows) + 1
+        if len(rows) != hi - lo:
+            raise ValueError(f"process {proc} holds non-contiguous batch rows {sorted(rows)}")
+        out[proc] = slice(lo, hi)
+    return out
+
+
+def rows_of(sharding: NamedSharding, batch_size: int, divisor: int, divisor_note: str) -> slice:
+    """The rows of a global batch of ``batch_size`` this process feeds, for a batch laid
+    out as ``sharding``; ``divisor`` (``divisor_note`` names it): what it must divide."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"global batch size must be a positive integer, got {batch_size!r}")
+    if batch_size % divisor:
+        raise ValueError(
+            f"global batch {batch_size} is not divisible by {divisor_note} = {divisor}; "
+            f"use a multiple of {divisor}"
+        )
+    by_process = process_rows(sharding.devices_indices_map((batch_size,)), batch_size)
+    return by_process[jax.process_index()]
+
+
+def check(batch: Batch, divisor: int, divisor_note: str, treedef: Any = None) -> Any:
+    """Refuse an empty or ragged batch, or one whose rows do not divide; returns its
+    structure (``treedef``: the structure every step must keep)."""
+    leaves, found = jax.tree.flatten(batch)
+    if not leaves:
+        raise ValueError("batch is empty: pass a pytree of arrays with a leading batch dim")
+    if treedef is not None and found != treedef:
+        raise ValueError(
+            f"batch structure changed: expected {treedef}, got {found}. "
+            "Every step must receive the same pytree of arrays."
+        )
+    sizes = {
+        path_str(p): (np.shape(x)[0] if np.ndim(x) else None)
+        for p, x in jax.tree_util.tree_leaves_with_path(batch)
+    }
+    if len(set(sizes.values())) != 1 or None in sizes.values():
+        raise ValueError(f"every batch leaf needs the same leading (batch) dim, got {sizes}")
+    b = next(iter(sizes.values()))
+    assert b is not None  # refused above
+    if b % divisor:
+        raise ValueError(
+            f"global batch {b} is not divisible by {divisor_note} = {divisor}; "
+            f"use a multiple of {divisor}"
+        )
+    return found
+
+
+def place(batch: Batch, sh: NamedSharding) -> Batch:
+    """Host arrays, or arrays on any device(s) -> global arrays laid out as ``sh``. With
+    several processes each passes its rows (:func:`rows_of`) and gets the global batch."""
+
+    def one(x: Any) -> jax.Array:
+        if isinstance(x, jax.Array):
+            if x.sharding.is_equivalent_to(sh, x.ndim):
+                return x
+            if not x.is_fully_addressable:  # a global array laid out differently
+                return jax.jit(lambda a: a, out_shardings=sh)(x)
+            if jax.process_count() == 1:  # e.g. committed to one device
+                return jax.device_put(x, sh)
+        if jax.process_count() == 1:
+            return jax.device_put(np.asarray(x), sh)
+        return jax.make_array_from_process_local_data(sh, np.asarray(x))
+
+    return jax.tree.map(one, batch)

@@ -1,0 +1,362 @@
+"""The plan: every decision an engine makes from the params' shapes, as one frozen value.
+
+:func:`make_plan` is a pure function of the params' shapes and the engine's
+:class:`Settings`: each leaf's layout (sharded dim, padding), the optimizer state's
+layouts, the state's specs and shardings, and the pure train step and evaluation.
+:class:`~jaxzero.Engine` builds it once, at its first init, and refuses other shapes
+afterwards; checkpoints and the accounting read what they need from it. The state
+builders here (:func:`fresh_state`, :func:`state_from_parts`, :func:`read_state`,
+:func:`state_shapes`) are pure functions of a plan too.
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax, jaxzero
+  >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+  >>> engine = jaxzero.Engine(loss_fn, optax.sgd(0.1), mesh=jaxzero.make_mesh(1))
+  >>> state = engine.init({"w": jnp.zeros((4, 2)), "b": jnp.zeros(3)})
+  >>> print(engine.plan)
+  plan: stage 3, N=1 of 1 devices, fp32, micro_batches=1, donate=True, 11 params
+  params:
+    b  (3,)  replicated
+    w  (4, 2)  replicated
+  optimizer state (0 leaves):
+  >>> other = jaxzero.Engine(loss_fn, optax.sgd(0.5), mesh=jaxzero.make_mesh(1))
+  >>> _ = other.abstract_state(jax.eval_shape(lambda: {"w": jnp.zeros((4, 2)), "b": jnp.zeros(3)}))
+  >>> other.plan == engine.plan  # the same step compiles (the learning rate is not compared)
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxzero import step as step_lib
+from jaxzero.partition import LeafLayout, is_layout, layouts_for, pad, path_str, unpad
+from jaxzero.settings import Settings
+from jaxzero.state import (
+    TrainState,
+    master_sharded,
+    master_specs,
+    opt_layouts,
+    params_sharded,
+    state_specs,
+    stored_shapes,
+)
+from jaxzero.types import Batch, Layouts, Metrics, OptState, Params, Shardings
+
+StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
+EvalFn = Callable[[Params, Batch], jax.Array]
+Read = Callable[[LeafLayout, tuple[slice, ...]], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What an engine decided from the params' shapes; built by :func:`make_plan`.
+
+    ``str(plan)`` (:meth:`describe`) lists each leaf's layout. Two plans are equal when
+    two engines would compile the same step: the same settings (mesh, stage, dtypes,
+    micro-batches, buckets, donation, compiler options, layout rules) and the same
+    layouts and specs of the params and optimizer state. The loss function and the
+    optax transformation are not compared (functions have no useful equality): two
+    engines with different losses or learning rates but the same shapes and settings
+    have equal plans; the optimizer's state structure is compared, through
+    ``opt_layouts``. A plan holds trees of dicts, so it is not hashable.
+
+    Attributes:
+      settings: the engine's :class:`Settings`.
+      layouts: the params' :class:`~jaxzero.LeafLayout` tree.
+      opt_layouts: the optimizer state's layout tree (:func:`jaxzero.state.opt_layouts`).
+      specs: the train state's ``PartitionSpec`` tree (a :class:`TrainState`).
+      state_shardings: the same as ``NamedSharding`` on the mesh (not compared: derived).
+      master_shardings: the fp32 master params' shardings (not compared: derived).
+      step_fn: the pure train step ``(state, batch) -> (state, metrics)`` (not compared).
+      eval_fn: the pure evaluation ``(params, batch) -> loss`` (not compared).
+      tx: the optax transformation the state builders initialise (not compared).
+    """
+
+    settings: Settings
+    layouts: Layouts
+    opt_layouts: OptState
+    specs: TrainState
+    state_shardings: TrainState = dataclasses.field(compare=False, repr=False)
+    master_shardings: Shardings = dataclasses.field(compare=False, repr=False)
+    step_fn: StepFn = dataclasses.field(compare=False, repr=False)
+    eval_fn: EvalFn = dataclasses.field(compare=False, repr=False)
+    tx: optax.GradientTransformation = dataclasses.field(compare=False, repr=False)
+    # the jitted state builders, made once a plan (a memo, not part of the value)
+    memo: dict[str, Callable[..., Any]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    __hash__ = None  # type: ignore[assignment]  # trees of dicts: unhashable
+
+    # --- what the rest of jaxzero reads, typed ------------------------------------------
+
+    @property
+    def stage(self) -> int:
+        return self.settings.step.stage
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.settings.mesh
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the state keeps separate fp32 master params (bf16 training)."""
+        return self.settings.step.mixed
+
+    @property
+    def num_shards(self) -> int:
+        return self.settings.num_shards
+
+    @property
+    def num_params(self) -> int:
+        """Ψ: logical parameter count, padding excluded."""
+        return sum(lay.size for lay in self.leaves())
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return self.settings.batch_sharding
+
+    def leaves(self) -> list[LeafLayout]:
+        """The params' layouts in tree order."""
+        return list(jax.tree.leaves(self.layouts, is_leaf=is_layout))
+
+    def shapes(self) -> Params:
+        """The params' logical shapes, as the engine was given them: a tree of tuples."""
+        return jax.tree.map(lambda lay: lay.shape, self.layouts, is_leaf=is_layout)
+
+    def describe(self) -> str:
+        """Every leaf's layout: shape, sharded dim, padding, stored shape."""
+        s = self.settings
+        head = (
+            f"plan: stage {self.stage}, N={self.num_shards} of {s.mesh.devices.size} devices, "
+            f"{s.precision}, micro_batches={s.step.micro_batches}, "
+            f"donate={s.donate}, {self.num_params:,} params"
+        )
+        lines = [head, "params:"]
+        params = jax.tree_util.tree_leaves_with_path(self.layouts, is_leaf=is_layout)
+        lines += [_describe(path, lay, params_sharded(self.stage)) for path, lay in params]
+        opt = jax.tree_util.tree_leaves_with_path(self.opt_layouts, is_leaf=is_layout)
+        lines.append(f"optimizer state ({len(opt)} leaves):")
+        lines += [_describe(path, lay, master_sharded(self.stage)) for path, lay in opt]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def _describe(path: Any, lay: LeafLayout, sharded: bool) -> str:
+    """One leaf's line: its name, shape, sharded dim and padding, stored shape."""
+    name = path_str(path) or "(root)"
+    if lay.dim is None or not sharded:
+        return f"  {name}  {lay.shape}  replicated"
+    extra = lay.padded_shape[lay.dim] - lay.shape[lay.dim]
+    return f"  {name}  {lay.shape}  dim {lay.dim}  pad {extra}  stored {lay.padded_shape}"
+
+
+def check_dtypes(shapes: Params, compute_dtype: Any, precision: str) -> None:
+    """Refuse non-float params; warn (once, listing a few) about those converted."""
+    converted = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise TypeError(
+                f"param {path_str(path)!r} has dtype {leaf.dtype}; jaxzero trains "
+                "floating-point params only (keep constants out of the params tree)"
+            )
+        if leaf.dtype not in (jnp.float32, compute_dtype):
+            converted.append(f"{path_str(path)} ({jnp.dtype(leaf.dtype).name})")
+    if converted:
+        warnings.warn(
+            f"{len(converted)} param(s) converted: {', '.join(converted[:4])}"
+            f"{' ...' if len(converted) > 4 else ''}. The engine keeps fp32 master params "
+            f"and computes in {jnp.dtype(compute_dtype).name} "
+            f"(precision={precision!r}); pass float32 params to silence this.",
+            stacklevel=4,  # check_dtypes < Engine.plan_for < Engine.init < its caller
+        )
+
+
+def make_plan(
+    shapes: Params,
+    settings: Settings,
+    loss_fn: step_lib.LossFn,
+    tx: optax.GradientTransformation,
+) -> Plan:
+    """The plan for params of ``shapes`` (a tree of ``jax.ShapeDtypeStruct``; their
+    dtypes are checked by :func:`check_dtypes`, at every init)."""
+    cfg, mesh = settings.step, settings.mesh
+    layouts = layouts_for(
+        shapes,
+        settings.num_shards,
+        rules=settings.rules,
+        stacked=settings.stacked,
+        min_shard_size=settings.min_shard_size,
+    )
+    opt_lays = opt_layouts(tx, layouts, settings.min_shard_size)
+    specs = state_specs(cfg.stage, layouts, opt_lays, cfg.mixed)
+    named = lambda tree: jax.tree.map(
+        lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, P)
+    )
+    return Plan(
+        settings=settings,
+        layouts=layouts,
+        opt_layouts=opt_lays,
+        specs=specs,
+        state_shardings=named(specs),
+        master_shardings=named(master_specs(cfg.stage, layouts)),
+        step_fn=step_lib.make_train_step(cfg, mesh, layouts, opt_lays, specs, loss_fn, tx),
+        eval_fn=step_lib.make_eval(cfg, mesh, layouts, specs, loss_fn),
+        tx=tx,
+    )
+
+
+def shapes_of(params: Params) -> Params:
+    """``ShapeDtypeStruct`` of each leaf of a params tree (numpy leaves, float64 too)."""
+    dtype = lambda x: x.dtype if hasattr(x, "dtype") else np.result_type(x)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype(x)), params)
+
+
+def shape_mismatch(plan: Plan, shapes: Params) -> str | None:
+    """None when ``shapes`` are the plan's params' shapes; else a one-line refusal."""
+    theirs = jax.tree.map(lambda s: tuple(s.shape), shapes)
+    if theirs == plan.shapes():
+        return None
+    return (
+        f"the engine was built for params of shapes {plan.shapes()}, not {theirs}; "
+        "make a new Engine for other shapes"
+    )
+
+
+# --- the state, from a plan ---------------------------------------------------------------
+
+
+def jitted_step(plan: Plan) -> Any:
+    """:attr:`Plan.step_fn` under ``jax.jit`` with the plan's shardings, donation and
+    compiler options (made once a plan)."""
+    if "step" not in plan.memo:
+        s = plan.settings
+        plan.memo["step"] = jax.jit(
+            plan.step_fn,
+            in_shardings=(plan.state_shardings, s.batch_sharding),
+            out_shardings=(plan.state_shardings, NamedSharding(s.mesh, P())),
+            donate_argnums=0 if s.donate else (),
+            compiler_options=dict(s.compiler_options) or None,
+        )
+    return plan.memo["step"]
+
+
+def jitted_eval(plan: Plan) -> Any:
+    """:attr:`Plan.eval_fn` under ``jax.jit`` (made once a plan)."""
+    if "eval" not in plan.memo:
+        options = dict(plan.settings.compiler_options) or None
+        plan.memo["eval"] = jax.jit(plan.eval_fn, compiler_options=options)
+    return plan.memo["eval"]
+
+
+def to_master(plan: Plan, x: Any, lay: LeafLayout) -> Any:
+    """A logical fp32 leaf in the master's stored layout (padded when sharded)."""
+    return pad(x, lay) if master_sharded(plan.stage) else x
+
+
+def fresh_state(
+    plan: Plan, master32: Params, opt_state: OptState = None, step: Any = 0
+) -> TrainState:
+    """The state from fp32 master params in their stored layout (traced).
+
+    ``opt_state`` (stored layout) defaults to a fresh ``tx.init``.
+    """
+    lays, cfg = plan.layouts, plan.settings.step
+    if master_sharded(plan.stage) and not params_sharded(plan.stage):
+        params = jax.tree.map(lambda m, lay: unpad(m, lay), master32, lays)
+    else:
+        params = master32
+    params = jax.tree.map(lambda x: x.astype(cfg.compute_dtype), params)
+    if opt_state is None:
+        logical = jax.tree.map(lambda m, lay: unpad(m, lay), master32, lays)
+        opt_state = jax.tree.map(
+            lambda lay, x: to_master(plan, x, lay),
+            plan.opt_layouts,
+            plan.tx.init(logical),
+            is_leaf=is_layout,
+        )
+    return TrainState(
+        step=jnp.asarray(step, jnp.int32),
+        params=params,
+        master=master32 if cfg.mixed else None,
+        opt_state=opt_state,
+    )
+
+
+def state_from_parts(plan: Plan, master32: Params, opt_state: OptState, step: int) -> TrainState:
+    """A state from restored parts: fp32 master params and optimizer state, each already
+    in the plan's stored layout and sharding (:class:`~jaxzero.CheckpointManager`)."""
+    if "parts" not in plan.memo:
+        build = lambda m, o, s: fresh_state(plan, m, o, s)
+        plan.memo["parts"] = jax.jit(build, out_shardings=plan.state_shardings)
+    return plan.memo["parts"](master32, opt_state, step)
+
+
+def state_from_master(plan: Plan, master32: Params) -> TrainState:
+    """The state (fresh optimizer) from fp32 master params, stored and sharded."""
+    # the fp32 copy becomes the master (or the stage-3 params) unless stages 1-2
+    # keep none: then nothing in the state has its sharded shape to reuse it for
+    temporary = not plan.mixed and plan.stage in (1, 2)
+    if "master" not in plan.memo:
+        plan.memo["master"] = jax.jit(
+            lambda m: fresh_state(plan, m),
+            out_shardings=plan.state_shardings,
+            donate_argnums=() if temporary else 0,
+        )
+    return plan.memo["master"](master32)
+
+
+def state_shapes(plan: Plan) -> TrainState:
+    """The state's shapes, dtypes and shardings, allocating nothing."""
+    master = stored_shapes(plan.layouts, master_sharded(plan.stage), jnp.float32)
+    shapes = jax.eval_shape(lambda m: fresh_state(plan, m), master)
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        shapes,
+        plan.state_shardings,
+    )
+
+
+def read_state(plan: Plan, read: Read) -> TrainState:
+    """A state whose params are read slice by slice, straight into their shardings.
+
+    ``read(layout, index)`` returns the region ``index`` (slices within ``layout.shape``)
+    of one param, in any float dtype; it is called only for what this process's devices
+    hold (each distinct slice once), never for the padding.
+    """
+
+    def leaf(lay: LeafLayout, sh: NamedSharding) -> jax.Array:
+        stored = lay.padded_shape if master_sharded(plan.stage) else lay.shape
+        # replicas (stage 0, small leaves, hybrid meshes) ask for the same slices:
+        # each distinct one is read once; together they are at most this one leaf
+        cache: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+        def callback(index: tuple[slice, ...] | None) -> np.ndarray:
+            assert index is not None  # JAX passes every shard's index (typed optional)
+            span = tuple(s.indices(n)[:2] for s, n in zip(index, stored, strict=True))
+            if span not in cache:
+                inside = tuple(
+                    slice(min(a, n), min(b, n)) for (a, b), n in zip(span, lay.shape, strict=True)
+                )
+                out = np.zeros([b - a for a, b in span], np.float32)
+                out[tuple(slice(0, s.stop - s.start) for s in inside)] = read(lay, inside)
+                cache[span] = out
+            return cache[span]
+
+        return jax.make_array_from_callback(stored, sh, callback)
+
+    master = jax.tree.map(leaf, plan.layouts, plan.master_shardings, is_leaf=is_layout)
+    return state_from_master(plan, master)

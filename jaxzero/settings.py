@@ -1,0 +1,139 @@
+"""An engine's settings: its arguments validated, and every default decided, once.
+
+:func:`make_settings` turns :class:`~jaxzero.Engine`'s arguments into a frozen
+:class:`Settings` (backend defaults resolved: donation, buckets, the dot barrier, the
+compiler preset); with the params' shapes it is all a :class:`~jaxzero.plan.Plan` needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxzero import backend
+from jaxzero import loss as loss_lib
+from jaxzero import step as step_lib
+from jaxzero.mesh import batch_axes, num_shards
+from jaxzero.partition import Rule
+
+PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+def _dtype(name: Any, what: str) -> Any:
+    if name in PRECISIONS:
+        return PRECISIONS[name]
+    if name in (jnp.float32, jnp.bfloat16, "float32", "bfloat16"):
+        return jnp.dtype(name).type
+    raise ValueError(f"unknown {what} {name!r}: use 'fp32' or 'bf16'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """An engine's validated choices: everything a plan depends on but the shapes.
+
+    Attributes:
+      step: the step's static choices (stage, dtypes, micro-batches, buckets, ...).
+      mesh: the device mesh.
+      precision: ``"fp32"`` or ``"bf16"``, as the engine was given it.
+      rules, stacked, min_shard_size: how leaves are laid out (:func:`layouts_for`).
+      donate: whether the jitted step donates its input state.
+      compiler_options: the XLA options the step is compiled with.
+    """
+
+    step: step_lib.StepConfig
+    mesh: Mesh
+    precision: str
+    rules: tuple[Rule, ...]
+    stacked: str | None
+    min_shard_size: int
+    donate: bool
+    compiler_options: Mapping[str, Any]
+
+    @property
+    def num_shards(self) -> int:
+        """N: the devices a sharded leaf is split over."""
+        return num_shards(self.mesh)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """A global batch's layout: its leading dim split over the batch axes."""
+        return NamedSharding(self.mesh, P(batch_axes(self.mesh)))
+
+
+def make_settings(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    mesh: Mesh,
+    stage: int,
+    precision: str,
+    reduce_dtype: str | None,
+    micro_batches: int,
+    max_grad_norm: float | None,
+    per_layer: bool,
+    rules: Sequence[Rule],
+    stacked: str | None,
+    min_shard_size: int,
+    bucket_mb: float | None,
+    donate: bool | None,
+    dot_barrier: bool | None,
+    loss_takes_rng: bool,
+    seed: int,
+    compiler_options: dict[str, Any] | None,
+) -> tuple[optax.GradientTransformation, Settings]:
+    """``(optimizer, settings)`` from :class:`~jaxzero.Engine`'s arguments (documented
+    there); each bad one is refused in one line. ``optax.MultiSteps`` is unwrapped."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
+    if optimizer is None:
+        raise TypeError(
+            "optimizer is required: pass an optax transformation, e.g. optax.adamw(1e-3)"
+        )
+    if isinstance(optimizer, optax.MultiSteps):  # accumulates over calls of step
+        optimizer = optimizer.gradient_transformation()
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            f"optimizer must be an optax transformation (e.g. optax.adamw(1e-3)), got {optimizer!r}"
+        )
+    loss_lib.check_rng_contract(loss_fn, loss_takes_rng)
+    compute_dtype = _dtype(precision, "precision")
+    bucket, whole_tree_bucket = backend.bucket_bytes(bucket_mb, mesh)
+    axes = batch_axes(mesh)
+    settings = Settings(
+        step=step_lib.StepConfig(
+            stage=stage,
+            compute_dtype=compute_dtype,
+            reduce_dtype=_dtype(reduce_dtype or precision, "reduce_dtype"),
+            mixed=compute_dtype != jnp.float32,
+            micro_batches=micro_batches,
+            max_grad_norm=max_grad_norm,
+            per_layer=per_layer,
+            batch_axes=axes,
+            batch_devices=math.prod(mesh.shape[a] for a in axes),
+            bucket_bytes=bucket,
+            whole_tree_bucket_bytes=whole_tree_bucket,
+            dot_barrier=backend.dot_barrier(dot_barrier, mesh),
+            rng_seed=int(seed) if loss_takes_rng else None,
+        ),
+        mesh=mesh,
+        precision=precision,
+        rules=tuple(rules),
+        stacked=stacked,
+        min_shard_size=min_shard_size,
+        donate=backend.donate(donate, mesh, stage),
+        compiler_options=backend.compiler_options(mesh, compiler_options),
+    )
+    return optimizer, settings
