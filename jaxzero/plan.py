@@ -53,6 +53,8 @@ from jaxzero.state import (
 )
 from jaxzero.types import Batch, Layouts, Metrics, OptState, Params, Shardings
 
+__all__ = ["Plan"]
+
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
 EvalFn = Callable[[Params, Batch], jax.Array]
 Read = Callable[[LeafLayout, tuple[slice, ...]], np.ndarray]

@@ -23,6 +23,8 @@ from jaxzero import step as step_lib
 from jaxzero.mesh import batch_axes, num_shards
 from jaxzero.partition import Rule
 
+__all__ = ["Settings"]
+
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 

@@ -43,6 +43,8 @@ from jaxzero.accounting.comm import (
 from jaxzero.accounting.hlo import Buffer
 from jaxzero.partition import is_layout
 
+__all__ = ["report"]
+
 if TYPE_CHECKING:
     from jaxzero.engine import Engine
     from jaxzero.plan import Plan

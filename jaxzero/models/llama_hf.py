@@ -19,6 +19,8 @@ from jaxzero.errors import Error
 from jaxzero.models.llama import LlamaConfig
 from jaxzero.models.rope import ROPE_TYPES
 
+__all__ = ["HFError", "hf_config", "hf_names", "llama_config"]
+
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 # what each architecture puts on its projections: (q/k/v bias, o bias) fixed, or None
