@@ -1,0 +1,186 @@
+"""What one step should hold and send, bytes per device: the prediction side of a report.
+
+Two predictions for the same engine: :func:`theory`, the formulas of
+:mod:`jaxzero.accounting.estimate` (docs/zero.md) at the engine's Ψ, N, dtypes and
+stage, with everything sharded evenly; and :func:`layout_expectation`, the same
+counted leaf by leaf over the engine's actual layouts (padding, replicated small
+leaves). :mod:`jaxzero.accounting.measure` puts both beside what it measures.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jaxzero.accounting import estimate as est
+
+
+@dataclass
+class Theory:
+    """docs/zero.md's figures for this engine's Ψ, N, dtypes and stage (bytes/device)."""
+
+    params: float
+    master: float
+    optimizer: float
+    grads: float
+    persistent: float
+    model_states: float
+    comm_grad: float
+    comm_param: float
+    comm: float
+    optimizer_per_param: float  # bytes of optimizer state per param (Adam: 8)
+    comm_intra: float = 0.0  # hybrid split of ``comm``: within a group of N devices ...
+    comm_inter: float = 0.0  # ... across the R groups (the all-reduce of gradient shards)
+
+
+def inter_group_bytes(
+    psi: float, n: int, replicas: int, stage: int, grad_bytes: float, micro_batches: int = 1
+) -> float:
+    """Hybrid sharding's traffic across groups, per device per step.
+
+    Each device all-reduces its reduced gradient shard (Ψ/N elements) with the
+    devices at its position in the other R − 1 groups: 2 (Ψ b / N)(R − 1)/R, once
+    per step in stage 1 and once per micro-batch in stages 2–3 (they reduce per
+    micro-batch). Stage 0 has no shards: its one all-reduce spans every device.
+    """
+    if stage == 0 or replicas <= 1:
+        return 0.0
+    times = micro_batches if stage >= 2 else 1
+    return times * est.ring_bytes("all-reduce", psi * grad_bytes / n, replicas)
+
+
+def theory(
+    psi: float,
+    n: int,
+    stage: int,
+    param_bytes: float,
+    grad_bytes: float,
+    master_bytes: float,
+    optimizer_per_param: float,
+    micro_batches: int = 1,
+    param_gathers: int = 2,
+    replicas: int = 1,
+) -> Theory:
+    """Model-state memory and communication from :mod:`jaxzero.accounting.estimate`'s formulas.
+
+    Args:
+      psi: logical parameter count.
+      n: shards (N).
+      stage: ZeRO stage.
+      param_bytes: working-param element size (also what stage 1-3 all-gather).
+      grad_bytes: element size of gradients on the wire (the reduce dtype).
+      master_bytes: 4 with an fp32 master copy, else 0.
+      optimizer_per_param: optimizer-state bytes per param (fp32 Adam: 8).
+      micro_batches: gradient-accumulation steps per optimizer step.
+      param_gathers: stage-3 gathers per param and micro-batch (see ``est.comm_bytes``).
+      replicas: hybrid sharding: R groups of ``n`` devices each hold a copy of the state.
+    """
+    prec = est.Precision(
+        param=param_bytes,
+        grad=param_bytes,
+        master=master_bytes,
+        optimizer=optimizer_per_param,
+    )
+    ms = est.model_state_bytes(psi, n, stage, prec)
+    n_ring = n * replicas if stage == 0 else n  # stage 0 all-reduces over every device
+    cm = est.comm_bytes(psi, n_ring, stage, grad_bytes, param_bytes, micro_batches, param_gathers)
+    inter = inter_group_bytes(psi, n, replicas, stage, grad_bytes, micro_batches)
+    intra = 0.0 if stage == 0 and replicas > 1 else cm.total
+    return Theory(
+        params=ms.params,
+        master=ms.master,
+        optimizer=ms.optimizer,
+        grads=ms.grads,
+        persistent=ms.persistent,
+        model_states=ms.total,
+        comm_grad=cm.grad + inter,
+        comm_param=cm.param,
+        comm=cm.total + inter,
+        optimizer_per_param=optimizer_per_param,
+        comm_intra=intra,
+        comm_inter=inter,
+    )
+
+
+@dataclass
+class LayoutExpectation:
+    """What the engine's actual leaf layouts predict, bytes per device.
+
+    The formulas assume every element is sharded evenly. The engine pads sharded
+    leaves to a multiple of N and replicates leaves too small to shard (their
+    gradients are all-reduced: 2S instead of 2S or 3S, and every device stores
+    them whole). Counting leaf by leaf explains the gap between measurement and
+    formula exactly, which is what this is for.
+    """
+
+    persistent: float
+    comm: float
+    padded_params: int
+    replicated_params: int
+    comm_inter: float = 0.0  # hybrid: the part of ``comm`` that crosses groups
+
+
+def _stored_per_device(lay: Any, n: int, sharded: bool) -> float:
+    """Elements one device stores of a leaf: its padded slice when sharded, else all."""
+    if lay.dim is None or not sharded:
+        return math.prod(lay.shape)
+    return math.prod(lay.padded_shape) / n
+
+
+def layout_expectation(
+    layouts: list[Any],
+    n: int,
+    stage: int,
+    param_bytes: float,
+    grad_bytes: float,
+    master_bytes: float,
+    optimizer: Sequence[tuple[Any, int]] = (),
+    micro_batches: int = 1,
+    param_gathers: int = 2,
+    replicas: int = 1,
+) -> LayoutExpectation:
+    """Leaf-by-leaf persistent bytes and traffic for the engine's layouts.
+
+    Args:
+      layouts: objects with ``shape``, ``dim`` (None: replicated) and ``padded_shape``.
+      n, stage, param_bytes, grad_bytes, master_bytes, micro_batches, param_gathers,
+        replicas: as for :func:`theory`.
+      optimizer: ``(layout, itemsize)`` of every optimizer-state leaf (sharded with
+        the master from stage 1, by its own layout).
+    """
+    frac = (n - 1) / n if n > 1 else 0.0
+    every = n * replicas  # replicated leaves (and stage 0) all-reduce over every device
+    frac_all = (every - 1) / every if every > 1 else 0.0
+    k = micro_batches
+    persistent = sum(_stored_per_device(lay, n, stage >= 1) * size for lay, size in optimizer)
+    comm = inter = 0.0
+    padded_total = replicated = 0
+    for lay in layouts:
+        size = math.prod(lay.shape)
+        persistent += (
+            _stored_per_device(lay, n, stage == 3) * param_bytes
+            + _stored_per_device(lay, n, stage >= 1) * master_bytes
+        )
+        if lay.dim is None:
+            replicated += size
+            padded_total += size
+            # stage 0 and 1 reduce once per step, stages 2-3 once per micro-batch (hook)
+            comm += (k if stage >= 2 else 1) * 2 * size * grad_bytes * frac_all
+            continue
+        padded = math.prod(lay.padded_shape)
+        padded_total += padded
+        if stage >= 1 and replicas > 1:
+            inter += (k if stage >= 2 else 1) * est.ring_bytes(
+                "all-reduce", padded / n * grad_bytes, replicas
+            )
+        if stage == 0:
+            comm += 2 * size * grad_bytes * frac_all
+        elif stage == 1:
+            comm += padded * (grad_bytes + param_bytes) * frac
+        elif stage == 2:
+            comm += padded * (k * grad_bytes + param_bytes) * frac
+        else:
+            comm += k * padded * (grad_bytes + param_gathers * param_bytes) * frac
+    return LayoutExpectation(persistent, comm + inter, padded_total, replicated, inter)

@@ -1,0 +1,201 @@
+"""The Report value: one measured step beside its predictions, as a dict, JSON or a table.
+
+:func:`jaxzero.accounting.measure.report` measures and builds it; this module only
+holds the figures and formats them (ratios, the hybrid split by scope, the printed
+table of ``jaxzero report``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from jaxzero.accounting.comm import Collective, Traffic
+from jaxzero.accounting.expected import LayoutExpectation, Theory
+from jaxzero.accounting.hlo import Buffer
+
+if TYPE_CHECKING:
+    from jaxzero.accounting.measure import CompiledMemory
+
+
+@dataclass
+class Report:
+    """Measured accounting of one compiled step beside the theory (bytes per device).
+
+    Attributes:
+      config: stage, N, precision, dtypes, micro-batches, Ψ (logical and padded).
+      persistent: measured bytes of device 0 per category (params, master,
+        optimizer, other) and their total.
+      theory: the formulas' figures for Ψ (no padding, everything sharded).
+      expected: the same counted leaf by leaf over the engine's layouts (padding,
+        replicated small leaves), which explains any gap to ``theory``.
+      compiled: the step's compiled memory (peak = argument + output + temp − alias).
+      traffic: measured bytes on the wire.
+      collectives: every collective found, with runs per step.
+      notes: anything counted with less certainty, and how padding explains excess.
+    """
+
+    config: dict[str, Any]
+    persistent: dict[str, int]
+    theory: Theory
+    expected: LayoutExpectation
+    compiled: CompiledMemory
+    traffic: Traffic
+    collectives: list[Collective]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def persistent_ratio(self) -> float:
+        """Measured persistent bytes / theory (params + master + optimizer state)."""
+        return self.persistent["total"] / self.theory.persistent
+
+    @property
+    def comm_ratio(self) -> float:
+        """Measured gradient/param traffic (as compiled) / theory; nan when theory is 0."""
+        return self.traffic.grad_param / self.theory.comm if self.theory.comm else math.nan
+
+    @property
+    def comm_ratio_logical(self) -> float:
+        """As :attr:`comm_ratio`, at the element types the program asked for.
+
+        Differs from ``comm_ratio`` only where the backend widened a collective
+        (the CPU backend runs bf16 collectives in f32).
+        """
+        t = self.theory.comm
+        return self.traffic.grad_param_logical / t if t else math.nan
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["compiled"]["peak"] = self.compiled.peak
+        nan_none = lambda x: None if math.isnan(x) else x
+        d["ratios"] = {
+            "persistent": self.persistent_ratio,
+            "persistent_vs_layouts": self.persistent["total"] / self.expected.persistent,
+            "comm": nan_none(self.comm_ratio),
+            "comm_logical": nan_none(self.comm_ratio_logical),
+            "comm_logical_vs_layouts": (
+                self.traffic.grad_param_logical / self.expected.comm if self.expected.comm else None
+            ),
+        }
+        for label, got, formula, _ in _scope_rows(self):
+            key = "comm_intra" if label.startswith("within") else "comm_inter"
+            if formula:
+                d["ratios"][key] = got / formula
+        d["collectives"] = [
+            {
+                "name": c.name,
+                "kind": c.kind,
+                "opcode": c.opcode,
+                "computation": c.computation,
+                "buffers": [_fmt_buffer(b) for b in c.buffers],
+                "logical_buffers": [_fmt_buffer(b) for b in c.logical_buffers],
+                "group_size": c.group_size,
+                "num_groups": len(c.replica_groups),
+                "runs": c.runs,
+                "bytes_per_run": c.bytes_per_run,
+                "bytes_per_step": c.bytes_per_step,
+            }
+            for c in self.collectives
+        ]
+        return d
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def _scope_lines(self, mb, ratio) -> list[str]:
+        lines = []
+        for label, got, formula, layouts in _scope_rows(self):
+            line = f"{'  ' + label:<30}{mb(got)}"
+            if formula is not None:
+                line += f"{mb(formula)}{ratio(got, formula)}"
+                if layouts is not None:
+                    line += f"{mb(layouts)}{ratio(got, layouts)}"
+            lines.append(line)
+        return lines
+
+    def table(self) -> str:
+        """Measured vs. theory, MB = 1e6 bytes."""
+        c, t, p, e = self.config, self.theory, self.persistent, self.expected
+        mb = lambda x: f"{x / 1e6:12.4f}"
+        ratio = lambda a, b: f"{a / b:8.3f}" if b else "       -"
+        head = f"{'':<30}{'measured':>12}{'formula':>12}{'ratio':>8}{'layouts':>12}{'ratio':>8}"
+        lines = [
+            f"stage {c['stage']}, N = {c['num_shards']}, {c['precision']} "
+            f"(compute {c['compute_dtype']}, gradient reduce {c['reduce_dtype']}), "
+            f"{c['micro_batches']} micro-batch(es)"
+            + (
+                f"; hybrid: {c['replicas']} groups of {c['num_shards']} devices, the state "
+                "replicated across groups"
+                if c.get("replicas", 1) > 1
+                else ""
+            ),
+            f"Ψ = {c['num_params']:,} (stored {e.padded_params:,} with padding; "
+            f"{e.replicated_params:,} in replicated small leaves); optimizer state "
+            f"{t.optimizer_per_param:.2f} bytes per param",
+            "",
+            "persistent memory per device (MB)",
+            head,
+            f"{'working params':<30}{mb(p['params'])}{mb(t.params)}{ratio(p['params'], t.params)}",
+            f"{'fp32 master':<30}{mb(p['master'])}{mb(t.master)}{ratio(p['master'], t.master)}",
+            f"{'optimizer state':<30}{mb(p['optimizer'])}{mb(t.optimizer)}"
+            f"{ratio(p['optimizer'], t.optimizer)}",
+            f"{'other (step, counters)':<30}{mb(p['other'])}",
+            f"{'total':<30}{mb(p['total'])}{mb(t.persistent)}{ratio(p['total'], t.persistent)}"
+            f"{mb(e.persistent)}{ratio(p['total'], e.persistent)}",
+            f"{'+ gradients (formula)':<30}{'':>12}{mb(t.model_states)}",
+            "",
+            "compiled step per device (MB)",
+            f"{'':<30}{'argument':>12}{'output':>12}{'temp':>12}{'alias':>12}{'peak':>12}",
+            f"{'':<30}{mb(self.compiled.argument)}{mb(self.compiled.output)}"
+            f"{mb(self.compiled.temp)}{mb(self.compiled.alias)}{mb(self.compiled.peak)}",
+            "",
+            "communication per device per step (MB on the wire, ring)",
+            head,
+            f"{'gradients + params':<30}{mb(self.traffic.grad_param)}{mb(t.comm)}"
+            f"{ratio(self.traffic.grad_param, t.comm)}",
+        ]
+        if self.traffic.grad_param_logical != self.traffic.grad_param:
+            lines.append(
+                f"{'  at the program dtypes':<30}{mb(self.traffic.grad_param_logical)}{mb(t.comm)}"
+                f"{ratio(self.traffic.grad_param_logical, t.comm)}{mb(e.comm)}"
+                f"{ratio(self.traffic.grad_param_logical, e.comm)}"
+            )
+        else:
+            lines[-1] += f"{mb(e.comm)}{ratio(self.traffic.grad_param, e.comm)}"
+        for kind, b in sorted(self.traffic.by_kind.items()):
+            lines.append(f"{'  ' + kind:<30}{mb(b)}")
+        lines += self._scope_lines(mb, ratio)
+        lines.append(f"{'scalars (loss, norms)':<30}{mb(self.traffic.scalars)}")
+        lines += ["", f"collectives: {self.traffic.ops} ops, {self.traffic.runs} runs per step"]
+        for col in self.collectives:
+            shapes = " ".join(_fmt_buffer(b) for b in col.buffers)
+            lines.append(
+                f"  {col.kind:<18} x{col.runs:<4} N={col.group_size:<3} {shapes[:48]:<48}"
+                f"{mb(col.bytes_per_step)}"
+            )
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _scope_rows(report: Report) -> list[tuple[str, float, float | None, float | None]]:
+    """Hybrid meshes: (label, measured, formula, layouts) for traffic inside / across groups."""
+    c, t, e = report.config, report.theory, report.expected
+    if c.get("replicas", 1) <= 1:
+        return []
+    got = report.traffic.by_scope_logical or report.traffic.by_scope
+    return [
+        (
+            f"within a group (N = {c['num_shards']})",
+            got.get("intra", 0.0),
+            t.comm_intra,
+            e.comm - e.comm_inter if c["stage"] > 0 else None,
+        ),
+        (f"across groups (R = {c['replicas']})", got.get("inter", 0.0), t.comm_inter, e.comm_inter),
+        ("spanning both", got.get("both", 0.0), None, None),
+    ]
+
+
+def _fmt_buffer(b: Buffer) -> str:
+    return f"{b.dtype}[{','.join(map(str, b.shape))}]"
