@@ -7,7 +7,7 @@ app's data loader, so a script and ``jaxzero train`` split a batch alike.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -101,3 +101,43 @@ def place(batch: Batch, sh: NamedSharding) -> Batch:
         return jax.make_array_from_process_local_data(sh, np.asarray(x))
 
     return jax.tree.map(one, batch)
+
+
+def to_global(batch: Batch, sh: NamedSharding, check_batch: Callable[[Batch], Any]) -> Batch:
+    """What a step is given, as the global batch it runs on: ``jax.ShapeDtypeStruct``
+    trees laid out as ``sh`` (to lower with), arrays placed (:func:`place`). Each is
+    checked by ``check_batch`` as the global batch: before placing with one process,
+    after with several (each passes only its rows)."""
+    leaves = jax.tree.leaves(batch)
+    if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), batch)
+    elif jax.process_count() == 1:  # check the global batch before placing it
+        check_batch(batch)
+        return place(batch, sh)
+    else:  # each process holds only its rows: check the assembled global batch
+        batch = place(batch, sh)
+    check_batch(batch)
+    return batch
+
+
+class Intake:
+    """The batches one engine takes: laid out as ``sharding``, their rows a multiple of
+    the batch devices times the micro-batches, the first one's structure every step."""
+
+    def __init__(self, sharding: NamedSharding, devices: int, micro_batches: int):
+        self.sharding = sharding
+        self.divisor = devices * micro_batches
+        self.note = f"{devices} devices x {micro_batches} micro-batches"
+        self.treedef: Any = None
+
+    def rows(self, batch_size: int) -> slice:
+        """This process's rows of a global batch of ``batch_size`` (:func:`rows_of`)."""
+        return rows_of(self.sharding, batch_size, self.divisor, self.note)
+
+    def check(self, batch: Batch) -> None:
+        """:func:`check` ``batch`` against the structure of the first one checked."""
+        self.treedef = check(batch, self.divisor, self.note, self.treedef)
+
+    def to_global(self, batch: Batch) -> Batch:
+        """:func:`to_global`, each batch checked by :meth:`check`."""
+        return to_global(batch, self.sharding, self.check)

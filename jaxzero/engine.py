@@ -8,22 +8,21 @@ accelerators by default, on CPUs at stage 3; ``donate=``, see :mod:`jaxzero.back
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from jaxzero import batch as batch_lib
 from jaxzero import plan as plan_lib
+from jaxzero import readback
 from jaxzero import settings as settings_lib
 from jaxzero.mesh import make_mesh
-from jaxzero.partition import LeafLayout, Rule, unpad
+from jaxzero.partition import Rule
 from jaxzero.plan import Plan
+from jaxzero.readback import gather_leaf
 from jaxzero.settings import PRECISIONS  # noqa: F401 - the app reads it here
 from jaxzero.state import TrainState
 from jaxzero.types import Batch, Metrics, Params
@@ -183,7 +182,9 @@ class Engine:
             compiler_options=compiler_options,
         )
         self._plan: Plan | None = None
-        self._batch_treedef: Any = None
+        self._batches = batch_lib.Intake(
+            self.settings.batch_sharding, self.batch_devices, self.micro_batches
+        )
 
     # --- settings (known from the start) -----------------------------------------------
 
@@ -276,18 +277,7 @@ class Engine:
         Host (numpy) leaves are padded on the host and sent slice by slice, so a
         stage-3 model is never whole on one device.
         """
-        plan = self.plan_for(plan_lib.shapes_of(params))
-
-        def put(x: Any, lay: LeafLayout, sh: NamedSharding) -> jax.Array:
-            if isinstance(x, jax.Array):
-                return jax.jit(
-                    lambda a: plan_lib.to_master(plan, a.astype(jnp.float32), lay),
-                    out_shardings=sh,
-                )(x)
-            return jax.device_put(plan_lib.to_master(plan, np.asarray(x, np.float32), lay), sh)
-
-        master = jax.tree.map(put, params, plan.layouts, plan.master_shardings)
-        return plan_lib.state_from_master(plan, master)
+        return plan_lib.state_from_params(self.plan_for(plan_lib.shapes_of(params)), params)
 
     def _init_from_slices(self, shapes: Params, read: plan_lib.Read) -> TrainState:
         """A state whose params are read slice by slice, straight into their shardings
@@ -301,17 +291,7 @@ class Engine:
         state's ``out_shardings``, so each device computes and keeps only its slice.
         """
         plan = self.plan_for(jax.eval_shape(init_fn, *args))
-
-        def build(*a: Any) -> TrainState:
-            p = init_fn(*a)
-            p = jax.tree.map(
-                lambda x, lay: plan_lib.to_master(plan, x.astype(jnp.float32), lay),
-                p,
-                plan.layouts,
-            )
-            return plan_lib.fresh_state(plan, p)
-
-        return jax.jit(build, out_shardings=plan.state_shardings)(*args)
+        return plan_lib.state_from_init(plan, init_fn, *args)
 
     def abstract_state(self, params_shapes: Params) -> TrainState:
         """The state's shapes, dtypes and shardings, allocating nothing.
@@ -371,8 +351,7 @@ class Engine:
           >>> engine.process_rows(8)
           slice(0, 8, None)
         """
-        need, note = self._divisor()
-        return batch_lib.rows_of(self.batch_sharding, global_batch_size, need, note)
+        return self._batches.rows(global_batch_size)
 
     def shard_batch(self, batch: Batch) -> Batch:
         """Host arrays, or arrays on any device(s) → global arrays split over the batch axes.
@@ -381,30 +360,6 @@ class Engine:
         (:meth:`process_rows`); the result is the global batch.
         """
         return batch_lib.place(batch, self.batch_sharding)
-
-    def _divisor(self) -> tuple[int, str]:
-        """What a global batch's rows must be a multiple of, and its name."""
-        note = f"{self.batch_devices} devices x {self.micro_batches} micro-batches"
-        return self.batch_devices * self.micro_batches, note
-
-    def _check_batch(self, batch: Batch) -> None:
-        need, note = self._divisor()
-        self._batch_treedef = batch_lib.check(batch, need, note, self._batch_treedef)
-
-    def _global_batch(self, batch: Batch) -> Batch:
-        leaves = jax.tree.leaves(batch)
-        if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-            sh = self.batch_sharding
-            batch = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), batch
-            )
-        elif jax.process_count() == 1:  # check the global batch before placing it
-            self._check_batch(batch)
-            return self.shard_batch(batch)
-        else:  # each process holds only its rows: check the assembled global batch
-            batch = self.shard_batch(batch)
-        self._check_batch(batch)
-        return batch
 
     def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         """One optimizer step on the global ``batch``; ``state`` is consumed (donated,
@@ -415,13 +370,13 @@ class Engine:
         loss returns aux metrics.
         """
         step = plan_lib.jitted_step(self.plan)
-        result: tuple[TrainState, Metrics] = step(state, self._global_batch(batch))
+        result: tuple[TrainState, Metrics] = step(state, self._batches.to_global(batch))
         return result
 
     def eval_loss(self, state: TrainState, batch: Batch) -> jax.Array:
         """Mean loss of ``batch`` at the current params, without a gradient."""
         evaluate = plan_lib.jitted_eval(self.plan)
-        loss: jax.Array = evaluate(state.params, self._global_batch(batch))
+        loss: jax.Array = evaluate(state.params, self._batches.to_global(batch))
         return loss
 
     def compile(self, state: TrainState, batch: Batch) -> jax.stages.Compiled:
@@ -431,27 +386,11 @@ class Engine:
         (:meth:`abstract_state`).
         """
         step = plan_lib.jitted_step(self.plan)
-        compiled: jax.stages.Compiled = step.lower(state, self._global_batch(batch)).compile()
+        compiled: jax.stages.Compiled = step.lower(state, self._batches.to_global(batch)).compile()
         return compiled
 
     # --- reading back ------------------------------------------------------------------
 
     def gather_params(self, state: TrainState) -> Params:
         """Full fp32 params on the host, with the structure ``init`` was given."""
-        src = state.master if self.mixed else state.params
-        return jax.tree.map(gather_leaf, src, self.plan.layouts)
-
-    def _iter_params(self, state: TrainState) -> Iterator[tuple[LeafLayout, np.ndarray]]:
-        """``(layout, full fp32 param)`` one leaf at a time, in tree order, so a writer
-        holds one param on the host, not the model. Every process must iterate."""
-        plan = self.plan
-        src = state.master if self.mixed else state.params
-        for x, lay in zip(jax.tree.leaves(src), plan.leaves(), strict=True):
-            yield lay, gather_leaf(x, lay)
-
-
-def gather_leaf(x: jax.Array, lay: LeafLayout) -> np.ndarray:
-    """One stored param, whole and unpadded, as fp32 on this host (all processes call)."""
-    if jax.process_count() > 1 and not x.is_fully_replicated:
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(unpad(np.asarray(jax.device_get(x)), lay), np.float32)
+        return readback.gather_params(self.plan, state)

@@ -5,8 +5,8 @@
 layouts, the state's specs and shardings, and the pure train step and evaluation.
 :class:`~jaxzero.Engine` builds it once, at its first init, and refuses other shapes
 afterwards; checkpoints and the accounting read what they need from it. The state
-builders here (:func:`fresh_state`, :func:`state_from_parts`, :func:`read_state`,
-:func:`state_shapes`) are pure functions of a plan too.
+builders here (:func:`fresh_state`, :func:`state_from_params`, :func:`read_state`,
+:func:`state_shapes`, ...) are pure functions of a plan too.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, jaxzero
@@ -319,6 +319,34 @@ def state_from_master(plan: Plan, master32: Params) -> TrainState:
             donate_argnums=() if temporary else 0,
         )
     return plan.memo["master"](master32)
+
+
+def state_from_params(plan: Plan, params: Params) -> TrainState:
+    """The state from a params pytree. Host (numpy) leaves are padded on the host and
+    sent slice by slice, so a stage-3 model is never whole on one device."""
+
+    def put(x: Any, lay: LeafLayout, sh: NamedSharding) -> jax.Array:
+        if isinstance(x, jax.Array):
+            return jax.jit(lambda a: to_master(plan, a.astype(jnp.float32), lay), out_shardings=sh)(
+                x
+            )
+        return jax.device_put(to_master(plan, np.asarray(x, np.float32), lay), sh)
+
+    master = jax.tree.map(put, params, plan.layouts, plan.master_shardings)
+    return state_from_master(plan, master)
+
+
+def state_from_init(plan: Plan, init_fn: Callable[..., Params], *args: Any) -> TrainState:
+    """The state of ``init_fn(*args)``'s params, created under ``jit`` in its shardings."""
+
+    def build(*a: Any) -> TrainState:
+        p = init_fn(*a)
+        p = jax.tree.map(
+            lambda x, lay: to_master(plan, x.astype(jnp.float32), lay), p, plan.layouts
+        )
+        return fresh_state(plan, p)
+
+    return jax.jit(build, out_shardings=plan.state_shardings)(*args)
 
 
 def state_shapes(plan: Plan) -> TrainState:

@@ -19,9 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero import backend
 from jaxzero import loss as loss_lib
-from jaxzero import step as step_lib
 from jaxzero.mesh import batch_axes, num_shards
 from jaxzero.partition import Rule
+from jaxzero.step_config import StepConfig
 
 __all__ = ["Settings"]
 
@@ -49,7 +49,7 @@ class Settings:
       compiler_options: the XLA options the step is compiled with.
     """
 
-    step: step_lib.StepConfig
+    step: StepConfig
     mesh: Mesh
     precision: str
     rules: tuple[Rule, ...]
@@ -115,7 +115,7 @@ def make_settings(
     bucket, whole_tree_bucket = backend.bucket_bytes(bucket_mb, mesh)
     axes = batch_axes(mesh)
     settings = Settings(
-        step=step_lib.StepConfig(
+        step=StepConfig(
             stage=stage,
             compute_dtype=compute_dtype,
             reduce_dtype=_dtype(reduce_dtype or precision, "reduce_dtype"),

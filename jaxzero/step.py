@@ -13,10 +13,8 @@ propagation. Per stage, one step does:
   again in the backward pass (remat policy), and reduce-scatters its gradient.
 
 The optimizer update sits between the two ``shard_map`` calls, on the sharded
-arrays in the global view (:func:`optimizer_update`). An elementwise optimizer
-compiles to purely local code there; one that looks across elements (a global
-norm, factored statistics, Newton–Schulz) gets exactly the communication it
-needs from XLA, so no optimizer can silently compute something else on a slice.
+arrays in the global view (:mod:`jaxzero.update`); the whole gradient tree's
+reduction (stages 0–1), norm and clipping are :mod:`jaxzero.gradients`'.
 
 With ``k`` micro-batches, stages 0–1 accumulate full local gradients and
 communicate once per step; stages 2–3 reduce-scatter (and stage 3 gathers) once
@@ -60,37 +58,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero import collectives
 from jaxzero import loss as loss_lib
+from jaxzero.gradients import clip, global_norm, reduce_gradients
 from jaxzero.hook_check import check_uses
 from jaxzero.hooks import Stored, UseOp, use_params
-from jaxzero.mesh import DATA  # the state's axis, named where no mesh is at hand
-from jaxzero.partition import LeafLayout, is_layout, pad, unpad
+from jaxzero.partition import LeafLayout, is_layout
 from jaxzero.state import TrainState, master_sharded, master_specs
+from jaxzero.step_config import LossFn, StepConfig
 from jaxzero.types import Batch, Layouts, Metrics, OptState, Params
-
-LossFn = Callable[..., Any]  # (params, batch[, rng]) -> a scalar or a jaxzero.loss form
-
-
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    """Static choices of a step; everything else comes in as arrays."""
-
-    stage: int
-    compute_dtype: Any
-    reduce_dtype: Any
-    mixed: bool  # separate fp32 master params (bf16 training)
-    micro_batches: int
-    max_grad_norm: float | None
-    per_layer: bool  # the model calls use_params per layer
-    batch_axes: tuple[str, ...]
-    batch_devices: int  # devices the global batch is split over
-    bucket_bytes: int = 0  # pack gradient/param collectives up to this size
-    whole_tree_bucket_bytes: int = 0  # the same, in a per_layer=False model's stage-3 use_params
-    dot_barrier: bool = False  # collectives.dot_barrier on each micro-batch's gradients
-    rng_seed: int | None = None  # loss_fn(params, batch, rng) gets its key from it
-
-    @property
-    def extra_axes(self) -> tuple[str, ...]:
-        return tuple(a for a in self.batch_axes if a != DATA)
+from jaxzero.update import optimizer_update, to_logical, to_stored, value_fn_of
 
 
 def _map(f: Callable[..., Any], layouts: Layouts, *trees: Any) -> Any:
@@ -255,74 +230,6 @@ def local_gradients(
     return total / k, weight, mean(aux), mean(acc), False
 
 
-def reduce_gradients(cfg: StepConfig, layouts: Layouts, grads: Params) -> Params:
-    """Stage 0: all-reduce; stage 1: reduce-scatter. Returns fp32 global-mean gradients."""
-    lays = jax.tree.leaves(layouts, is_leaf=is_layout)
-    gs, treedef = jax.tree.flatten(grads)
-    gs = [g.astype(cfg.reduce_dtype) for g in gs]
-    if cfg.stage == 0:  # XLA combines these all-reduces itself
-        gs = [collectives.all_reduce(g, cfg.extra_axes) for g in gs]
-    else:
-        gs = collectives.reduce_scatter_buckets(gs, lays, cfg.bucket_bytes, cfg.extra_axes)
-    return jax.tree.unflatten(treedef, [g.astype(jnp.float32) for g in gs])
-
-
-# A whole (replicated) gradient leaf at least this large (elements) has its squares
-# summed by each device over its 1/N only, then psum'd (global_norm).
-SPLIT_NORM_MIN = 1 << 15
-
-
-def global_norm(cfg: StepConfig, layouts: Layouts, grads: Params) -> jax.Array:
-    """The true L2 norm of the whole gradient, however it is sharded.
-
-    Each device sums the squares of its own part: a sharded leaf's shard, and 1/N of a
-    large whole leaf (every leaf at stage 0), then one psum. Summing every whole
-    leaf on every device wrote out the square of each and read it back: on the zoo's
-    ``embed`` (a 16 MiB gradient a device at 8 devices) that was 1.19-1.26x plain jit's
-    step against 1.04x without the norm. Small whole leaves are summed where they are.
-    """
-    n = jax.lax.axis_size(DATA)
-    parts = jnp.zeros((), jnp.float32)
-    whole = jnp.zeros((), jnp.float32)
-    split = False
-    for lay, g in zip(
-        jax.tree.leaves(layouts, is_leaf=is_layout), jax.tree.leaves(grads), strict=True
-    ):
-        if cfg.stage >= 1 and lay.sharded:
-            parts, split = parts + _sum_sq(g), True
-        elif n > 1 and g.size >= SPLIT_NORM_MIN:
-            parts, split = parts + _sum_sq_of_own_part(g, n), True
-        else:
-            whole = whole + _sum_sq(g)
-    if split:
-        parts = jax.lax.psum(parts, DATA)
-    return jnp.sqrt(parts + whole)
-
-
-def _sum_sq(g: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.square(g.astype(jnp.float32)))
-
-
-def _sum_sq_of_own_part(g: jax.Array, n: int) -> jax.Array:
-    """This device's share of ``sum(g**2)`` for a ``g`` every device holds whole: its
-    1/n of the flat elements, the first device also the remainder."""
-    flat = g.reshape(-1)
-    size = flat.size // n
-    i = jax.lax.axis_index(DATA)
-    own = _sum_sq(jax.lax.dynamic_slice_in_dim(flat, i * size, size))
-    rest = flat[n * size :]
-    if rest.size:
-        own = own + jnp.where(i == 0, _sum_sq(rest), 0.0)
-    return own
-
-
-def clip(grads: Params, norm: jax.Array, max_norm: float | None) -> Params:
-    """``optax.clip_by_global_norm`` with a norm computed across shards."""
-    if max_norm is None:
-        return grads
-    return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, g * (max_norm / norm)), grads)
-
-
 def gradient_step(
     cfg: StepConfig, layouts: Layouts, loss_fn: LossFn, params: Params, batch: Batch, step: Any = 0
 ) -> tuple[jax.Array, Params, jax.Array, Metrics]:
@@ -362,65 +269,21 @@ def gather_params(cfg: StepConfig, layouts: Layouts, params: Params) -> Params:
     return jax.tree.unflatten(treedef, collectives.gather_buckets(values, lays, cfg.bucket_bytes))
 
 
-def _logical(layouts: Layouts, tree: Any) -> Any:
-    return _map(lambda lay, x: unpad(x, lay) if x.shape != lay.shape else x, layouts, tree)
-
-
-def _stored(layouts: Layouts, tree: Any, sharded: bool) -> Any:
-    return _map(lambda lay, x: pad(x, lay) if sharded else x, layouts, tree)
-
-
-def optimizer_update(
-    tx: optax.GradientTransformation,
-    layouts: Layouts,
-    opt_lays: OptState,
-    sharded: bool,
-    grads: Params,
-    opt_state: OptState,
-    master: Params,
-    value: jax.Array | None = None,
-    value_fn: Callable[[Params], jax.Array] | None = None,
-) -> tuple[Params, OptState]:
-    """``tx.update`` in the global view, on logical shapes; returns stored master and state.
-
-    This runs outside ``shard_map`` on sharded global arrays, so XLA's partitioner
-    adds exactly the communication the optimizer needs: none for an elementwise
-    one (AdamW, Lion, SGD, masks), a scalar all-reduce for a global norm, whatever
-    a factored or matrix optimizer (Adafactor, Muon) reads across a leaf. Padding
-    is stripped first, so it never enters a norm, a mean or a shape-dependent rule.
-
-    An optimizer that takes optax's extra arguments (``optax.lbfgs``'s line search,
-    ``reduce_on_plateau``) gets ``value`` (the step's loss), ``grad`` (the gradient it
-    updates with) and ``value_fn`` (the loss of the same batch at given logical params).
-    """
-    g, s, m = _logical(layouts, grads), _logical(opt_lays, opt_state), _logical(layouts, master)
-    if isinstance(tx, optax.GradientTransformationExtraArgs) and value is not None:
-        updates, s = tx.update(g, s, m, value=value, grad=g, value_fn=value_fn)
-    else:
-        updates, s = tx.update(g, s, m)
-    m = optax.apply_updates(m, updates)
-    return _stored(layouts, m, sharded), _stored(opt_lays, s, sharded)
-
-
-def _value_fn(
-    loss_and_grads: Callable[[Params], tuple[jax.Array, Params]],
-) -> Callable[[Params], jax.Array]:
-    """``value_fn(params) -> loss`` for optax's line searches, which differentiate it:
-    its gradient is the step's own (reduced over devices), not autodiff of the sharded
-    forward pass."""
-
-    @jax.custom_vjp
-    def value_fn(params: Params) -> jax.Array:
-        return loss_and_grads(params)[0]
-
-    def fwd(params: Params) -> tuple[jax.Array, Params]:
-        return loss_and_grads(params)
-
-    def bwd(grads: Params, ct: jax.Array) -> tuple[Params]:
-        return (jax.tree.map(lambda g: (ct * g).astype(g.dtype), grads),)
-
-    value_fn.defvjp(fwd, bwd)
-    return value_fn
+def _sharded_gradient_step(
+    cfg: StepConfig, mesh: Mesh, layouts: Layouts, specs: TrainState, loss_fn: LossFn
+) -> Callable:
+    """:func:`gradient_step` over the mesh: ``(params, batch, step) -> (loss, grads, norm,
+    metrics)``, the gradients laid out as the master params are stored."""
+    # check_vma=False (module docstring): the loss's gradient is per device, so the
+    # reductions in reduce_gradients and hooks are the only ones; loss, norm and metrics
+    # (P()) come from psum/pmean results, stage 0's gradients (P()) from an all-reduce.
+    return jax.shard_map(
+        functools.partial(gradient_step, cfg, layouts, loss_fn),
+        mesh=mesh,
+        in_specs=(specs.params, P(cfg.batch_axes), P()),
+        out_specs=(P(), master_specs(cfg.stage, layouts), P(), P()),
+        check_vma=False,
+    )
 
 
 def make_train_step(
@@ -442,16 +305,7 @@ def make_train_step(
     """
     sharded = master_sharded(cfg.stage)
     grad_specs = master_specs(cfg.stage, layouts)
-    # check_vma=False (module docstring): the loss's gradient is per device, so the
-    # reductions in reduce_gradients and hooks are the only ones; loss, norm and metrics
-    # (P()) come from psum/pmean results, stage 0's gradients (P()) from an all-reduce.
-    grads_of = jax.shard_map(
-        functools.partial(gradient_step, cfg, layouts, loss_fn),
-        mesh=mesh,
-        in_specs=(specs.params, P(cfg.batch_axes), P()),
-        out_specs=(P(), grad_specs, P(), P()),
-        check_vma=False,
-    )
+    grads_of = _sharded_gradient_step(cfg, mesh, layouts, specs, loss_fn)
     # check_vma=False: the new params' P() (stages 1-2) holds because an all_gather gives
     # every device the same array; check_vma=True cannot infer that and refuses to trace.
     gather = jax.shard_map(
@@ -468,20 +322,13 @@ def make_train_step(
     )
 
     # a line search's loss and gradient at other params: the step's own, unclipped
-    unclipped = jax.shard_map(
-        functools.partial(
-            gradient_step, dataclasses.replace(cfg, max_grad_norm=None), layouts, loss_fn
-        ),
-        mesh=mesh,
-        in_specs=(specs.params, P(cfg.batch_axes), P()),
-        out_specs=(P(), grad_specs, P(), P()),
-        check_vma=False,
-    )
+    unclipped_cfg = dataclasses.replace(cfg, max_grad_norm=None)
+    unclipped = _sharded_gradient_step(unclipped_cfg, mesh, layouts, specs, loss_fn)
 
     def loss_and_grads(logical: Params, batch: Batch, step: Any) -> tuple[jax.Array, Params]:
-        master = place(_stored(layouts, logical, sharded))
+        master = place(to_stored(layouts, logical, sharded))
         loss, grads, _, _ = unclipped(working(master), batch, step)
-        return loss, _logical(layouts, grads)
+        return loss, to_logical(layouts, grads)
 
     def working(master: Params) -> Params:
         """The working params (compute dtype, the stage's layout) of stored master params."""
@@ -491,7 +338,7 @@ def make_train_step(
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         loss, grads, norm, extra = grads_of(state.params, batch, state.step)
         master = state.master if cfg.mixed else state.params
-        value_fn = _value_fn(lambda logical: loss_and_grads(logical, batch, state.step))
+        value_fn = value_fn_of(lambda logical: loss_and_grads(logical, batch, state.step))
         master, opt_state = optimizer_update(
             tx, layouts, opt_lays, sharded, grads, state.opt_state, master, loss, value_fn
         )

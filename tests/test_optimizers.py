@@ -1,6 +1,6 @@
 """Any optax optimizer trains exactly like one device at every stage; none is silently wrong.
 
-The optimizer runs in the global view on the sharded state (``step.optimizer_update``),
+The optimizer runs in the global view on the sharded state (``update.optimizer_update``),
 on logical shapes, so elementwise, masked, partitioned, norm-based, factored and
 matrix optimizers all compute what they compute on one device.
 """
@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxzero
-from jaxzero import step as step_lib
+from jaxzero import update as update_lib
 from jaxzero.accounting.comm import collectives_from_hlo
 from jaxzero.partition import is_layout
 from jaxzero.state import master_specs
@@ -181,7 +181,7 @@ def _update_collectives(tx, stage):
         is_leaf=is_layout,
     )
     update = jax.jit(
-        lambda g, s, m: step_lib.optimizer_update(
+        lambda g, s, m: update_lib.optimizer_update(
             engine.tx, engine.layouts, engine.opt_layouts, True, g, s, m
         ),
         out_shardings=(master_sh, named(engine.specs.opt_state)),

@@ -155,13 +155,13 @@ def _zero_carry_loss(p, batch):
 
 @pytest.mark.parametrize("stage, replicas", [(0, 1), (0, 2), (3, 1)])
 def test_grad_norm_splits_large_whole_leaves_over_devices(stage, replicas):
-    """A whole gradient leaf of at least step.SPLIT_NORM_MIN elements has each device sum
+    """A whole gradient leaf of at least gradients.SPLIT_NORM_MIN elements has each device sum
     the squares of its 1/N (an odd size: the first device takes the remainder), then
     one psum: the norm is still the one-device norm, the same on every device."""
-    from jaxzero import step as step_lib
+    from jaxzero import gradients
 
     rng = np.random.default_rng(0)
-    rows = step_lib.SPLIT_NORM_MIN // 131 + 2  # 252 x 131: 33012 elements, 33012 % 8 == 4
+    rows = gradients.SPLIT_NORM_MIN // 131 + 2  # 252 x 131: 33012 elements, 33012 % 8 == 4
     params = {"table": rng.standard_normal((rows, 131)).astype(np.float32), "b": np.ones(3)}
     params["b"] = params["b"].astype(np.float32)
     batch = {"i": rng.integers(0, rows, (16,)).astype(np.int32)}

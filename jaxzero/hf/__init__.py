@@ -40,6 +40,7 @@ from jaxzero.models.llama_hf import (
     read_json,
 )
 from jaxzero.partition import LeafLayout, is_layout, layouts_for
+from jaxzero.readback import iter_params
 from jaxzero.state import TrainState
 
 __all__ = ["HFError", "SafetensorsError", "check", "load", "model", "read_params", "save"]
@@ -350,7 +351,7 @@ def save(
             "hf.save: the engine's params are not this model's (pass the Llama the engine "
             "was built from)"
         )
-    arrays = (x for _, x in engine._iter_params(state))
+    arrays = (x for _, x in iter_params(engine.plan, state))
     out = write_model(
         path, m, leaves, arrays, dtype, max_shard_size, overwrite, writer=jax.process_index() == 0
     )

@@ -1,0 +1,39 @@
+"""A step's static choices (:class:`StepConfig`) and what its loss may be (``LossFn``).
+
+The settings build it (:mod:`jaxzero.settings`); the step (:mod:`jaxzero.step`) and
+the gradient reduction (:mod:`jaxzero.gradients`) read it; everything else a step
+takes comes in as arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jaxzero.mesh import DATA
+
+LossFn = Callable[..., Any]  # (params, batch[, rng]) -> a scalar or a jaxzero.loss form
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static choices of a step; everything else comes in as arrays."""
+
+    stage: int
+    compute_dtype: Any
+    reduce_dtype: Any
+    mixed: bool  # separate fp32 master params (bf16 training)
+    micro_batches: int
+    max_grad_norm: float | None
+    per_layer: bool  # the model calls use_params per layer
+    batch_axes: tuple[str, ...]
+    batch_devices: int  # devices the global batch is split over
+    bucket_bytes: int = 0  # pack gradient/param collectives up to this size
+    whole_tree_bucket_bytes: int = 0  # the same, in a per_layer=False model's stage-3 use_params
+    dot_barrier: bool = False  # collectives.dot_barrier on each micro-batch's gradients
+    rng_seed: int | None = None  # loss_fn(params, batch, rng) gets its key from it
+
+    @property
+    def extra_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in self.batch_axes if a != DATA)
