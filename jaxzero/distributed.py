@@ -182,6 +182,24 @@ def initialize(
     )
     if not job.multi:
         return job
+    ids = _prepare_jax(job, preemption_service)
+    devices = _join(job, ids)
+    _JOB = job = dataclasses.replace(job, rank=jax.process_index(), world_size=jax.process_count())
+    _install_exit_hooks()
+    if job.mode == "explicit" and job.world_size != job.settings["world_size"].value:
+        raise DistributedError(
+            f"{job.settings['world_size']} but the coordinator at "
+            f"{job.coordinator} runs a job of {job.world_size} processes: "
+            "every process must be given the same world size"
+        )
+    if verbose:
+        _announce(job, devices)
+    return job
+
+
+def _prepare_jax(job: Job, preemption_service: bool) -> Sequence[int] | None:
+    """Sets JAX up to join ``job`` (before its backend starts): simulated CPU devices, CPU
+    collectives, the preemption service; the accelerator ids this process drives."""
     if mesh_lib.backend_started():
         raise DistributedError(
             "JAX already started its backend: call "
@@ -195,6 +213,12 @@ def initialize(
     ids = job.local_device_ids
     if ids is None and accelerator and job.local_world_size > 1:
         ids = (job.local_rank,)  # torchrun's layout: one accelerator per process
+    return ids
+
+
+def _join(job: Job, ids: Sequence[int] | None) -> list[Any]:
+    """``jax.distributed.initialize`` under a watchdog that says who is missing, then the
+    backend started; the devices of the job."""
     started = time.monotonic()
     deadline = started + job.init_timeout
     if job.mode == "explicit" and job.rank != 0:
@@ -226,7 +250,12 @@ def initialize(
         ) from e
     finally:
         dog.done()
-    _JOB = job = dataclasses.replace(job, rank=jax.process_index(), world_size=jax.process_count())
+    return devices
+
+
+def _install_exit_hooks() -> None:
+    """An uncaught exception leaves the job at once (see leave); the program's end is said
+    to the launcher (``_program_ended``)."""
     previous = sys.excepthook  # an uncaught exception leaves the job at once (see leave)
 
     def excepthook(kind, value, tb):
@@ -235,15 +264,6 @@ def initialize(
 
     sys.excepthook = excepthook
     atexit.register(_program_ended)  # after JAX's exit hook, so it runs before it
-    if job.mode == "explicit" and job.world_size != job.settings["world_size"].value:
-        raise DistributedError(
-            f"{job.settings['world_size']} but the coordinator at "
-            f"{job.coordinator} runs a job of {job.world_size} processes: "
-            "every process must be given the same world size"
-        )
-    if verbose:
-        _announce(job, devices)
-    return job
 
 
 _JOB: Job | None = None  # the job this process joined
