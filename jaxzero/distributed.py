@@ -185,7 +185,14 @@ def initialize(
     ids = _prepare_jax(job, preemption_service)
     devices = _join(job, ids)
     _JOB = job = dataclasses.replace(job, rank=jax.process_index(), world_size=jax.process_count())
-    _install_exit_hooks()
+    previous = sys.excepthook  # an uncaught exception leaves the job at once (see leave)
+
+    def excepthook(kind, value, tb):
+        previous(kind, value, tb)
+        leave(1, value)
+
+    sys.excepthook = excepthook
+    atexit.register(_program_ended)  # after JAX's exit hook, so it runs before it
     if job.mode == "explicit" and job.world_size != job.settings["world_size"].value:
         raise DistributedError(
             f"{job.settings['world_size']} but the coordinator at "
@@ -198,8 +205,7 @@ def initialize(
 
 
 def _prepare_jax(job: Job, preemption_service: bool) -> Sequence[int] | None:
-    """Sets JAX up to join ``job`` (before its backend starts): simulated CPU devices, CPU
-    collectives, the preemption service; the accelerator ids this process drives."""
+    """Sets JAX up for ``job`` (devices simulated, collectives, preemption); the ids it drives."""
     if mesh_lib.backend_started():
         raise DistributedError(
             "JAX already started its backend: call "
@@ -217,10 +223,8 @@ def _prepare_jax(job: Job, preemption_service: bool) -> Sequence[int] | None:
 
 
 def _join(job: Job, ids: Sequence[int] | None) -> list[Any]:
-    """``jax.distributed.initialize`` under a watchdog that says who is missing, then the
-    backend started; the devices of the job."""
-    started = time.monotonic()
-    deadline = started + job.init_timeout
+    """``jax.distributed.initialize`` under a watchdog, then the backend; the job's devices."""
+    deadline = time.monotonic() + job.init_timeout
     if job.mode == "explicit" and job.rank != 0:
         assert job.host is not None and job.port is not None  # resolve: explicit needs both
         probe(job.host.value, job.port.value, job.init_timeout, job.named("host", "port"))
@@ -251,19 +255,6 @@ def _join(job: Job, ids: Sequence[int] | None) -> list[Any]:
     finally:
         dog.done()
     return devices
-
-
-def _install_exit_hooks() -> None:
-    """An uncaught exception leaves the job at once (see leave); the program's end is said
-    to the launcher (``_program_ended``)."""
-    previous = sys.excepthook  # an uncaught exception leaves the job at once (see leave)
-
-    def excepthook(kind, value, tb):
-        previous(kind, value, tb)
-        leave(1, value)
-
-    sys.excepthook = excepthook
-    atexit.register(_program_ended)  # after JAX's exit hook, so it runs before it
 
 
 _JOB: Job | None = None  # the job this process joined
