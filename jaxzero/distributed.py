@@ -182,6 +182,30 @@ def initialize(
     )
     if not job.multi:
         return job
+    ids = _prepare_jax(job, preemption_service)
+    devices = _join(job, ids)
+    _JOB = job = dataclasses.replace(job, rank=jax.process_index(), world_size=jax.process_count())
+    previous = sys.excepthook  # an uncaught exception leaves the job at once (see leave)
+
+    def excepthook(kind, value, tb):
+        previous(kind, value, tb)
+        leave(1, value)
+
+    sys.excepthook = excepthook
+    atexit.register(_program_ended)  # after JAX's exit hook, so it runs before it
+    if job.mode == "explicit" and job.world_size != job.settings["world_size"].value:
+        raise DistributedError(
+            f"{job.settings['world_size']} but the coordinator at "
+            f"{job.coordinator} runs a job of {job.world_size} processes: "
+            "every process must be given the same world size"
+        )
+    if verbose:
+        _announce(job, devices)
+    return job
+
+
+def _prepare_jax(job: Job, preemption_service: bool) -> Sequence[int] | None:
+    """Sets JAX up for ``job`` (devices simulated, collectives, preemption); the ids it drives."""
     if mesh_lib.backend_started():
         raise DistributedError(
             "JAX already started its backend: call "
@@ -195,8 +219,12 @@ def initialize(
     ids = job.local_device_ids
     if ids is None and accelerator and job.local_world_size > 1:
         ids = (job.local_rank,)  # torchrun's layout: one accelerator per process
-    started = time.monotonic()
-    deadline = started + job.init_timeout
+    return ids
+
+
+def _join(job: Job, ids: Sequence[int] | None) -> list[Any]:
+    """``jax.distributed.initialize`` under a watchdog, then the backend; the job's devices."""
+    deadline = time.monotonic() + job.init_timeout
     if job.mode == "explicit" and job.rank != 0:
         assert job.host is not None and job.port is not None  # resolve: explicit needs both
         probe(job.host.value, job.port.value, job.init_timeout, job.named("host", "port"))
@@ -226,24 +254,7 @@ def initialize(
         ) from e
     finally:
         dog.done()
-    _JOB = job = dataclasses.replace(job, rank=jax.process_index(), world_size=jax.process_count())
-    previous = sys.excepthook  # an uncaught exception leaves the job at once (see leave)
-
-    def excepthook(kind, value, tb):
-        previous(kind, value, tb)
-        leave(1, value)
-
-    sys.excepthook = excepthook
-    atexit.register(_program_ended)  # after JAX's exit hook, so it runs before it
-    if job.mode == "explicit" and job.world_size != job.settings["world_size"].value:
-        raise DistributedError(
-            f"{job.settings['world_size']} but the coordinator at "
-            f"{job.coordinator} runs a job of {job.world_size} processes: "
-            "every process must be given the same world size"
-        )
-    if verbose:
-        _announce(job, devices)
-    return job
+    return devices
 
 
 _JOB: Job | None = None  # the job this process joined

@@ -226,6 +226,30 @@ def resolve(
       ('10.0.0.1:29500', 0, 'JAXZERO_RANK=0, WORLD_SIZE=2')
     """
     environ = os.environ if environ is None else environ
+    got = _settings(environ, arguments)
+    common = _common(got, accelerator)
+    rank, world = got.get("rank"), got.get("world_size")
+    local_rank, local_world = got.get("local_rank"), got.get("local_world_size")
+    host, port = got.get("host"), got.get("port")
+    if world is None and rank is not None:
+        raise DistributedError(
+            f"{rank} is set but the world size is not: set {_names('world_size', rank.source)}"
+        )
+    if world is not None:
+        return _explicit(got, common)
+    cluster = detect_cluster(environ)
+    if cluster is None:
+        return Job("single", **common)
+    lr_var, lw_var = _CLUSTER_LOCAL[cluster]
+    lr = local_rank.value if local_rank else _int_or(environ.get(lr_var or ""), 0)
+    lw = local_world.value if local_world else _int_or(environ.get(lw_var or ""), 1)
+    return Job(cluster, -1, -1, lr, lw, host, port, **common)  # rank, world: from JAX
+
+
+def _settings(environ: Mapping[str, str], arguments: Mapping[str, Any]) -> dict[str, Setting]:
+    """Each field's setting, from ``arguments`` or ``environ`` (the first that names it);
+    a port embedded in the host (``addr:port``) split off, torchrun's port moved past its
+    store."""
     unknown = set(arguments) - set(VARIABLES)
     if unknown:
         raise TypeError(f"unknown argument(s) {sorted(unknown)}; use {sorted(VARIABLES)}")
@@ -245,8 +269,12 @@ def resolve(
         got["port"] = Setting(
             got["port"].value + TORCHRUN_PORT_OFFSET, f"MASTER_PORT+{TORCHRUN_PORT_OFFSET}", "port"
         )
-    host, port = got.get("host"), got.get("port")
-    common: dict[str, Any] = dict(
+    return got
+
+
+def _common(got: Mapping[str, Setting], accelerator: bool) -> dict[str, Any]:
+    """The fields every kind of job has: the settings, and the knobs with their defaults."""
+    return dict(
         settings=got,
         simulate_devices=got["simulate_devices"].value if "simulate_devices" in got else None,
         local_device_ids=got["local_device_ids"].value if "local_device_ids" in got else None,
@@ -257,51 +285,45 @@ def resolve(
         if "heartbeat_timeout" in got
         else DEFAULT_HEARTBEAT_TIMEOUT,
     )
-    rank, world = got.get("rank"), got.get("world_size")
+
+
+def _explicit(got: Mapping[str, Setting], common: dict[str, Any]) -> Job:
+    """The job a world size names (torchrun's variables, ``JAXZERO_*`` or arguments):
+    single for a world of one, else explicit, every rule between the settings checked."""
+    rank, world = got.get("rank"), got["world_size"]
     local_rank, local_world = got.get("local_rank"), got.get("local_world_size")
-    if world is None and rank is not None:
-        raise DistributedError(
-            f"{rank} is set but the world size is not: set {_names('world_size', rank.source)}"
-        )
-    if world is not None:
-        if rank is None:
-            if world.value == 1:
-                return Job("single", **common)
-            raise DistributedError(
-                f"{world} is set but the rank is not: set "
-                f"{_names('rank', world.source)} (0 to {world.value - 1})"
-            )
-        if rank.value >= world.value:
-            raise DistributedError(
-                f"{rank} must be below {world}: ranks run from 0 to {world.value - 1}"
-            )
+    host, port = got.get("host"), got.get("port")
+    if rank is None:
         if world.value == 1:
             return Job("single", **common)
-        missing = [f for f in ("host", "port") if f not in got]
-        if missing:
-            raise DistributedError(
-                f"{rank}, {world} are set but the coordinator's "
-                + " and ".join(missing)
-                + " are not: set "
-                + " and ".join(_names(f, rank.source) for f in missing)
-                + " (rank 0's address and a free port)"
-            )
-        lr = local_rank.value if local_rank else 0
-        lw = local_world.value if local_world else lr + 1  # unknown: at least this many
-        if lr >= lw:
-            raise DistributedError(
-                f"{local_rank} must be below {local_world or 'a local world size of 1'}"
-            )
-        if lw > world.value:
-            raise DistributedError(f"{local_world} cannot exceed {world}")
-        return Job("explicit", rank.value, world.value, lr, lw, host, port, **common)
-    cluster = detect_cluster(environ)
-    if cluster is None:
+        raise DistributedError(
+            f"{world} is set but the rank is not: set "
+            f"{_names('rank', world.source)} (0 to {world.value - 1})"
+        )
+    if rank.value >= world.value:
+        raise DistributedError(
+            f"{rank} must be below {world}: ranks run from 0 to {world.value - 1}"
+        )
+    if world.value == 1:
         return Job("single", **common)
-    lr_var, lw_var = _CLUSTER_LOCAL[cluster]
-    lr = local_rank.value if local_rank else _int_or(environ.get(lr_var or ""), 0)
-    lw = local_world.value if local_world else _int_or(environ.get(lw_var or ""), 1)
-    return Job(cluster, -1, -1, lr, lw, host, port, **common)  # rank, world: from JAX
+    missing = [f for f in ("host", "port") if f not in got]
+    if missing:
+        raise DistributedError(
+            f"{rank}, {world} are set but the coordinator's "
+            + " and ".join(missing)
+            + " are not: set "
+            + " and ".join(_names(f, rank.source) for f in missing)
+            + " (rank 0's address and a free port)"
+        )
+    lr = local_rank.value if local_rank else 0
+    lw = local_world.value if local_world else lr + 1  # unknown: at least this many
+    if lr >= lw:
+        raise DistributedError(
+            f"{local_rank} must be below {local_world or 'a local world size of 1'}"
+        )
+    if lw > world.value:
+        raise DistributedError(f"{local_world} cannot exceed {world}")
+    return Job("explicit", rank.value, world.value, lr, lw, host, port, **common)
 
 
 def _names(field: str, like: str) -> str:

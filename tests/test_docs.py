@@ -21,7 +21,7 @@ PAGES = {p.name: p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
 DEV = {p.name: p.read_text() for p in sorted((ROOT / "docs" / "dev").glob("*.md"))}
 MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh",
            "jaxzero.collectives", "jaxzero.models.gpt", "jaxzero.job", "jaxzero.checkpoint.manager",
-           "jaxzero.train.data", "jaxzero.accounting.estimate", "jaxzero.nnx",
+           "jaxzero.train.loader", "jaxzero.accounting.estimate", "jaxzero.nnx",
            "jaxzero.accounting.activations",
            "jaxzero.models.llama", "jaxzero.models.llama_hf", "jaxzero.plan"]  # fmt: skip
 

@@ -26,9 +26,9 @@ import os
 import shutil
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -291,41 +291,49 @@ def _abandoned(name: str) -> bool:
     return False
 
 
+@dataclass
+class _Tally:
+    """What the documents written so far add up to."""
+
+    tokens: int = 0
+    docs: int = 0
+    current: int = 0  # tokens so far of the document being written
+    unk: int = 0
+    masked: bool = False  # some document has a prompt (no loss on it)
+    read: int = 0  # bytes of the sources read
+    lengths: list[int] = field(default_factory=list)  # tokens of each whole document
+
+
+def _append(batch: list[Document], tok: Tokenizer, ft: BinaryIO, fm: BinaryIO, t: _Tally) -> None:
+    """Tokenizes ``batch`` and appends its tokens to ``ft``, its loss mask to ``fm``."""
+    prompts = tok.encode_batch([d.prompt for d in batch])
+    texts = tok.encode_batch([d.text for d in batch])
+    for d, p, x in zip(batch, prompts, texts, strict=True):
+        ids = np.asarray(p + x + [tok.eos_id] * d.eos, tok.dtype)
+        ft.write(ids.tobytes())
+        mask = np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(ids) - len(p), np.uint8)])
+        fm.write(mask.tobytes())  # no loss on the prompt
+        t.masked |= bool(p)
+        if tok.unk_id is not None:  # the EOS is never unknown
+            t.unk += int(np.count_nonzero(ids[: len(ids) - d.eos] == tok.unk_id))
+        t.tokens += len(ids)
+        t.current += len(ids)
+        if d.eos:
+            t.docs += 1
+            t.lengths.append(t.current)
+            t.current = 0
+
+
 def _write(
     files: list[Path], tok: Tokenizer, out: Path, progress: bool | str, limit: int | None = None
 ) -> None:
     total = sum(f.stat().st_size for f in files)
     what = str(files[0]) if len(files) == 1 else f"{len(files)} files in {files[0].parent}"
     bar = Meter(total if limit is None else limit, progress, what)
-    n_tokens = n_docs = current = n_unk = read = 0
-    masked = False
-    lengths: list[int] = []
+    t = _Tally()
     with open(out / "tokens.bin", "wb") as ft, open(out / "mask.bin", "wb") as fm:
-
-        def flush(batch: list[Document]) -> None:
-            nonlocal n_tokens, n_docs, current, masked, n_unk
-            prompts = tok.encode_batch([d.prompt for d in batch])
-            texts = tok.encode_batch([d.text for d in batch])
-            for d, p, t in zip(batch, prompts, texts, strict=True):
-                ids = np.asarray(p + t + [tok.eos_id] * d.eos, tok.dtype)
-                ft.write(ids.tobytes())
-                fm.write(
-                    np.concatenate(
-                        [np.zeros(len(p), np.uint8), np.ones(len(ids) - len(p), np.uint8)]
-                    ).tobytes()
-                )
-                masked |= bool(p)
-                if tok.unk_id is not None:  # the EOS is never unknown
-                    n_unk += int(np.count_nonzero(ids[: len(ids) - d.eos] == tok.unk_id))
-                n_tokens += len(ids)
-                current += len(ids)
-                if d.eos:
-                    n_docs += 1
-                    lengths.append(current)
-                    current = 0
-
         for file in files:
-            left = None if limit is None else limit - read
+            left = None if limit is None else limit - t.read
             if left is not None and left <= 0:
                 break
             batch: list[Document] = []
@@ -333,15 +341,15 @@ def _write(
             for doc, done in documents(file, tok, left):
                 batch.append(doc)
                 if len(batch) == BATCH:
-                    flush(batch)
+                    _append(batch, tok, ft, fm, t)
                     batch = []
-                bar.update(read + done)
+                bar.update(t.read + done)
             if batch:
-                flush(batch)
-            read += done if left is not None else file.stat().st_size
-            bar.update(read)
-    bar.close(f"tokenized {n_docs:,} documents, {n_tokens:,} tokens")
-    if n_docs == 0:
+                _append(batch, tok, ft, fm, t)
+            t.read += done if left is not None else file.stat().st_size
+            bar.update(t.read)
+    bar.close(f"tokenized {t.docs:,} documents, {t.tokens:,} tokens")
+    if t.docs == 0:
         where = ", ".join(map(str, files[:3]))
         if limit is not None:
             raise StoreError(
@@ -349,20 +357,26 @@ def _write(
                 "raise data.max_bytes"
             )
         raise StoreError(f"no documents in {where}")
-    if not masked:
+    if not t.masked:
         (out / "mask.bin").unlink()
-    lens = np.asarray(lengths, np.int64)
-    np.save(out / "lengths.npy", lens)
-    meta = {
+    np.save(out / "lengths.npy", np.asarray(t.lengths, np.int64))
+    meta = _meta(files, tok, t, total, limit)
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # last: complete
+
+
+def _meta(files: list[Path], tok: Tokenizer, t: _Tally, total: int, limit: int | None) -> dict:
+    """The store's ``meta.json``: what it holds, from which sources, through which tokenizer."""
+    lens = np.asarray(t.lengths, np.int64)
+    return {
         "version": VERSION,
         "dtype": tok.dtype.name,
-        "tokens": n_tokens,
-        "documents": n_docs,
-        "masked": masked,
+        "tokens": t.tokens,
+        "documents": t.docs,
+        "masked": t.masked,
         "eos_id": tok.eos_id,
         "eos_token": tok.eos_token,
-        "unk_tokens": n_unk,
-        "bytes": read,  # of the sources' total_bytes; fewer when max_bytes cut them
+        "unk_tokens": t.unk,
+        "bytes": t.read,  # of the sources' total_bytes; fewer when max_bytes cut them
         "total_bytes": total,
         "max_bytes": limit,
         "vocab_size": tok.vocab_size,
@@ -375,7 +389,6 @@ def _write(
             "min": int(lens.min()),
         },
     }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # last: complete
 
 
 def real_fraction(store: TokenStore, seq_len: int) -> float:
