@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 
 import jaxzero
-from jaxzero import checkpoint
+from jaxzero.checkpoint import format as checkpoint_format
 
 ROOT = Path(__file__).parent.parent
 
@@ -19,7 +19,7 @@ def test_the_version_is_pyprojects_through_the_package_metadata():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert jaxzero.__version__ == importlib.metadata.version("jaxzero")
     assert jaxzero.__version__ == pyproject["project"]["version"]
-    assert checkpoint.__version__ is jaxzero.__version__  # what checkpoints record
+    assert checkpoint_format.__version__ is jaxzero.__version__  # what checkpoints record
     # read once: no other module spells a version out
     literal = re.compile(r"""__version__\s*=\s*["']""")
     others = (p for p in (ROOT / "jaxzero").rglob("*.py") if p.name != "version.py")
