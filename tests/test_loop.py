@@ -38,7 +38,6 @@ class _Engine:
 
     def __init__(self, mesh, events, loss, on_step):
         self.mesh, self.events, self.loss, self.on_step = mesh, events, loss, on_step
-        self.batch_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         self.batches = {}  # step -> the loader's batch it trained on
 
     def init_from(self, init, key):
