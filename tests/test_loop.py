@@ -7,7 +7,6 @@ import signal
 import types
 from pathlib import Path
 
-import jax
 import pytest
 
 from jaxzero.train import config as C
