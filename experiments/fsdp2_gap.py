@@ -1,7 +1,7 @@
 """Where PyTorch FSDP2's lead on ``user_gpt`` comes from: one rank's step, part by part.
 
 On the same 2-core CPU, FSDP2 (``fsdp2_step.py``) runs the zoo's ``user_gpt`` faster than
-plain ``jax.jit`` does before any sharding (docs/performance.md). This cuts one rank's
+plain ``jax.jit`` does before any sharding (docs/dev/performance-log.md). This cuts one rank's
 work into parts and times each in JAX (XLA:CPU) and in PyTorch, each process pinned to
 ONE core (``taskset``) with one rank's share of the batch, i.e. what each rank of the
 2-rank step computes:

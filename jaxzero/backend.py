@@ -37,7 +37,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 # The stages whose step donates its state by default, per platform (others: every
 # stage). Measured on XLA:CPU across the benchmark zoo (python -m experiments.bench_step --zoo
-# --both-donations, docs/performance.md), jaxzero's donating step over its non-donating
+# --both-donations, docs/dev/performance-log.md), jaxzero's donating step over its non-donating
 # one: stages 0-2, where the whole params are an input and an output, 0.91-1.39x,
 # geometric mean 1.06x (six models, three invocations at stage 0, one at stages 1-2);
 # stage 3, whose params are stored sharded, 0.93-1.05x (1.32x once, in a run the machine
@@ -59,7 +59,7 @@ BUCKET_MB = 64
 # scanned Llama ran at 1.04x packed and 1.21x a leaf. Stage 2's whole-tree reduce-scatter
 # packs (BUCKET_MB), as stage 1's does: one a leaf measured 1.10x against 1.07x packed
 # (user_gpt), 1.12x / 1.06x (plain), 1.05x / 0.98x (convnet); only embed, whose 16 MiB
-# table the packing copies, was faster a leaf (0.77x / 0.94x) (docs/performance.md).
+# table the packing copies, was faster a leaf (0.77x / 0.94x) (docs/dev/performance-log.md).
 WHOLE_TREE_BUCKET_MB: dict[str, float] = {"cpu": 0}
 
 # Whether gradients pass collectives.dot_barrier before reduction, per platform (others:
