@@ -25,7 +25,6 @@ ties everything to an Engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -44,7 +43,7 @@ from jaxzero.accounting.expected import (
     theory,
 )
 from jaxzero.accounting.expected import inter_group_bytes as inter_group_bytes
-from jaxzero.accounting.table import Report
+from jaxzero.accounting.table import CompiledMemory, Report
 from jaxzero.partition import is_layout
 
 __all__ = ["report"]
@@ -55,22 +54,6 @@ if TYPE_CHECKING:
     from jaxzero.state import TrainState
 
 # ----------------------------------------------------------------------------- memory
-
-
-@dataclass
-class CompiledMemory:
-    """``compiled.memory_analysis()`` per device, in bytes."""
-
-    argument: int
-    output: int
-    temp: int
-    alias: int
-    generated_code: int
-
-    @property
-    def peak(self) -> int:
-        """Argument + output + temp − alias: what the step needs at once."""
-        return self.argument + self.output + self.temp - self.alias
 
 
 def compiled_memory(compiled: Any) -> CompiledMemory:

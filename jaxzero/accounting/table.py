@@ -1,8 +1,9 @@
 """The Report value: one measured step beside its predictions, as a dict, JSON or a table.
 
 :func:`jaxzero.accounting.measure.report` measures and builds it; this module only
-holds the figures and formats them (ratios, the hybrid split by scope, the printed
-table of ``jaxzero report``).
+holds the figures (and :class:`CompiledMemory`, what a compiled step says of its
+memory) and formats them (ratios, the hybrid split by scope, the printed table of
+``jaxzero report``).
 """
 
 from __future__ import annotations
@@ -10,14 +11,27 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxzero.accounting.comm import Collective, Traffic
 from jaxzero.accounting.expected import LayoutExpectation, Theory
 from jaxzero.accounting.hlo import Buffer
 
-if TYPE_CHECKING:
-    from jaxzero.accounting.measure import CompiledMemory
+
+@dataclass
+class CompiledMemory:
+    """``compiled.memory_analysis()`` per device, in bytes."""
+
+    argument: int
+    output: int
+    temp: int
+    alias: int
+    generated_code: int
+
+    @property
+    def peak(self) -> int:
+        """Argument + output + temp − alias: what the step needs at once."""
+        return self.argument + self.output + self.temp - self.alias
 
 
 @dataclass
