@@ -82,14 +82,13 @@ def _torchrun_env(rank: int, port: int, world: int = 2, **extra: str) -> dict[st
     )
 
 
-def test_torchrun_variables_alone_stage3_and_hybrid_match_one_process_of_4(tmp_path):
-    """2 processes x 2 devices, set up by jaxzero.distributed.initialize() with no arguments."""
-    import jaxzero
-
-    port, report = free_port(), tmp_path / "report.json"
+def _two_torchrun_processes(worker: str, report: Path) -> list[tuple[str, str]]:
+    """Runs ``worker`` as 2 processes x 2 CPU devices with torchrun's variables only;
+    both must succeed. Returns each process's (stdout, stderr)."""
+    port = free_port()
     procs = [
         _procs.Child(
-            [sys.executable, str(HERE / "_mp_env_worker.py")],
+            [sys.executable, str(HERE / worker)],
             env=_torchrun_env(
                 i,
                 port,
@@ -106,6 +105,15 @@ def test_torchrun_variables_alone_stage3_and_hybrid_match_one_process_of_4(tmp_p
     results = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err[-3000:]
+    return results
+
+
+def test_torchrun_variables_alone_stage3_and_hybrid_match_one_process_of_4(tmp_path):
+    """2 processes x 2 devices, set up by jaxzero.distributed.initialize() with no arguments."""
+    import jaxzero
+
+    report = tmp_path / "report.json"
+    results = _two_torchrun_processes("_mp_env_worker.py", report)
     got = read_report(report)
     assert (got["rank"], got["world_size"], got["local_rank"]) == (0, 2, 0)
     assert "rank 1 of 2 | local rank 1 of 2" in results[1][1]
@@ -124,26 +132,8 @@ def test_each_process_feeds_the_rows_the_engine_names(tmp_path):
     global batch assembles in process order and trains like one process of 4 devices."""
     import jaxzero
 
-    port, report = free_port(), tmp_path / "report.json"
-    procs = [
-        _procs.Child(
-            [sys.executable, str(HERE / "_mp_rows_worker.py")],
-            env=_torchrun_env(
-                i,
-                port,
-                XLA_FLAGS="--xla_force_host_platform_device_count=2",
-                **{REPORT: str(report)},
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=300,
-        )
-        for i in range(2)
-    ]
-    results = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, results, strict=True):
-        assert p.returncode == 0, err[-3000:]
+    report = tmp_path / "report.json"
+    _two_torchrun_processes("_mp_rows_worker.py", report)
     got = read_report(report)
     assert got["rows"] == [[0, 8], [8, 16]]  # contiguous, in process order
     assert got["assembled"]
