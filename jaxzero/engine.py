@@ -389,6 +389,15 @@ class Engine:
         compiled: jax.stages.Compiled = step.lower(state, self._batches.to_global(batch)).compile()
         return compiled
 
+    def compile_eval(self, state: TrainState, batch: Batch) -> jax.stages.Compiled:
+        """The compiled evaluation (:meth:`eval_loss`), as :meth:`compile` the step: what
+        a pre-flight adds to the state that stays while it runs."""
+        evaluate = plan_lib.jitted_eval(self.plan)
+        compiled: jax.stages.Compiled = evaluate.lower(
+            state.params, self._batches.to_global(batch)
+        ).compile()
+        return compiled
+
     # --- reading back ------------------------------------------------------------------
 
     def gather_params(self, state: TrainState) -> Params:

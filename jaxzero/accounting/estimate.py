@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 
 from jaxzero.accounting.activations import Activations, GPTShape, activation_bytes
@@ -395,3 +396,41 @@ def estimate(
             )
         )
     return out
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_bytes(text: str | float) -> float:
+    """``'80GB'`` (1e9), ``'79.6GiB'`` (2**30), ``'512MB'``, ``8e10`` -> bytes.
+
+    Example:
+      >>> parse_bytes("80GB"), parse_bytes("1GiB")
+      (80000000000.0, 1073741824.0)
+    """
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9.]+(?:e[-+]?\d+)?)\s*([a-z]*)\s*", str(text), re.IGNORECASE)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"cannot read {text!r} as bytes (examples: 80GB, 79.6GiB, 512MB, 8e10)"
+            )
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"a memory size must be positive, got {text!r}")
+    return value
+
+
+def format_bytes(b: float) -> str:
+    """``3.07 GB``, ``26.7 MB``, ``512 kB`` (1e9, 1e6, 1e3: the ZeRO paper's GB).
+
+    Example:
+      >>> format_bytes(26.7e6), format_bytes(80e9)
+      ('26.7 MB', '80 GB')
+    """
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(b) >= size:
+            return f"{b / size:.3g} {unit}"
+    return f"{b:.3g} B"

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
+from jaxzero.accounting.estimate import parse_bytes
 from jaxzero.errors import Error
 from jaxzero.models.fields import ModelConfig  # the model section's schema, defined there
 from jaxzero.train.sections import (
@@ -33,6 +34,7 @@ from jaxzero.train.sections import (
     ParallelConfig,
     PrecisionConfig,
     TrainConfig,
+    ZeroConfig,
 )
 
 __all__ = [  # the sections are defined in jaxzero.train.sections and read from here
@@ -49,6 +51,7 @@ __all__ = [  # the sections are defined in jaxzero.train.sections and read from 
     "ParallelConfig",
     "PrecisionConfig",
     "TrainConfig",
+    "ZeroConfig",
     "absolute_paths",
     "apply_overrides",
     "dump_yaml",
@@ -328,6 +331,11 @@ def validate(config: Config) -> Config:
         )
     if lg.sample_tokens < 0 or config.checkpoint.every < 0:
         raise ConfigError("logging.sample_tokens and checkpoint.every must be >= 0")
+    if config.zero.device_memory is not None:
+        try:
+            parse_bytes(config.zero.device_memory)
+        except ValueError as e:
+            raise ConfigError(f"zero.device_memory: {e}") from None
     ck = config.checkpoint
     if ck.keep_last < 1 or (ck.keep_every is not None and ck.keep_every < 1):
         raise ConfigError(

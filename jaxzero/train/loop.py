@@ -30,40 +30,16 @@ import numpy as np
 
 from jaxzero import cli, distributed
 from jaxzero.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError
-from jaxzero.engine import PRECISIONS
-from jaxzero.models import Model, from_fields
-from jaxzero.models.common import cudnn_refusal
 from jaxzero.train import config as config_lib
 from jaxzero.train import data as data_lib
-from jaxzero.train import finetune, rundir
+from jaxzero.train import finetune, planning, rundir
 from jaxzero.train import metrics as metrics_lib
 from jaxzero.train import resume as resume_lib
 from jaxzero.train.args import RESOLVED_CONFIG, build_parser, config_from_args
 from jaxzero.train.config import Config, ConfigError
 from jaxzero.train.devices import printable_config, resolve_run, setup_devices
-from jaxzero.train.optimizer import make_optimizer
+from jaxzero.train.planning import build
 from jaxzero.train.steps import Diverged, Run, Steps
-
-
-def build(cfg: Config, mesh: Any, model: Model | None = None) -> tuple[Model, Any, Any]:
-    """The model, its engine (every parallel/precision option reaches it here), the LR
-    schedule. ``model``: a fine-tune's (:func:`finetune.resolve`), already read from
-    its checkpoint; None: built from ``cfg.model``."""
-    refused = cudnn_refusal(cfg.model.attention, PRECISIONS[cfg.precision.compute])
-    if refused is not None:
-        raise ConfigError(f"model.{refused}")
-    model = from_fields(cfg.model) if model is None else model
-    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
-    engine = model.engine(
-        tx,
-        mesh=mesh,
-        stage=cfg.parallel.stage,
-        precision=cfg.precision.compute,
-        reduce_dtype=cfg.precision.reduce_dtype,
-        micro_batches=cfg.parallel.micro_batches,
-        max_grad_norm=cfg.optimizer.max_grad_norm,
-    )
-    return model, engine, schedule
 
 
 def train(
@@ -185,6 +161,15 @@ def _set_up(
     if pretrained is not None:
         cfg, _ = finetune.pin_architecture(cfg, pretrained, run_dir, _is_main())
     model, engine, schedule = build(cfg, mesh, pretrained)
+    if cfg.zero.preflight or cfg.zero.auto:
+        sample = data_lib.Loader(
+            corpus.train, cfg.model.seq_len, cfg.train.batch_size, cfg.train.seed, slice(0, 1),
+            corpus.train_mask, corpus.eos, corpus.train_docs,
+        ).batch(1)  # fmt: skip
+        checked = planning.preflight(cfg, mesh, model, engine, sample, pretrained)
+        cfg, model, engine = checked.cfg, checked.model, checked.engine
+        if cfg.logging.progress != "none" and _is_main():
+            print(checked.line, flush=True)
     return Run(
         cfg, job, mesh, simulated, corpus, run_dir, ckpt, stop, watch, resume, pretrained,
         model, engine, schedule,

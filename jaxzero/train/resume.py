@@ -35,6 +35,7 @@ CHECKPOINTS = "checkpoints"
 # fields a resumed run may change; anything under model.* may not
 CHANGEABLE = (
     "parallel.",
+    "zero.",
     "precision.",
     "logging.",
     "checkpoint.",

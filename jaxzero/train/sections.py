@@ -78,6 +78,20 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class ZeroConfig:
+    """Will the run fit? The pre-flight compiles the step before the first one (nothing is
+    allocated) and stops a run whose peak exceeds the memory, naming what would fit;
+    ``auto`` lets the planner (``jaxzero plan``) choose the stage, remat and micro-batches.
+    """
+
+    auto: bool = False  # take the planner's first choice of stage, remat and micro-batches
+    # bytes per device the step is held to ("80GB", "79.6GiB"); null: the device's own limit
+    # (CPU: the host's MemAvailable, shared by the simulated devices)
+    device_memory: str | None = None
+    preflight: bool = True  # false: start without the check (an out-of-memory error then)
+
+
+@dataclass(frozen=True)
 class PrecisionConfig:
     """Compute precision of the working params; the master copy is always fp32."""
 
@@ -145,6 +159,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,78 @@
+"""The planner's table (:class:`~jaxzero.accounting.planner.Survey`), as text."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxzero.accounting.estimate import format_bytes
+
+if TYPE_CHECKING:
+    from jaxzero.accounting.planner import Row, Survey
+
+_HEAD = (
+    "rank", "stage", "remat", "mb", "state/dev", "peak/dev", "margin", "sent in/across group",
+    "TFLOP/dev", "roofline", "largest batch",
+)  # fmt: skip
+
+
+def _time(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _cells(rank: str, r: Row, budget: float) -> list[str]:
+    c = r.candidate
+    return [
+        rank,
+        str(c.stage),
+        c.remat,
+        str(c.micro_batches),
+        format_bytes(r.persistent),
+        format_bytes(r.peak),
+        format_bytes(budget - r.peak),
+        f"{format_bytes(r.intra)} / {format_bytes(r.inter)}",
+        f"{r.flops / 1e12:.3g}",
+        _time(r.predicted_s),
+        "" if r.max_batch is None else f"{r.max_batch:,}",
+    ]
+
+
+def _grid(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+
+
+def format_survey(s: Survey) -> str:
+    """The ranked table of what fits, then what did not and why, then the first choice."""
+    hw = s.hardware
+    lines = [s.title] if s.title else []
+    lines += [
+        f"budget   {format_bytes(s.budget)} per device ({s.budget_note})" if s.budget_note
+        else f"budget   {format_bytes(s.budget)} per device",
+        f"roofline {hw.name}: {hw.flops:.3g} FLOP/s per device, sends {format_bytes(hw.intra)}/s "
+        f"within a group of {s.group}, {format_bytes(hw.inter)}/s across; step time = "
+        "max(compute, communication)",
+        "",
+    ]  # fmt: skip
+    fit = s.fitting()
+    if fit:
+        lines += _grid([list(_HEAD)] + [_cells(str(i + 1), r, s.budget) for i, r in enumerate(fit)])
+    else:
+        lines.append("nothing fits")
+    over = [r for r in s.rows if r.status == "over"]
+    if over:
+        lines += ["", "compiled, over the budget:"]
+        lines += _grid([list(_HEAD)] + [_cells("-", r, s.budget) for r in over])
+    for status, what in (("pruned", "not compiled"), ("failed", "failed to compile")):
+        for r in (r for r in s.rows if r.status == status):
+            lines.append(f"{what}: {r.candidate.describe()}: {r.why}")
+    skipped = [r for r in s.rows if r.status == "skipped"]
+    if skipped:
+        lines.append(
+            f"{len(skipped)} candidate(s) with more micro-batches than needed not compiled "
+            "(--all compiles them)"
+        )
+    lines += s.notes
+    best = s.best()
+    if best is not None:
+        lines += ["", f"first choice: {best.candidate.describe()}: {best.candidate.flags()}"]
+    return "\n".join(lines)

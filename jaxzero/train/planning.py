@@ -1,0 +1,303 @@
+"""A run's candidates for the planner: ``jaxzero plan``, the pre-flight, ``zero.auto``.
+
+A candidate (:class:`~jaxzero.accounting.planner.Candidate`) is the run's config with
+another stage, remat policy, micro-batch count or global batch; :class:`Candidates`
+builds each as the run would (:func:`build`: the same model, optimizer and engine
+options), with the params' shapes (``jax.eval_shape``, nothing allocated) and the
+run's own batch structure. An engine built for a candidate is kept: the run that
+picks it trains with that engine, whose step is then already compiled.
+
+The budget a step is held to (:func:`budget`): ``zero.device_memory`` (``--device-memory``)
+when given, else the device's own limit (``memory_stats()["bytes_limit"]``), else on CPU
+the host's available memory (``/proc/meminfo`` MemAvailable) less a checkpoint's host
+copy of the state, shared by the simulated devices, which live in that memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxzero.accounting.estimate import format_bytes, parse_bytes, precision_bytes
+from jaxzero.accounting.measure import compiled_memory
+from jaxzero.accounting.planner import (
+    HARDWARE,
+    Built,
+    Candidate,
+    Hardware,
+    Planner,
+    Survey,
+    candidates,
+    shard_bytes,
+    survey,
+)
+from jaxzero.engine import PRECISIONS
+from jaxzero.mesh import REPLICA
+from jaxzero.models import Model, from_fields
+from jaxzero.models.common import cudnn_refusal
+from jaxzero.train.config import Config, ConfigError
+from jaxzero.train.optimizer import make_optimizer
+
+
+def build(cfg: Config, mesh: Any, model: Model | None = None) -> tuple[Model, Any, Any]:
+    """The model, its engine (every parallel/precision option reaches it here), the LR
+    schedule. ``model``: a fine-tune's (:func:`finetune.resolve`), already read from
+    its checkpoint; None: built from ``cfg.model``."""
+    refused = cudnn_refusal(cfg.model.attention, PRECISIONS[cfg.precision.compute])
+    if refused is not None:
+        raise ConfigError(f"model.{refused}")
+    model = from_fields(cfg.model) if model is None else model
+    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+    engine = model.engine(
+        tx,
+        mesh=mesh,
+        stage=cfg.parallel.stage,
+        precision=cfg.precision.compute,
+        reduce_dtype=cfg.precision.reduce_dtype,
+        micro_batches=cfg.parallel.micro_batches,
+        max_grad_norm=cfg.optimizer.max_grad_norm,
+    )
+    return model, engine, schedule
+
+
+def with_candidate(cfg: Config, c: Candidate) -> Config:
+    """``cfg`` trained as candidate ``c``."""
+    return dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(cfg.parallel, stage=c.stage, micro_batches=c.micro_batches),
+        model=dataclasses.replace(cfg.model, remat=c.remat),
+        train=dataclasses.replace(cfg.train, batch_size=c.batch),
+    )
+
+
+def candidate_of(cfg: Config) -> Candidate:
+    """The candidate ``cfg`` trains as."""
+    p = cfg.parallel
+    return Candidate(p.stage, cfg.model.remat, p.micro_batches, cfg.train.batch_size)
+
+
+def batch_like(sample: dict[str, np.ndarray], batch_size: int) -> dict[str, Any]:
+    """A global batch's shapes with ``sample``'s keys, dtypes and row shape."""
+    return {
+        k: jax.ShapeDtypeStruct((batch_size, *np.shape(v)[1:]), np.asarray(v).dtype)
+        for k, v in sample.items()
+    }
+
+
+class Candidates:
+    """Builds a run's candidates (:class:`~jaxzero.accounting.planner.Built`), each with
+    its own model and engine, kept for the run that picks it.
+
+    Args:
+      cfg: the run's config (vocab and devices resolved).
+      mesh: the run's mesh.
+      sample: one batch of the run's data (its keys, dtypes and row shape).
+      pretrained: a fine-tune's model (its Hugging Face architecture); None: ``cfg.model``.
+    """
+
+    def __init__(self, cfg: Config, mesh: Any, sample: dict[str, np.ndarray], pretrained=None):
+        self.cfg, self.mesh, self.sample, self.pretrained = cfg, mesh, sample, pretrained
+        self.built: dict[Candidate, tuple[Model, Any]] = {}
+        self._shapes: Any = None
+
+    def model(self, cfg: Config) -> Model:
+        if self.pretrained is None:
+            return from_fields(cfg.model)
+        model = from_fields(cfg.model, hf_raw=self.pretrained.hf_config)
+        model.hf_dir = self.pretrained.hf_dir  # type: ignore[attr-defined]  # where it came from
+        return model
+
+    def shapes(self, model: Model) -> Any:
+        """The params' shapes (one ``eval_shape``: remat does not change them)."""
+        if self._shapes is None:
+            self._shapes = jax.eval_shape(model.init, jax.random.key(0))
+        return self._shapes
+
+    def adopt(self, c: Candidate, model: Model, engine: Any) -> None:
+        """Use the run's own model and engine for ``c`` (its step compiles once)."""
+        self.built[c] = (model, engine)
+
+    def __call__(self, c: Candidate) -> Built:
+        if c not in self.built:
+            cfg = with_candidate(self.cfg, c)
+            model, engine, _ = build(cfg, self.mesh, self.model(cfg))
+            self.built[c] = (model, engine)
+        model, engine = self.built[c]
+        shapes = self.shapes(model)
+        seq = self.cfg.model.seq_len
+        flops = model.flops_per_token(model.num_params(shapes)) * c.batch * seq
+        if c.remat == "full":  # the forward runs again in the backward pass
+            flops *= 4 / 3
+        batch = batch_like(self.sample, c.batch)
+        return Built(engine, engine.abstract_state(shapes), batch, flops)
+
+    def num_params(self) -> float:
+        return float(sum(x.size for x in jax.tree.leaves(self.shapes(self.model(self.cfg)))))
+
+
+# --------------------------------------------------------------------------- the target
+
+
+def hardware(name: str | None = None, device: Any = None) -> Hardware:
+    """The roofline: ``name`` (a :data:`~jaxzero.accounting.planner.HARDWARE` key), else
+    the device's kind when it is a known one, else the CPU's nominal figures."""
+    if name is not None:
+        if name not in HARDWARE:
+            raise ConfigError(f"unknown hardware {name!r}: one of {', '.join(HARDWARE)}")
+        return HARDWARE[name]
+    kind = getattr(device or jax.local_devices()[0], "device_kind", "").lower()
+    known = (hw for key, hw in HARDWARE.items() if key != "cpu" and key in kind)
+    return next(known, HARDWARE["cpu"])
+
+
+def mem_available() -> float | None:
+    """The host's ``MemAvailable`` in bytes (None where there is no ``/proc/meminfo``)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def budget(
+    configured: str | float | None,
+    local_devices: int,
+    host_copy: float = 0.0,
+    hw: Hardware | None = None,
+) -> tuple[float, str]:
+    """Bytes per device a step may peak at, and where the figure comes from.
+
+    ``host_copy``: bytes of the host's copy of the state a checkpoint makes (counted
+    against CPU devices, which live in the host's memory)."""
+    if configured is not None:
+        return parse_bytes(configured), "as given"
+    dev = jax.local_devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"]), f"the limit {dev.device_kind} reports"
+    if hw is not None and hw.memory is not None:
+        return hw.memory, hw.name
+    avail = mem_available()
+    if avail is None:
+        raise ConfigError("this machine reports no memory limit: give the device memory")
+    share = (avail - host_copy) / local_devices
+    return share, (
+        f"the host's MemAvailable {format_bytes(avail)}, less {format_bytes(host_copy)} for a "
+        f"checkpoint's host copy, shared by {local_devices} CPU devices"
+    )
+
+
+def unique_bytes(state: Any) -> float:
+    """Bytes of one copy of every leaf of an abstract state (what a checkpoint saves)."""
+    return float(sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state)))
+
+
+def plan_run(
+    cfg: Config,
+    cands: Candidates,
+    budget_bytes: float,
+    note: str,
+    hw: Hardware,
+    *,
+    which: list[Candidate] | None = None,
+    max_batch: int = 3,
+    exhaustive: bool = False,
+) -> Survey:
+    """Survey a run's candidates (default: every stage, remat and micro-batch count at its
+    global batch) against ``budget_bytes`` per device."""
+    n = int(cands.mesh.devices.size)
+    group = n // int(dict(cands.mesh.shape).get(REPLICA, 1))
+    cands_ = which or candidates(cfg.train.batch_size, n)
+    prec = precision_bytes("mixed" if cfg.precision.compute == "bf16" else "fp32", "adamw")
+    psi = cands.num_params()
+    title = (
+        f"{cfg.model.arch} {psi / 1e6:,.1f}M params, global batch {cfg.train.batch_size} x "
+        f"{cfg.model.seq_len} tokens, {n} devices (groups of {group}), "
+        f"{cfg.precision.compute}, AdamW"
+    )
+    return survey(
+        cands, cands_, budget_bytes, hw, devices=n, group=group, num_params=psi,
+        precision=prec, max_batch=max_batch, exhaustive=exhaustive, budget_note=note, title=title,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- pre-flight
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """The pre-flight's outcome: the config and model/engine the run trains with."""
+
+    cfg: Config
+    model: Model
+    engine: Any
+    line: str  # what to print
+
+
+def preflight(
+    cfg: Config, mesh: Any, model: Model, engine: Any, sample: dict, pretrained=None
+) -> Checked:
+    """Compile the run's step (and evaluation) before the first step; refuse a run whose
+    peak exceeds the budget in one line naming the peak, the limit and what fits;
+    with ``zero.auto`` train the planner's first choice instead."""
+    began = time.perf_counter()
+    cands = Candidates(cfg, mesh, sample, pretrained)
+    own = candidate_of(cfg)
+    cands.adopt(own, model, engine)
+    built = cands(own)
+    hw = hardware()
+    host = unique_bytes(built.state) if jax.default_backend() == "cpu" else 0.0
+    limit, note = budget(cfg.zero.device_memory, jax.local_device_count(), host)
+    if cfg.zero.auto:
+        return _auto(cfg, cands, limit, note, hw, began)
+    row = Planner(cands, limit, hw, int(mesh.devices.size)).row(own)
+    if row.status == "failed":
+        raise ConfigError(f"the step does not compile: {row.why}")
+    need = max(row.peak, _eval_need(built, row.persistent))
+    if need > limit:
+        found = plan_run(cfg, cands, limit, note, hw, max_batch=0)
+        raise ConfigError(
+            f"will not fit: the step needs {format_bytes(need)} per device at its peak "
+            f"({own.describe()}, global batch {own.batch}; compiled) and the limit is "
+            f"{format_bytes(limit)} ({note}). What fits: {found.suggestions()}; set them "
+            "(--stage, --micro-batches, --set model.remat=...) or --set zero.auto=true, "
+            "or a smaller train.batch_size"
+        )
+    line = (
+        f"fits: peak {format_bytes(need)} of {format_bytes(limit)} per device ({note}; "
+        f"compiled in {time.perf_counter() - began:.1f}s)"
+    )
+    return Checked(cfg, model, engine, line)
+
+
+def _eval_need(built: Built, persistent: int) -> int:
+    """Bytes an evaluation needs: the whole state stays while it runs."""
+    compiled = built.engine.compile_eval(built.state, built.batch)
+    params = shard_bytes(built.state.params)
+    return persistent - params + compiled_memory(compiled).peak
+
+
+def _auto(cfg: Config, cands: Candidates, limit: float, note: str, hw: Hardware, began: float):
+    found = plan_run(cfg, cands, limit, note, hw, max_batch=0)
+    best = found.best()
+    if best is None:
+        raise ConfigError(
+            f"zero.auto: nothing fits in {format_bytes(limit)} per device ({note}) at global "
+            f"batch {cfg.train.batch_size}: more devices, or a smaller train.batch_size"
+        )
+    chosen = with_candidate(cfg, best.candidate)
+    model, engine = cands.built[best.candidate]
+    compiled = sum(1 for r in found.rows if r.status in ("fits", "over"))
+    line = (
+        f"zero.auto: {best.candidate.describe()} (peak {format_bytes(best.peak)} of "
+        f"{format_bytes(limit)} per device, {note}; first of {len(found.fitting())} that fit, "
+        f"{compiled} compiled in {time.perf_counter() - began:.1f}s)"
+    )
+    return Checked(chosen, model, engine, line)
