@@ -121,6 +121,10 @@ COMMANDS = {
         "jaxzero.commands.report",
         "compile a step and print measured vs. theoretical accounting",
     ),
+    "plan": (
+        "jaxzero.commands.plan",
+        "will it fit? compile stage x remat x micro-batches, rank what fits",
+    ),
     "export": ("jaxzero.train.export", "write a checkpoint's params as safetensors + config.json"),
     "sample": ("jaxzero.train.sample", "generate text from a run, checkpoint or export"),
     "launch": (

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 _HEAD = (
     "rank", "stage", "remat", "mb", "state/dev", "peak/dev", "margin", "sent in/across group",
-    "TFLOP/dev", "roofline", "largest batch",
+    "FLOP/dev", "roofline", "largest batch",
 )  # fmt: skip
 
 
@@ -30,7 +30,7 @@ def _cells(rank: str, r: Row, budget: float) -> list[str]:
         format_bytes(r.peak),
         format_bytes(budget - r.peak),
         f"{format_bytes(r.intra)} / {format_bytes(r.inter)}",
-        f"{r.flops / 1e12:.3g}",
+        f"{r.flops:.3g}",
         _time(r.predicted_s),
         "" if r.max_batch is None else f"{r.max_batch:,}",
     ]

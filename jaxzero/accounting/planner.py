@@ -77,7 +77,7 @@ HARDWARE = {
     "a100": Hardware("A100 SXM 80GB", 312e12, 80 * GB, 300 * GB, 25 * GB),
     # simulated CPU devices share the host's cores and memory: a nominal figure to rank
     # with, not a peak (experiments/plan_error.py measures how far off it is)
-    "cpu": Hardware("CPU, simulated devices (nominal)", 2e10, None, 4 * GB, 4 * GB),
+    "cpu": Hardware("CPU, simulated devices (nominal)", 1e10, None, 4 * GB, 4 * GB),
 }
 
 
@@ -135,7 +135,7 @@ class Survey:
     def fitting(self) -> list[Row]:
         """The candidates that fit, fastest first (then the smallest peak)."""
         fit = [r for r in self.rows if r.status == "fits"]
-        return sorted(fit, key=lambda r: (r.predicted_s, r.peak, r.candidate.stage))
+        return sorted(fit, key=_rank_key)
 
     def best(self) -> Row | None:
         fit = self.fitting()
@@ -305,37 +305,37 @@ class Planner:
         """The largest global batch (a multiple of ``granule``: devices x micro-batches)
         that fits with ``c``'s stage, remat and micro-batches, found on compiled peaks.
 
-        The peak grows about linearly with the rows, so a line through two compiles
-        predicts the answer; it is then checked by compiling it and the next size, and
-        bisected if the line was wrong."""
+        The peak grows about linearly with the rows, so each guess is where the line
+        through the nearest sizes known to fit and not to fit meets the budget (the
+        secant method); it ends when two adjacent sizes are known, one fitting and one
+        not: about four compiles where bisection takes a dozen."""
         at = lambda u: replace(c, batch=u * granule)  # noqa: E731
-        lo = c.batch // granule  # fits (the caller's row)
-        hi = None  # smallest known not to fit
-        p0 = self.row(c).peak
-        u1 = 2 * lo
-        if self.fits(at(u1)):
-            slope = (self.row(at(u1)).peak - p0) / (u1 - lo)
-            lo = u1
-            guess = lo + int((self.budget - self.row(at(lo)).peak) // slope) if slope > 0 else 0
-            guess = min(max(guess, lo), MAX_BATCH_ROWS // granule)
-            if guess > lo and self.fits(at(guess)):
-                lo = guess
-            elif guess > lo:
-                hi = guess
-        else:
-            hi = u1
-        while hi is None:  # the line said too little: gallop
-            nxt = min(2 * lo, MAX_BATCH_ROWS // granule)
-            if nxt == lo:
-                return lo * granule
-            if self.fits(at(lo + 1)):
-                lo, hi = (nxt, None) if self.fits(at(nxt)) else (lo + 1, nxt)
-            else:
-                hi = lo + 1
+        cap = max(MAX_BATCH_ROWS // granule, c.batch // granule)
+        lo, hi = c.batch // granule, None  # lo fits (the caller's row)
+        probe = 2 * lo
+        while hi is None:  # find a size that does not fit: past the budget by the line
+            probe = min(probe, cap)
+            if probe <= lo:
+                return lo * granule  # the cap
+            if not self.fits(at(probe)):
+                hi = probe
+                break
+            slope = max(self.row(at(probe)).peak - self.row(at(lo)).peak, 1) / (probe - lo)
+            lo, left = probe, self.budget - self.row(at(probe)).peak
+            probe = lo + max(int(left // slope) + 1, 1)
         while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.fits(at(mid)) else (lo, mid)
+            p_lo, p_hi = self.row(at(lo)).peak, self.row(at(hi)).peak
+            slope = max(p_hi - p_lo, 1) / (hi - lo)
+            guess = min(max(lo + int((self.budget - p_lo) // slope), lo + 1), hi - 1)
+            lo, hi = (guess, hi) if self.fits(at(guess)) else (lo, guess)
         return lo * granule
+
+
+def _rank_key(r: Row) -> tuple[float, ...]:
+    """Fastest on the roofline; among equals, less to send, less recomputed, fewer
+    passes, then the smaller peak."""
+    c = r.candidate
+    return (r.predicted_s, r.comm_s, REMATS.index(c.remat), c.micro_batches, r.peak)
 
 
 def _pair(r: Row) -> tuple[int, str]:
@@ -352,7 +352,7 @@ def survey(
     group: int | None = None,
     num_params: float | None = None,
     precision: Precision | None = None,
-    max_batch: int = 3,
+    max_batch: int = 1,
     exhaustive: bool = False,
     budget_note: str = "",
     title: str = "",

@@ -156,20 +156,18 @@ def _set_up(
         )
     cfg = resolve_run(cfg, mesh.size, simulated, cfg.model.vocab_size)  # the name, said first
     cfg, corpus = _load_data(cfg, mesh.size, simulated)
+    model, engine, schedule = build(cfg, mesh, pretrained)
+    if cfg.zero.preflight or cfg.zero.auto:  # before anything is written: a refusal leaves none
+        checked = planning.preflight(
+            cfg, mesh, model, engine, planning.first_batch(cfg, corpus), pretrained
+        )
+        cfg, model, engine = checked.cfg, checked.model, checked.engine
+        if cfg.logging.progress != "none" and _is_main():
+            print(checked.line, flush=True)
     run_dir, ckpt_dir = resume_lib.directories(cfg, resume, undo)
     ckpt = CheckpointManager(ckpt_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
     if pretrained is not None:
         cfg, _ = finetune.pin_architecture(cfg, pretrained, run_dir, _is_main())
-    model, engine, schedule = build(cfg, mesh, pretrained)
-    if cfg.zero.preflight or cfg.zero.auto:
-        sample = data_lib.Loader(
-            corpus.train, cfg.model.seq_len, cfg.train.batch_size, cfg.train.seed, slice(0, 1),
-            corpus.train_mask, corpus.eos, corpus.train_docs,
-        ).batch(1)  # fmt: skip
-        checked = planning.preflight(cfg, mesh, model, engine, sample, pretrained)
-        cfg, model, engine = checked.cfg, checked.model, checked.engine
-        if cfg.logging.progress != "none" and _is_main():
-            print(checked.line, flush=True)
     return Run(
         cfg, job, mesh, simulated, corpus, run_dir, ckpt, stop, watch, resume, pretrained,
         model, engine, schedule,

@@ -40,6 +40,7 @@ from jaxzero.engine import PRECISIONS
 from jaxzero.mesh import REPLICA
 from jaxzero.models import Model, from_fields
 from jaxzero.models.common import cudnn_refusal
+from jaxzero.train import data as data_lib
 from jaxzero.train.config import Config, ConfigError
 from jaxzero.train.optimizer import make_optimizer
 
@@ -79,6 +80,17 @@ def candidate_of(cfg: Config) -> Candidate:
     """The candidate ``cfg`` trains as."""
     p = cfg.parallel
     return Candidate(p.stage, cfg.model.remat, p.micro_batches, cfg.train.batch_size)
+
+
+def first_batch(cfg: Config, corpus: Any) -> dict[str, np.ndarray]:
+    """One row of the run's first batch, read as its loader reads it (its keys, dtypes
+    and row shape: a loss mask and segment ids where the data has them)."""
+    c = corpus
+    loader = data_lib.Loader(
+        c.train, cfg.model.seq_len, cfg.train.batch_size, cfg.train.seed, slice(0, 1),
+        c.train_mask, c.eos, c.train_docs,
+    )  # fmt: skip
+    return loader.batch(1)
 
 
 def batch_like(sample: dict[str, np.ndarray], batch_size: int) -> dict[str, Any]:
@@ -207,7 +219,7 @@ def plan_run(
     hw: Hardware,
     *,
     which: list[Candidate] | None = None,
-    max_batch: int = 3,
+    max_batch: int = 1,
     exhaustive: bool = False,
 ) -> Survey:
     """Survey a run's candidates (default: every stage, remat and micro-batch count at its
