@@ -66,6 +66,7 @@ MODULES = {
     "test_packing": "equivalence",
     "test_partition": "unit",
     "test_plan": "equivalence",
+    "test_planner": "equivalence",
     "test_procs": "unit",
     "test_run_edges": "system",
     "test_run_failures": "system",

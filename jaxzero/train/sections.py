@@ -87,7 +87,7 @@ class ZeroConfig:
     auto: bool = False  # take the planner's first choice of stage, remat and micro-batches
     # bytes per device the step is held to ("80GB", "79.6GiB"); null: the device's own limit
     # (CPU: the host's MemAvailable, shared by the simulated devices)
-    device_memory: str | None = None
+    device_memory: str | float | None = None
     preflight: bool = True  # false: start without the check (an out-of-memory error then)
 
 

@@ -1,0 +1,227 @@
+"""The planner (``jaxzero plan``), the pre-flight of ``jaxzero train`` and ``zero.auto``,
+on 8 simulated CPU devices: its peaks are the compiled programs', its ranking holds
+only what fits, and the slides' 7B-on-80-GB example agrees with the formulas."""
+
+import contextlib
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from jaxzero.accounting import planner as pl
+from jaxzero.accounting.estimate import (
+    format_bytes,
+    model_state_bytes,
+    parse_bytes,
+    precision_bytes,
+)
+from jaxzero.accounting.measure import compiled_memory
+from jaxzero.commands import plan as plan_cmd
+from jaxzero.mesh import make_mesh
+from jaxzero.train import config as C
+from jaxzero.train import loop as train
+from jaxzero.train import planning
+
+TINY = str(Path(__file__).parent.parent / "configs" / "tiny.yaml")
+SEQ = 32
+
+
+def _cfg(**model) -> C.Config:
+    cfg = C.load_file(TINY)
+    fields = dict(d_model=32, seq_len=SEQ, vocab_size=256, **model)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **fields))
+
+
+def _sample() -> dict[str, np.ndarray]:
+    row = np.zeros((1, SEQ), np.int32)
+    return {"inputs": row, "targets": row}
+
+
+def _cands(cfg: C.Config) -> planning.Candidates:
+    return planning.Candidates(cfg, make_mesh(8), _sample())
+
+
+# --------------------------------------------------------------------------- unit parts
+
+
+@pytest.mark.unit
+def test_bytes_are_read_and_written_in_the_papers_units():
+    assert parse_bytes("80GB") == 80e9 and parse_bytes("1GiB") == 2**30
+    assert parse_bytes(" 512 MB ") == 512e6 and parse_bytes("8e10") == 8e10
+    for bad in ("eighty", "80 parsecs", "-1GB", "0"):
+        with pytest.raises(ValueError, match="bytes|positive"):
+            parse_bytes(bad)
+    assert format_bytes(26.7e6) == "26.7 MB" and format_bytes(3.09e9) == "3.09 GB"
+
+
+@pytest.mark.unit
+def test_candidates_are_the_divisors_of_the_rows_per_device():
+    cands = pl.candidates(32, 8, stages=[3], remats=["none"])
+    assert [c.micro_batches for c in cands] == [1, 2, 4]
+    assert len(pl.candidates(32, 8)) == 4 * 3 * 3
+    with pytest.raises(ValueError, match="not divisible by 8 devices"):
+        pl.candidates(30, 8)
+    with pytest.raises(ValueError, match="3 micro-batches do not divide the 4 rows"):
+        pl.candidates(32, 8, micro_batches=[3])
+    c = pl.Candidate(2, "full", 2, 32)
+    assert c.flags() == "--stage 2 --micro-batches 2 --set model.remat=full"
+
+
+@pytest.mark.unit
+def test_a_bad_device_memory_is_one_line(capsys):
+    assert plan_cmd.main(["--device-memory", "lots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot read 'lots' as bytes" in err and "\n" not in err
+    with pytest.raises(C.ConfigError, match="zero.device_memory"):
+        C.validate(C.apply_overrides(C.Config(), ["zero.device_memory=much"]))
+
+
+# --------------------------------------------------------------------------- the planner
+
+
+@pytest.fixture(scope="module")
+def tiny_peaks():
+    """Stage 0 and stage 3 (remat none, 1 micro-batch) of the tiny GPT, compiled directly."""
+    cfg = _cfg()
+    peaks = {}
+    for stage in (0, 3):
+        c = pl.Candidate(stage, "none", 1, cfg.train.batch_size)
+        _, engine, _ = planning.build(planning.with_candidate(cfg, c), make_mesh(8))
+        model = planning.Candidates(cfg, make_mesh(8), _sample()).model(cfg)
+        shapes = jax.eval_shape(model.init, jax.random.key(0))
+        batch = planning.batch_like(_sample(), c.batch)
+        peaks[stage] = compiled_memory(engine.compile(engine.abstract_state(shapes), batch)).peak
+    assert peaks[3] < peaks[0]
+    return cfg, peaks
+
+
+@pytest.mark.equivalence
+def test_the_planner_ranks_only_what_fits_with_the_compiled_peaks(tiny_peaks):
+    cfg, peaks = tiny_peaks
+    limit = (peaks[0] + peaks[3]) / 2  # between the two stages' peaks
+    which = [pl.Candidate(s, "none", 1, cfg.train.batch_size) for s in (0, 1, 2, 3)]
+    found = planning.plan_run(
+        cfg, _cands(cfg), limit, "test", pl.HARDWARE["cpu"], which=which, max_batch=0
+    )
+    rows = {r.candidate.stage: r for r in found.rows}
+    assert rows[0].status == "over" and rows[3].status == "fits"
+    assert all(r.peak <= limit for r in found.fitting())
+    assert [r.candidate.stage for r in found.fitting()] == sorted(
+        (r.candidate.stage for r in found.fitting()),
+        key=lambda s: (rows[s].predicted_s, rows[s].comm_s, rows[s].peak),
+    )
+    for stage in (0, 3):  # the same compile: the planner's peak is memory_analysis's
+        assert rows[stage].peak == peaks[stage]
+    assert rows[3].persistent < rows[0].persistent
+    text = found.table()
+    assert "compiled, over the budget" in text and "first choice: stage" in text
+    assert json.loads(json.dumps(found.to_dict()))["rows"][0]["status"] in ("fits", "over")
+
+
+@pytest.mark.equivalence
+def test_the_largest_batch_fits_and_the_next_does_not(tiny_peaks):
+    cfg, peaks = tiny_peaks
+    limit = 6 * peaks[3]
+    cands = _cands(cfg)
+    planner = pl.Planner(cands, limit, pl.HARDWARE["cpu"], 8)
+    c = pl.Candidate(3, "none", 1, cfg.train.batch_size)
+    assert planner.fits(c)
+    best = planner.max_batch(c, 8)
+    assert best > c.batch
+    assert planner.row(dataclasses.replace(c, batch=best)).peak <= limit
+    assert planner.row(dataclasses.replace(c, batch=best + 8)).peak > limit
+    assert len(planner.memo) <= 7  # the secant search, not a bisection from scratch
+
+
+@pytest.mark.equivalence
+def test_pruned_by_the_formulas_is_not_compiled():
+    def build(c):
+        raise AssertionError("a pruned candidate was compiled")
+
+    prec = precision_bytes("mixed", "adam")
+    psi = 7e9
+    states = lambda s: model_state_bytes(psi, 8, s, prec).persistent  # noqa: E731
+    planner = pl.Planner(build, 80e9, pl.HARDWARE["h100"], 8, states)
+    row = planner.row(pl.Candidate(0, "none", 1, 8))
+    assert row.status == "pruned" and "98 GB > 80 GB (formulas)" in row.why
+
+
+# --------------------------------------------------------------------------- the slides' 7B
+
+
+@pytest.mark.system
+def test_7b_llama_on_8_x_80gb_agrees_with_the_formulas(capsys):
+    """A 7B Llama (Adam, mixed precision) on 8 x 80 GB: 16Ψ does not fit one device;
+    stage 0 is pruned by the formulas; stage 3 holds 16Ψ/8 of model states."""
+    argv = [
+        "--set", "model.arch=llama", "--set", "model.d_model=4096", "--set", "model.n_layers=32",
+        "--set", "model.n_heads=32", "--set", "model.d_ff=11008", "--set", "model.vocab_size=32000",
+        "--set", "model.seq_len=512", "--set", "model.tie_embeddings=false",
+        "--set", "data.max_bytes=200000", "--precision", "bf16", "--devices", "8",
+        "--batch", "8", "--device-memory", "80GB", "--hardware", "h100",
+        "--remats", "full", "--micro-batch-counts", "1", "--max-batch", "0", "--json",
+    ]  # fmt: skip
+    assert plan_cmd.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["stage"]: r for r in out["rows"]}
+    psi = 6.74e9  # this shape's count (32 layers of 4096, vocab 32000, untied)
+    prec = precision_bytes("mixed", "adam")
+    assert model_state_bytes(psi, 1, 0, prec).total > 80e9  # 16Ψ: not on one device
+    assert rows[0]["status"] == "pruned"  # 14Ψ persistent on each of 8: 94 GB
+    assert {rows[s]["status"] for s in (1, 2, 3)} == {"fits"}
+    formula = model_state_bytes(psi, 8, 3, prec)
+    assert formula.total == pytest.approx(16 * psi / 8)
+    assert rows[3]["persistent_bytes"] == pytest.approx(formula.persistent, rel=0.01)
+    assert rows[3]["peak_bytes"] < rows[1]["peak_bytes"] < 80e9
+    assert sorted(rows[s]["rank"] for s in (1, 2, 3)) == [1, 2, 3] and rows[0]["rank"] is None
+
+
+# --------------------------------------------------------------------------- pre-flight
+
+
+def _train_args(root: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "--config", TINY, "--steps", "2", "--name", name, "--devices", "8",
+        "--set", f"logging.root={root}", "--set", "logging.eval_every=2",
+        "--set", "logging.eval_batches=1", "--set", "logging.sample_tokens=0",
+        "--set", "data.max_bytes=100000", "--set", "model.d_model=32",
+        "--set", f"model.seq_len={SEQ}", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.system
+def test_preflight_refuses_in_one_line_and_auto_trains_what_fits(tmp_path, capsys, tiny_peaks):
+    _, peaks = tiny_peaks
+    limit = int((peaks[0] + peaks[3]) / 2)
+    argv = _train_args(tmp_path, "over", "--stage", "0", "--set", f"zero.device_memory={limit}")
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "will not fit" in err, err
+    assert format_bytes(limit) in err and "What fits: stage " in err and "peak" in err
+    assert not (tmp_path / "over").exists()  # refused before anything was written
+
+    argv = _train_args(
+        tmp_path, "auto", "--stage", "0", "--set", f"zero.device_memory={limit}",
+        "--set", "zero.auto=true",
+    )  # fmt: skip
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert train.main(argv) == 0
+    assert "zero.auto: stage" in printed.getvalue()
+    saved = yaml.safe_load((tmp_path / "auto" / train.RESOLVED_CONFIG).read_text())
+    assert saved["parallel"]["stage"] != 0  # stage 0 does not fit this budget
+    assert (tmp_path / "auto" / "summary.json").is_file()
+
+
+@pytest.mark.system
+def test_preflight_passes_a_run_that_fits_and_says_so(tmp_path):
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert train.main(_train_args(tmp_path, "fits", "--set", "zero.device_memory=1GB")) == 0
+    out = printed.getvalue()
+    assert "fits: peak" in out and "of 1 GB per device (as given" in out
