@@ -288,7 +288,8 @@ class Planner:
     def survey(self, cands: Iterable[Candidate], exhaustive: bool = False) -> list[Row]:
         """Each candidate's row. Unless ``exhaustive``, a (stage, remat) pair whose fewer
         micro-batches fit skips the rest: same FLOPs, as many bytes or more to send."""
-        rows, fitted = [], set()
+        rows: list[Row] = []
+        fitted: set[tuple[int, str]] = set()
         for c in sorted(cands, key=lambda c: (c.stage, REMATS.index(c.remat), c.micro_batches)):
             key = (c.stage, c.remat)
             if key in fitted and not exhaustive:

@@ -40,6 +40,7 @@ from jaxzero.engine import PRECISIONS
 from jaxzero.mesh import REPLICA
 from jaxzero.models import Model, from_fields
 from jaxzero.models.common import cudnn_refusal
+from jaxzero.train import config as config_lib
 from jaxzero.train import data as data_lib
 from jaxzero.train.config import Config, ConfigError
 from jaxzero.train.optimizer import make_optimizer
@@ -68,12 +69,10 @@ def build(cfg: Config, mesh: Any, model: Model | None = None) -> tuple[Model, An
 
 def with_candidate(cfg: Config, c: Candidate) -> Config:
     """``cfg`` trained as candidate ``c``."""
-    return dataclasses.replace(
-        cfg,
-        parallel=dataclasses.replace(cfg.parallel, stage=c.stage, micro_batches=c.micro_batches),
-        model=dataclasses.replace(cfg.model, remat=c.remat),
-        train=dataclasses.replace(cfg.train, batch_size=c.batch),
-    )
+    cfg = config_lib.override(cfg, "parallel.stage", c.stage)  # each value checked
+    cfg = config_lib.override(cfg, "parallel.micro_batches", c.micro_batches)
+    cfg = config_lib.override(cfg, "model.remat", c.remat)
+    return config_lib.override(cfg, "train.batch_size", c.batch)
 
 
 def candidate_of(cfg: Config) -> Candidate:
