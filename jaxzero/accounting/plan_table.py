@@ -62,9 +62,13 @@ def format_survey(s: Survey) -> str:
     if over:
         lines += ["", "compiled, over the budget:"]
         lines += _grid([list(_HEAD)] + [_cells("-", r, s.budget) for r in over])
-    for status, what in (("pruned", "not compiled"), ("failed", "failed to compile")):
-        for r in (r for r in s.rows if r.status == status):
-            lines.append(f"{what}: {r.candidate.describe()}: {r.why}")
+    pruned: dict[int, str] = {}
+    for r in (r for r in s.rows if r.status == "pruned"):  # the formulas judge a stage
+        pruned.setdefault(r.candidate.stage, r.why)
+    for stage, why in pruned.items():
+        lines.append(f"not compiled: stage {stage}, any remat and micro-batches: {why}")
+    for r in (r for r in s.rows if r.status == "failed"):
+        lines.append(f"failed to compile: {r.candidate.describe()}: {r.why}")
     skipped = [r for r in s.rows if r.status == "skipped"]
     if skipped:
         lines.append(

@@ -29,6 +29,18 @@ from jaxzero.accounting.estimate import GB, Precision, format_bytes, model_state
 from jaxzero.accounting.measure import compiled_memory
 from jaxzero.accounting.plan_table import format_survey
 
+__all__ = [
+    "HARDWARE",
+    "Built",
+    "Candidate",
+    "Hardware",
+    "Planner",
+    "Row",
+    "Survey",
+    "candidates",
+    "survey",
+]
+
 REMATS = ("none", "dots", "full")  # cheapest first: remat full recomputes the forward
 MAX_BATCH_ROWS = 1 << 20  # the largest-batch search stops here
 
