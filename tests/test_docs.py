@@ -257,7 +257,11 @@ def test_models_page_speed_table_quotes_the_benchmark_results():
 
 
 # pages whose python blocks run in order in one fresh Python, and what they must print
-FRESH = {"models.md": ["(16, 1)", "loss "], "runs.md": ["restored step 0 first"]}
+FRESH = {
+    "models.md": ["(16, 1)", "loss "],
+    "planning.md": ["first choice: stage 3", "stage=3"],
+    "runs.md": ["restored step 0 first"],
+}
 # every python block of these runs in a test below; on any other page each block says on
 # the line above it that a named test of this module runs it, or why nothing does
 EXECUTED = {"README.md", "getting-started.md", *FRESH}
