@@ -377,9 +377,11 @@ def survey(
       cands: the candidates (:func:`candidates`).
       budget: bytes per device.
       hardware: the roofline (:data:`HARDWARE`).
-      devices: devices in the mesh; ``group``: those sharding the state (default all).
-      num_params, precision: Ψ and the bytes per param, to prune by the formulas
-        before compiling (None: compile every candidate).
+      devices: devices in the mesh.
+      group: devices sharding the state (default all).
+      num_params: Ψ, to prune by the formulas before compiling (None: compile every
+        candidate).
+      precision: the bytes per param the formulas count (with ``num_params``).
       max_batch: search the largest global batch for this many of the best (0: none;
         each search compiles about three more programs).
       exhaustive: compile every micro-batch count, not only the fewest that fit.
