@@ -22,7 +22,7 @@ from jaxzero.accounting.planner import HARDWARE, REMATS, Candidate, candidates
 from jaxzero.cli import Parser
 from jaxzero.train import data as data_lib
 from jaxzero.train import finetune, planning
-from jaxzero.train.args import SHORTCUTS, config_from_args
+from jaxzero.train.args import add_config_flags, config_from_args
 from jaxzero.train.config import Config, ConfigError
 from jaxzero.train.devices import setup_devices
 
@@ -37,12 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compile (not run) each ZeRO stage x remat x micro-batch count for a "
         "jaxzero train config; print what fits in the device memory, ranked by a roofline.",
     )
-    p.add_argument("--config", help="a jaxzero train config (YAML or JSON)")
-    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, as for jaxzero train (repeatable)")  # fmt: skip
-    for flag, (_, type_, help_) in SHORTCUTS.items():
-        if flag not in _SEARCHED + _UNUSED:
-            p.add_argument("--" + flag.replace("_", "-"), type=type_, help=help_)
+    add_config_flags(p, leave_out=_SEARCHED + _UNUSED)
     g = p.add_argument_group("the target")
     g.add_argument("--device-memory", metavar="BYTES",
                    help="per device: 80GB, 79.6GiB, 8e10 (default: the device's limit; "

@@ -38,18 +38,26 @@ SHORTCUTS = {  # --flag: (config key, type, help); applied before --set, so --se
 }  # fmt: skip
 
 
+def add_config_flags(p: argparse.ArgumentParser, leave_out: tuple[str, ...] = ()) -> None:
+    """``--config``, ``--set`` and the shortcuts (but ``leave_out``'s): what makes a config,
+    for ``jaxzero train`` and the commands that read a run's config as it would."""
+    p.add_argument("--config", help="YAML or JSON config file (see configs/)")
+    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set optimizer.lr=3e-4 (repeatable)")  # fmt: skip
+    for flag, (_, type_, help_) in SHORTCUTS.items():
+        if flag in leave_out:
+            continue
+        metavar = "N" if type_ is int else flag.upper()
+        p.add_argument("--" + flag.replace("_", "-"), type=type_, metavar=metavar, help=help_)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="jaxzero train",
         description="Train a GPT with ZeRO sharding. Defaults: byte-level GPT on this Python's "
         "stdlib sources, stage 3, 8 simulated CPU devices when only a CPU is present.",
     )
-    p.add_argument("--config", help="YAML or JSON config file (see configs/)")
-    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set optimizer.lr=3e-4 (repeatable)")  # fmt: skip
-    for flag, (_, type_, help_) in SHORTCUTS.items():
-        metavar = "N" if type_ is int else flag.upper()
-        p.add_argument("--" + flag.replace("_", "-"), type=type_, metavar=metavar, help=help_)
+    add_config_flags(p)
     p.add_argument(
         "--resume",
         nargs="?",
