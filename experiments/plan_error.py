@@ -36,7 +36,16 @@ def _vm(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def one(stage: int, remat: str) -> dict:
+# SmolLM2-135M's shapes (a Llama: 30 layers of 576, 9 heads, 3 key/value heads, tied
+# 49,152-token vocabulary) at 8 x 256 tokens in bf16: the model of issue 35's OOM
+SMOLLM = [
+    "model.arch=llama", "model.d_model=576", "model.n_layers=30", "model.n_heads=9",
+    "model.n_kv_heads=3", "model.d_ff=1536", "model.vocab_size=49152", "model.seq_len=256",
+    "precision.compute=bf16", "train.batch_size=8",
+]  # fmt: skip
+
+
+def one(stage: int, remat: str, sets: list[str] = (), steps: int = 12) -> dict:
     """Plan, then run, one candidate in this process (8 simulated devices)."""
     from jaxzero.mesh import simulate_devices
 
@@ -49,8 +58,8 @@ def one(stage: int, remat: str) -> dict:
     from jaxzero.train import data as data_lib
     from jaxzero.train import planning
 
-    cfg = C.override(C.override(C.Config(), "model.vocab_size", 256), "data.max_bytes", 400_000)
-    corpus = data_lib.load_corpus(cfg.data, 256, "none")
+    cfg = C.apply_overrides(C.Config(), ["model.vocab_size=256", "data.max_bytes=400000", *sets])
+    corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size, "none")
     mesh = make_mesh(8)
     cands = planning.Candidates(cfg, mesh, planning.first_batch(cfg, corpus))
     c = Candidate(stage, remat, 1, cfg.train.batch_size)
@@ -62,7 +71,7 @@ def one(stage: int, remat: str) -> dict:
     base = _vm("VmRSS")
     state = engine.init_from(model.init, jax.random.key(0))
     times = []
-    for _ in range(12):
+    for _ in range(steps):
         begin = time.perf_counter()
         state, metrics = engine.step(state, next(loader))
         jax.block_until_ready(metrics["loss"])
@@ -80,19 +89,23 @@ def one(stage: int, remat: str) -> dict:
         "predicted_ms": round(row.predicted_s * 1e3, 1),
         "measured_ms": round(statistics.median(times[2:]) * 1e3, 1),
         "measured_over_predicted": round(statistics.median(times[2:]) / row.predicted_s, 2),
+        "model": "smollm2-135m-shapes" if sets else "default-gpt",
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--one", nargs=2, metavar=("STAGE", "REMAT"))
+    p.add_argument("--smollm", action="store_true", help="SmolLM2-135M's shapes, 3 steps")
     args = p.parse_args()
     if args.one:
-        print(json.dumps(one(int(args.one[0]), args.one[1])))
+        sets, steps = (SMOLLM, 3) if args.smollm else ([], 12)
+        print(json.dumps(one(int(args.one[0]), args.one[1], sets, steps)))
         return
     rows = []
-    for stage, remat in CANDIDATES:
-        cmd = [sys.executable, "-m", "experiments.plan_error", "--one", str(stage), remat]
+    runs = [(s, r, []) for s, r in CANDIDATES] + [(3, "full", ["--smollm"])]
+    for stage, remat, extra in runs:
+        cmd = [sys.executable, "-m", "experiments.plan_error", "--one", str(stage), remat, *extra]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)

@@ -459,3 +459,21 @@ def test_a_fine_tune_under_launch_with_two_processes(pairs, tmp_path):
     run = tmp_path / "mp"
     assert json.loads((run / finetune.HF_CONFIG).read_text())["architectures"]
     assert len(json.loads((run / "summary.json").read_text())) > 0
+
+
+def test_a_fine_tune_is_planned_and_auto_trains_the_first_choice(pairs, tmp_path, capsys):
+    """``jaxzero plan --init-from hf:DIR`` plans the checkpoint's Llama with the data's
+    batch (a loss mask, segment ids); ``zero.auto`` fine-tunes with the first choice."""
+    src = f"hf:{FIXTURES / 'llama_gqa/single'}"
+    argv = [
+        "plan", "--init-from", src, "--data", str(pairs), "--devices", "2",
+        "--set", "model.seq_len=16", "--set", "train.batch_size=8", "--stages", "2", "3",
+        "--remats", "none", "--micro-batch-counts", "1", "--max-batch", "0", "--json",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "llama" in out["title"] and {r["status"] for r in out["rows"]} == {"fits"}
+    assert _train(tmp_path, "auto", "--init-from", src, "--data", str(pairs),
+                  "--set", "zero.auto=true") == 0  # fmt: skip
+    assert "zero.auto: stage" in capsys.readouterr().out
+    assert (tmp_path / "auto" / "checkpoints" / "2").is_dir()
