@@ -10,6 +10,7 @@ measured (median of 10) against the roofline's prediction with the CPU's nominal
 
     python -m experiments.plan_error          # about 2 minutes on 2 cores
     python -m experiments.plan_error --one 3 none   # one candidate (what each process runs)
+    python -m experiments.plan_error --table        # the CSV as docs/planning.md shows it
 
 Writes ``experiments/results/plan_error.csv``.
 """
@@ -93,11 +94,42 @@ def one(stage: int, remat: str, sets: list[str] = (), steps: int = 12) -> dict:
     }
 
 
+def _ms(x: float) -> str:
+    return f"{x:.1f} ms" if x < 1000 else f"{x / 1000:.1f} s"
+
+
+def table(path: Path = RESULTS) -> str:
+    """docs/planning.md's table of the CSV (a test keeps the page equal to it)."""
+    from jaxzero.accounting.estimate import format_bytes
+
+    head = (
+        "| model: stage, remat | planned peak × 8 | host RSS growth | ratio | roofline "
+        "| measured step | ratio |\n| --- | --- | --- | --- | --- | --- | --- |"
+    )
+    lines = [head]
+    with path.open() as f:
+        for r in csv.DictReader(f):
+            name = "SmolLM2-135M's shapes" if r["model"].startswith("smollm") else "GPT 0.8M"
+            lines.append(
+                f"| {name}: {r['stage']}, {r['remat']} "
+                f"| {format_bytes(float(r['planned_peak_x8']))} "
+                f"| {format_bytes(float(r['rss_growth']))} "
+                f"| {float(r['rss_growth_over_planned_x8']):.2f} "
+                f"| {_ms(float(r['predicted_ms']))} | {_ms(float(r['measured_ms']))} "
+                f"| {float(r['measured_over_predicted']):.2f} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--table", action="store_true", help="print docs/planning.md's table")
     p.add_argument("--one", nargs=2, metavar=("STAGE", "REMAT"))
     p.add_argument("--smollm", action="store_true", help="SmolLM2-135M's shapes, 3 steps")
     args = p.parse_args()
+    if args.table:
+        print(table())
+        return
     if args.one:
         sets, steps = (SMOLLM, 3) if args.smollm else ([], 12)
         print(json.dumps(one(int(args.one[0]), args.one[1], sets, steps)))

@@ -150,6 +150,17 @@ def test_accounting_tables_quote_the_experiment_results():
         _check_stage_table(_md_rows(table.group(0)), memory, comm)
 
 
+def test_planning_page_quotes_the_planner_error_results():
+    """docs/planning.md's error table is what ``experiments/plan_error.py --table`` prints
+    of its CSV (run as a reader runs it)."""
+    done = _procs.run(
+        [sys.executable, "-m", "experiments.plan_error", "--table"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() in PAGES["planning.md"]
+
+
 def _check_stage_table(rows, memory, comm):
     assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
     for stage, persistent, comm1, comm4, peak in rows:
