@@ -7,6 +7,8 @@ benchmark or changed to make jaxzero look good:
 * ``user_gpt``: the GPT of issue 22. A plain pytree; attention by hand
   (``q @ k.T``, a ``jnp.where`` causal mask, ``jax.nn.softmax``); biases on every
   projection; an untied output head; embeddings by indexing; LayerNorm by hand.
+* ``user_gpt_small``: the same model at 4 rows per device (global batch 8): a small step,
+  where a fixed cost per step (per collective, per leaf) shows (issue 37).
 * ``plain``: ``plain_gpt.py``: a pytree GPT with ``jax.nn.dot_product_attention`` and
   tied embeddings.
 * ``gpt``: jaxzero's reference GPT (Flax Linen, scanned blocks, per-layer gathering).
@@ -37,6 +39,9 @@ import optax
 DEFAULTS: dict[str, dict[str, Any]] = {
     "user_gpt": dict(
         devices=2, d_model=256, layers=4, heads=4, seq_len=128, vocab=256, batch=16, steps=21
+    ),
+    "user_gpt_small": dict(
+        devices=2, d_model=256, layers=4, heads=4, seq_len=128, vocab=256, batch=8, steps=21
     ),
     "plain": dict(
         devices=2, d_model=256, layers=4, heads=4, seq_len=128, vocab=256, batch=16, steps=21
@@ -253,7 +258,7 @@ def build(args, mesh, tx) -> Built:
             flops,
         )
 
-    if args.model in ("plain", "user_gpt"):
+    if args.model in ("plain", "user_gpt", "user_gpt_small"):
         if args.model == "plain":
             from experiments import plain_gpt
 
