@@ -1,6 +1,7 @@
 """The runnable examples in the public docstrings, README.md and docs/ stay true; the docs
 site builds without a warning."""
 
+import csv
 import doctest
 import importlib
 import math
@@ -148,6 +149,21 @@ def test_accounting_tables_quote_the_experiment_results():
         table = re.search(r"^\| stage \| persistent MB.*?\n\n", text, re.S | re.M)
         assert table, f"{where} lost its measured-vs-theory table"
         _check_stage_table(_md_rows(table.group(0)), memory, comm)
+
+
+def test_performance_page_stage3_curve_quotes_its_results():
+    """The small-batch table of docs/performance.md is experiments/stage3_curve.py's CSV."""
+    with (ROOT / "experiments" / "results" / "stage3_curve.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    for n in sorted({int(r["rows_per_device"]) for r in rows}):
+        by = {r["stage"]: r for r in rows if int(r["rows_per_device"]) == n}
+        zero, three = by["0"], by["3"]
+        line = (
+            f"| {n} | {float(zero['ratio']):.3f} | {float(three['ratio']):.3f} "
+            f"| {float(zero['plain_jit_ms']):.1f} "
+            f"| {float(zero['collectives_ms']):.1f} / {float(three['collectives_ms']):.1f} |"
+        )
+        assert line in PAGES["performance.md"], line
 
 
 def test_planning_page_quotes_the_planner_error_results():
