@@ -152,7 +152,7 @@ def test_accounting_tables_quote_the_experiment_results():
 
 
 def test_performance_page_stage3_curve_quotes_its_results():
-    """The small-batch table of docs/performance.md is experiments/stage3_curve.py's CSV."""
+    """The small-batch table of the performance log is experiments/stage3_curve.py's CSV."""
     with (ROOT / "experiments" / "results" / "stage3_curve.csv").open() as f:
         rows = list(csv.DictReader(f))
     for n in sorted({int(r["rows_per_device"]) for r in rows}):
@@ -163,7 +163,7 @@ def test_performance_page_stage3_curve_quotes_its_results():
             f"| {float(zero['plain_jit_ms']):.1f} "
             f"| {float(zero['collectives_ms']):.1f} / {float(three['collectives_ms']):.1f} |"
         )
-        assert line in PAGES["performance.md"], line
+        assert line in DEV["performance-log.md"], line
 
 
 def test_planning_page_quotes_the_planner_error_results():
