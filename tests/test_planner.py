@@ -225,3 +225,16 @@ def test_preflight_passes_a_run_that_fits_and_says_so(tmp_path):
         assert train.main(_train_args(tmp_path, "fits", "--set", "zero.device_memory=1GB")) == 0
     out = printed.getvalue()
     assert "fits: peak" in out and "of 1 GB per device (as given" in out
+
+
+@pytest.mark.unit
+def test_more_micro_batches_than_the_fewest_that_fit_are_skipped(monkeypatch):
+    peaks = {1: 300, 2: 150, 4: 80}  # bytes by micro-batch count: 1 is over a budget of 200
+    fake = lambda built, c, hw, group: pl.Row(c, "fits", peak=peaks[c.micro_batches])  # noqa: E731
+    monkeypatch.setattr(pl, "measure", fake)
+    planner = pl.Planner(lambda c: None, 200, pl.HARDWARE["cpu"], 8)
+    rows = planner.survey(pl.candidates(32, 8, stages=[3], remats=["none"]))
+    assert [(r.candidate.micro_batches, r.status) for r in rows] == [
+        (1, "over"), (2, "fits"), (4, "skipped")
+    ]  # fmt: skip
+    assert rows[2].why == "2 micro-batch(es) fit" and len(planner.memo) == 2

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxzero.accounting.comm import collectives_from_hlo, traffic
@@ -197,8 +198,6 @@ def _row_dict(r: Row, rank: int | None) -> dict[str, Any]:
 def shard_bytes(tree: Any) -> int:
     """Bytes one device holds of a tree of ``ShapeDtypeStruct`` with shardings (the
     first device's shard of each leaf; nothing is allocated)."""
-    import jax
-
     total = 0
     for x in jax.tree.leaves(tree):
         shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
@@ -305,7 +304,8 @@ class Planner:
         for c in sorted(cands, key=lambda c: (c.stage, REMATS.index(c.remat), c.micro_batches)):
             key = (c.stage, c.remat)
             if key in fitted and not exhaustive:
-                fewer = min(r.candidate.micro_batches for r in rows if _pair(r) == key)
+                fits = (r for r in rows if _pair(r) == key and r.status == "fits")
+                fewer = min(r.candidate.micro_batches for r in fits)
                 rows.append(Row(c, "skipped", f"{fewer} micro-batch(es) fit"))
                 continue
             row = self.row(c)
