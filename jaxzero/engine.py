@@ -16,6 +16,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxzero import batch as batch_lib
+from jaxzero import frozen as frozen_lib
 from jaxzero import plan as plan_lib
 from jaxzero import readback
 from jaxzero import settings as settings_lib
@@ -103,6 +104,13 @@ class Engine:
         (on GPUs :data:`jaxzero.backend.GPU_OPTIONS`: the latency-hiding scheduler
         and pipelined collectives that overlap gathers with compute); a value of
         None removes that option.
+      trainable: which params train: a predicate on a leaf's path
+        (``lambda path: "lora_" in path``) or a tree of bools with the params'
+        structure; None (the default) trains all. A frozen param gets no gradient (so no
+        gradient collective), no fp32 master and no optimizer state: it is stored once
+        in the dtype it is given, replicated at stages 0–2 and sharded (gathered per
+        layer with the others) at stage 3, in :attr:`TrainState.frozen`
+        (:mod:`jaxzero.frozen`). The optimizer sees the trainable params only.
 
     An engine is built for one set of param shapes: its first init (:meth:`init`,
     :meth:`init_from`, :meth:`abstract_state`, a restore) makes :attr:`plan`, every
@@ -159,8 +167,10 @@ class Engine:
         loss_takes_rng: bool = False,
         seed: int = 0,
         compiler_options: dict[str, Any] | None = None,
+        trainable: frozen_lib.Trainable = None,
     ):
         self.loss_fn = loss_fn
+        self.trainable = trainable
         self.tx, self.settings = settings_lib.make_settings(
             loss_fn,
             optimizer,
@@ -249,9 +259,10 @@ class Engine:
     def plan_for(self, shapes: Params) -> Plan:
         """The plan for params of ``shapes`` (``jax.ShapeDtypeStruct`` leaves): built at
         the first call, the same one after; other shapes are refused in one line."""
-        plan_lib.check_dtypes(shapes, self.compute_dtype, self.precision)  # each init's own
+        mask = frozen_lib.mask_of(self.trainable, shapes)
+        plan_lib.check_dtypes(shapes, self.compute_dtype, self.precision, mask)  # each init's
         if self._plan is None:
-            self._plan = plan_lib.make_plan(shapes, self.settings, self.loss_fn, self.tx)
+            self._plan = plan_lib.make_plan(shapes, self.settings, self.loss_fn, self.tx, mask)
         else:
             wrong = plan_lib.shape_mismatch(self._plan, shapes)
             if wrong:
@@ -267,7 +278,8 @@ class Engine:
         "shardings): the state's ``in_shardings`` and ``out_shardings`` when you jit "
         ":attr:`step_fn` yourself.",
     )
-    num_params = _planned("num_params", "Ψ: logical parameter count, padding excluded.")
+    num_params = _planned("num_params", "Ψ: the trainable params' logical count, padding excluded.")
+    num_frozen = _planned("num_frozen", "The frozen params' logical count (0: all train).")
 
     # --- state creation --------------------------------------------------------------
 
@@ -376,7 +388,7 @@ class Engine:
     def eval_loss(self, state: TrainState, batch: Batch) -> jax.Array:
         """Mean loss of ``batch`` at the current params, without a gradient."""
         evaluate = plan_lib.jitted_eval(self.plan)
-        loss: jax.Array = evaluate(state.params, self._batches.to_global(batch))
+        loss: jax.Array = evaluate(state.params, self._batches.to_global(batch), state.frozen)
         return loss
 
     def compile(self, state: TrainState, batch: Batch) -> jax.stages.Compiled:
@@ -394,7 +406,7 @@ class Engine:
         a pre-flight adds to the state that stays while it runs."""
         evaluate = plan_lib.jitted_eval(self.plan)
         compiled: jax.stages.Compiled = evaluate.lower(
-            state.params, self._batches.to_global(batch)
+            state.params, self._batches.to_global(batch), state.frozen
         ).compile()
         return compiled
 

@@ -53,16 +53,17 @@ class UseOp:
     reduce: bool = True  # the backward reduce-scatters into the slot (stages 2-3); else
     # the cotangent, through the barrier only, goes back to the value (stages 0-1)
     probe: bool = False  # hook_check's trace: same shapes out, no data path from the store
+    frozen: bool = False  # a frozen param (no slot): gathered outside autodiff, no gradient
 
 
 @jax.tree_util.register_pytree_node_class
 class Stored:
     """A param leaf as a device stores it, with a slot that receives its gradient."""
 
-    def __init__(self, value: jax.Array, slot: jax.Array, op: UseOp) -> None:
+    def __init__(self, value: jax.Array, slot: jax.Array | None, op: UseOp) -> None:
         self.value, self.slot, self.op = value, slot, op
 
-    def tree_flatten(self) -> tuple[tuple[jax.Array, jax.Array], UseOp]:
+    def tree_flatten(self) -> tuple[tuple[jax.Array, jax.Array | None], UseOp]:
         return (self.value, self.slot), self.op
 
     # children: what a JAX transformation puts in the leaves' place (tracers, specs, None)
@@ -180,16 +181,26 @@ def use_params(tree: Params) -> Params:
       (3,)
     """
     leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_stored)
-    idx = [i for i, x in enumerate(leaves) if _is_stored(x)]
-    if not idx:
+    stored = [i for i, x in enumerate(leaves) if _is_stored(x)]
+    if not stored:
         return tree
-    ops = tuple(_op_of(leaves[i]) for i in idx)
-    if ops[0].probe:  # so any other read of a stored array is the misuse hook_check seeks
-        outs = _forward(ops, tuple(jnp.zeros_like(leaves[i].value) for i in idx))
-    else:
-        outs = _use(ops, tuple(leaves[i].value for i in idx), tuple(leaves[i].slot for i in idx))
-    for i, op, x in zip(idx, ops, outs, strict=True):
-        leaves[i] = checkpoint_name(x, GATHERED) if op.gather else x
+    probe = _op_of(leaves[stored[0]]).probe
+    # frozen params are gathered outside the custom VJP: nothing differentiates them,
+    # so autodiff computes no weight gradient for them (only the activations' one)
+    groups = {f: [i for i in stored if leaves[i].op.frozen == f] for f in (False, True)}
+    for frozen, idx in groups.items():
+        if not idx:
+            continue
+        ops = tuple(_op_of(leaves[i]) for i in idx)
+        if probe:  # so any other read of a stored array is the misuse hook_check seeks
+            outs = _forward(ops, tuple(jnp.zeros_like(leaves[i].value) for i in idx))
+        elif frozen:
+            outs = _forward(ops, tuple(leaves[i].value for i in idx))
+        else:
+            values = tuple(leaves[i].value for i in idx)
+            outs = _use(ops, values, tuple(leaves[i].slot for i in idx))
+        for i, op, x in zip(idx, ops, outs, strict=True):
+            leaves[i] = checkpoint_name(x, GATHERED) if op.gather else x
     return jax.tree.unflatten(treedef, leaves)
 
 

@@ -39,6 +39,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxzero import frozen as frozen_lib
 from jaxzero import step as step_lib
 from jaxzero.partition import LeafLayout, is_layout, layouts_for, pad, path_str, unpad
 from jaxzero.settings import Settings
@@ -56,7 +57,7 @@ from jaxzero.types import Batch, Layouts, Metrics, OptState, Params, Shardings
 __all__ = ["Plan"]
 
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
-EvalFn = Callable[[Params, Batch], jax.Array]
+EvalFn = Callable[..., jax.Array]  # (params, batch, frozen=None) -> loss
 Read = Callable[[LeafLayout, tuple[slice, ...]], np.ndarray]
 
 
@@ -81,8 +82,14 @@ class Plan:
       state_shardings: the same as ``NamedSharding`` on the mesh (not compared: derived).
       master_shardings: the fp32 master params' shardings (not compared: derived).
       step_fn: the pure train step ``(state, batch) -> (state, metrics)`` (not compared).
-      eval_fn: the pure evaluation ``(params, batch) -> loss`` (not compared).
+      eval_fn: the pure evaluation ``(params, batch, frozen=None) -> loss`` (not compared).
       tx: the optax transformation the state builders initialise (not compared).
+      mask: a bool per param, True where it trains (``Engine(trainable=...)``); None
+        when every param trains.
+      frozen_layouts: the frozen params' layouts (``MaskedNode`` where a param trains,
+        :mod:`jaxzero.frozen`); None when every param trains. ``layouts`` then holds
+        the trainable ones, with ``MaskedNode`` where a param is frozen.
+      frozen_dtypes: the frozen params' stored dtypes (names), the same structure.
     """
 
     settings: Settings
@@ -94,6 +101,9 @@ class Plan:
     step_fn: StepFn = dataclasses.field(compare=False, repr=False)
     eval_fn: EvalFn = dataclasses.field(compare=False, repr=False)
     tx: optax.GradientTransformation = dataclasses.field(compare=False, repr=False)
+    mask: Params = None
+    frozen_layouts: Layouts = None
+    frozen_dtypes: Params = None
     # the jitted state builders, made once a plan (a memo, not part of the value)
     memo: dict[str, Callable[..., Any]] = dataclasses.field(
         default_factory=dict, compare=False, repr=False
@@ -122,8 +132,22 @@ class Plan:
 
     @property
     def num_params(self) -> int:
-        """Ψ: logical parameter count, padding excluded."""
+        """Ψ: the trainable params' logical count, padding excluded (every param when
+        none is frozen): what the ZeRO formulas' 16Ψ counts."""
         return sum(lay.size for lay in self.leaves())
+
+    @property
+    def num_frozen(self) -> int:
+        """The frozen params' logical count (0 when every param trains)."""
+        return sum(lay.size for lay in self.frozen_leaves())
+
+    def frozen_leaves(self) -> list[LeafLayout]:
+        """The frozen params' layouts in tree order (none when every param trains)."""
+        return list(jax.tree.leaves(self.frozen_layouts, is_leaf=is_layout))
+
+    def all_layouts(self) -> Layouts:
+        """Every param's layout, trainable and frozen, in the params' structure."""
+        return frozen_lib.merge(self.mask, self.layouts, self.frozen_layouts)
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -135,19 +159,24 @@ class Plan:
 
     def shapes(self) -> Params:
         """The params' logical shapes, as the engine was given them: a tree of tuples."""
-        return jax.tree.map(lambda lay: lay.shape, self.layouts, is_leaf=is_layout)
+        return jax.tree.map(lambda lay: lay.shape, self.all_layouts(), is_leaf=is_layout)
 
     def describe(self) -> str:
         """Every leaf's layout: shape, sharded dim, padding, stored shape."""
         s = self.settings
+        frozen = f" (+{self.num_frozen:,} frozen)" if self.mask is not None else ""
         head = (
             f"plan: stage {self.stage}, N={self.num_shards} of {s.mesh.devices.size} devices, "
             f"{s.precision}, micro_batches={s.step.micro_batches}, "
-            f"donate={s.donate}, {self.num_params:,} params"
+            f"donate={s.donate}, {self.num_params:,} params{frozen}"
         )
         lines = [head, "params:"]
         params = jax.tree_util.tree_leaves_with_path(self.layouts, is_leaf=is_layout)
         lines += [_describe(path, lay, params_sharded(self.stage)) for path, lay in params]
+        if self.mask is not None:
+            lines.append("frozen params:")
+            held = jax.tree_util.tree_leaves_with_path(self.frozen_layouts, is_leaf=is_layout)
+            lines += [_describe(path, lay, params_sharded(self.stage)) for path, lay in held]
         opt = jax.tree_util.tree_leaves_with_path(self.opt_layouts, is_leaf=is_layout)
         lines.append(f"optimizer state ({len(opt)} leaves):")
         lines += [_describe(path, lay, master_sharded(self.stage)) for path, lay in opt]
@@ -166,8 +195,11 @@ def _describe(path: Any, lay: LeafLayout, sharded: bool) -> str:
     return f"  {name}  {lay.shape}  dim {lay.dim}  pad {extra}  stored {lay.padded_shape}"
 
 
-def check_dtypes(shapes: Params, compute_dtype: Any, precision: str) -> None:
-    """Refuse non-float params; warn (once, listing a few) about those converted."""
+def check_dtypes(shapes: Params, compute_dtype: Any, precision: str, mask: Params = None) -> None:
+    """Refuse non-float params; warn (once, listing a few) about those converted.
+    Frozen params (False in ``mask``) are stored as they are: any dtype, no warning."""
+    if mask is not None:
+        shapes = frozen_lib.split(shapes, mask)[0]
     converted = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -192,9 +224,11 @@ def make_plan(
     settings: Settings,
     loss_fn: step_lib.LossFn,
     tx: optax.GradientTransformation,
+    mask: Params = None,
 ) -> Plan:
     """The plan for params of ``shapes`` (a tree of ``jax.ShapeDtypeStruct``; their
-    dtypes are checked by :func:`check_dtypes`, at every init)."""
+    dtypes are checked by :func:`check_dtypes`, at every init). ``mask``: a bool per
+    param, False where it is frozen (:func:`jaxzero.frozen.mask_of`; None: all train)."""
     cfg, mesh = settings.step, settings.mesh
     layouts = layouts_for(
         shapes,
@@ -203,8 +237,15 @@ def make_plan(
         stacked=settings.stacked,
         min_shard_size=settings.min_shard_size,
     )
+    held = dtypes = None
+    if mask is not None and frozen_lib.has_frozen(mask):
+        layouts, held = frozen_lib.split(layouts, mask)
+        dtypes = frozen_lib.split(jax.tree.map(lambda s: jnp.dtype(s.dtype).name, shapes), mask)[1]
+    else:
+        mask = None
+    fz = None if held is None else step_lib.Frozen(held, mask)
     opt_lays = opt_layouts(tx, layouts, settings.min_shard_size)
-    specs = state_specs(cfg.stage, layouts, opt_lays, cfg.mixed)
+    specs = state_specs(cfg.stage, layouts, opt_lays, cfg.mixed, held)
     named = lambda tree: jax.tree.map(
         lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, P)
     )
@@ -215,9 +256,12 @@ def make_plan(
         specs=specs,
         state_shardings=named(specs),
         master_shardings=named(master_specs(cfg.stage, layouts)),
-        step_fn=step_lib.make_train_step(cfg, mesh, layouts, opt_lays, specs, loss_fn, tx),
-        eval_fn=step_lib.make_eval(cfg, mesh, layouts, specs, loss_fn),
+        step_fn=step_lib.make_train_step(cfg, mesh, layouts, opt_lays, specs, loss_fn, tx, fz),
+        eval_fn=step_lib.make_eval(cfg, mesh, layouts, specs, loss_fn, fz),
         tx=tx,
+        mask=mask,
+        frozen_layouts=held,
+        frozen_dtypes=dtypes,
     )
 
 
@@ -270,11 +314,12 @@ def to_master(plan: Plan, x: Any, lay: LeafLayout) -> Any:
 
 
 def fresh_state(
-    plan: Plan, master32: Params, opt_state: OptState = None, step: Any = 0
+    plan: Plan, master32: Params, opt_state: OptState = None, step: Any = 0, frozen: Params = None
 ) -> TrainState:
     """The state from fp32 master params in their stored layout (traced).
 
-    ``opt_state`` (stored layout) defaults to a fresh ``tx.init``.
+    ``opt_state`` (stored layout) defaults to a fresh ``tx.init``; ``frozen`` (the frozen
+    params, stored) is kept as it is.
     """
     lays, cfg = plan.layouts, plan.settings.step
     if master_sharded(plan.stage) and not params_sharded(plan.stage):
@@ -295,30 +340,79 @@ def fresh_state(
         params=params,
         master=master32 if cfg.mixed else None,
         opt_state=opt_state,
+        frozen=frozen,
     )
 
 
-def state_from_parts(plan: Plan, master32: Params, opt_state: OptState, step: int) -> TrainState:
+def _trained_shardings(plan: Plan) -> TrainState:
+    """The state's shardings without the frozen params (the builders add those apart,
+    already placed, so no builder copies them)."""
+    return dataclasses.replace(plan.state_shardings, frozen=None)
+
+
+def _with_frozen(state: TrainState, frozen: Params) -> TrainState:
+    return state if frozen is None else dataclasses.replace(state, frozen=frozen)
+
+
+def state_from_parts(
+    plan: Plan, master32: Params, opt_state: OptState, step: int, frozen: Params = None
+) -> TrainState:
     """A state from restored parts: fp32 master params and optimizer state, each already
-    in the plan's stored layout and sharding (:class:`~jaxzero.CheckpointManager`)."""
+    in the plan's stored layout and sharding (:class:`~jaxzero.CheckpointManager`), and
+    the frozen params as stored (:func:`place_frozen`)."""
     if "parts" not in plan.memo:
         build = lambda m, o, s: fresh_state(plan, m, o, s)
-        plan.memo["parts"] = jax.jit(build, out_shardings=plan.state_shardings)
-    return plan.memo["parts"](master32, opt_state, step)
+        plan.memo["parts"] = jax.jit(build, out_shardings=_trained_shardings(plan))
+    return _with_frozen(plan.memo["parts"](master32, opt_state, step), frozen)
 
 
-def state_from_master(plan: Plan, master32: Params) -> TrainState:
-    """The state (fresh optimizer) from fp32 master params, stored and sharded."""
+def state_from_master(plan: Plan, master32: Params, frozen: Params = None) -> TrainState:
+    """The state (fresh optimizer) from fp32 master params, stored and sharded, and the
+    frozen params as stored (:func:`place_frozen`; None when every param trains)."""
     # the fp32 copy becomes the master (or the stage-3 params) unless stages 1-2
     # keep none: then nothing in the state has its sharded shape to reuse it for
     temporary = not plan.mixed and plan.stage in (1, 2)
     if "master" not in plan.memo:
         plan.memo["master"] = jax.jit(
             lambda m: fresh_state(plan, m),
-            out_shardings=plan.state_shardings,
+            out_shardings=_trained_shardings(plan),
             donate_argnums=() if temporary else 0,
         )
-    return plan.memo["master"](master32)
+    return _with_frozen(plan.memo["master"](master32), frozen)
+
+
+def to_frozen(plan: Plan, x: Any, lay: LeafLayout, dtype: str) -> Any:
+    """A logical frozen leaf as stored: its plan dtype, padded when params are sharded."""
+    x = x.astype(dtype)
+    return pad(x, lay) if params_sharded(plan.stage) else x
+
+
+def place_frozen(plan: Plan, frozen: Params) -> Params:
+    """The frozen params (``MaskedNode`` where a param trains, :func:`jaxzero.frozen.split`)
+    stored and sharded, host leaves sent slice by slice; None when every param trains."""
+    if plan.mask is None:
+        return None
+
+    def put(lay: LeafLayout, dtype: str, x: Any, sh: NamedSharding) -> jax.Array:
+        if isinstance(x, jax.Array):
+            return jax.jit(lambda a: to_frozen(plan, a, lay, dtype), out_shardings=sh)(x)
+        return jax.device_put(to_frozen(plan, np.asarray(x), lay, dtype), sh)
+
+    return jax.tree.map(
+        put,
+        plan.frozen_layouts,
+        plan.frozen_dtypes,
+        frozen,
+        plan.state_shardings.frozen,
+        is_leaf=is_layout,
+    )
+
+
+def _split(plan: Plan, params: Params) -> tuple[Params, Params]:
+    """``(trainable, frozen)`` of a whole params tree (frozen None when all train)."""
+    if plan.mask is None:
+        return params, None
+    return frozen_lib.split(params, plan.mask)
 
 
 def state_from_params(plan: Plan, params: Params) -> TrainState:
@@ -332,27 +426,50 @@ def state_from_params(plan: Plan, params: Params) -> TrainState:
             )
         return jax.device_put(to_master(plan, np.asarray(x, np.float32), lay), sh)
 
-    master = jax.tree.map(put, params, plan.layouts, plan.master_shardings)
-    return state_from_master(plan, master)
+    trained, frozen = _split(plan, params)
+    master = jax.tree.map(put, trained, plan.layouts, plan.master_shardings)
+    return state_from_master(plan, master, place_frozen(plan, frozen))
 
 
 def state_from_init(plan: Plan, init_fn: Callable[..., Params], *args: Any) -> TrainState:
     """The state of ``init_fn(*args)``'s params, created under ``jit`` in its shardings."""
 
     def build(*a: Any) -> TrainState:
-        p = init_fn(*a)
+        trained, frozen = _split(plan, init_fn(*a))
         p = jax.tree.map(
-            lambda x, lay: to_master(plan, x.astype(jnp.float32), lay), p, plan.layouts
+            lambda x, lay: to_master(plan, x.astype(jnp.float32), lay), trained, plan.layouts
         )
-        return fresh_state(plan, p)
+        if frozen is not None:
+            frozen = jax.tree.map(
+                lambda lay, dtype, x: to_frozen(plan, x, lay, dtype),
+                plan.frozen_layouts,
+                plan.frozen_dtypes,
+                frozen,
+                is_leaf=is_layout,
+            )
+        return fresh_state(plan, p, frozen=frozen)
 
     return jax.jit(build, out_shardings=plan.state_shardings)(*args)
+
+
+def frozen_shapes(plan: Plan) -> Params:
+    """The frozen params' stored shapes and dtypes (None when every param trains)."""
+    if plan.mask is None:
+        return None
+    sharded = params_sharded(plan.stage)
+    return jax.tree.map(
+        lambda lay, dtype: jax.ShapeDtypeStruct(lay.padded_shape if sharded else lay.shape, dtype),
+        plan.frozen_layouts,
+        plan.frozen_dtypes,
+        is_leaf=is_layout,
+    )
 
 
 def state_shapes(plan: Plan) -> TrainState:
     """The state's shapes, dtypes and shardings, allocating nothing."""
     master = stored_shapes(plan.layouts, master_sharded(plan.stage), jnp.float32)
-    shapes = jax.eval_shape(lambda m: fresh_state(plan, m), master)
+    build = lambda m, f: fresh_state(plan, m, frozen=f)
+    shapes = jax.eval_shape(build, master, frozen_shapes(plan))
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         shapes,
@@ -365,11 +482,15 @@ def read_state(plan: Plan, read: Read) -> TrainState:
 
     ``read(layout, index)`` returns the region ``index`` (slices within ``layout.shape``)
     of one param, in any float dtype; it is called only for what this process's devices
-    hold (each distinct slice once), never for the padding.
+    hold (each distinct slice once), never for the padding. Frozen params are read the
+    same way, into their stored dtype and layout.
     """
 
-    def leaf(lay: LeafLayout, sh: NamedSharding) -> jax.Array:
-        stored = lay.padded_shape if master_sharded(plan.stage) else lay.shape
+    def leaf(
+        lay: LeafLayout, sh: NamedSharding, dtype: Any = np.float32, sharded: bool | None = None
+    ) -> jax.Array:
+        sharded = master_sharded(plan.stage) if sharded is None else sharded
+        stored = lay.padded_shape if sharded else lay.shape
         # replicas (stage 0, small leaves, hybrid meshes) ask for the same slices:
         # each distinct one is read once; together they are at most this one leaf
         cache: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
@@ -381,7 +502,7 @@ def read_state(plan: Plan, read: Read) -> TrainState:
                 inside = tuple(
                     slice(min(a, n), min(b, n)) for (a, b), n in zip(span, lay.shape, strict=True)
                 )
-                out = np.zeros([b - a for a, b in span], np.float32)
+                out = np.zeros([b - a for a, b in span], dtype)
                 out[tuple(slice(0, s.stop - s.start) for s in inside)] = read(lay, inside)
                 cache[span] = out
             return cache[span]
@@ -389,4 +510,13 @@ def read_state(plan: Plan, read: Read) -> TrainState:
         return jax.make_array_from_callback(stored, sh, callback)
 
     master = jax.tree.map(leaf, plan.layouts, plan.master_shardings, is_leaf=is_layout)
-    return state_from_master(plan, master)
+    frozen = None
+    if plan.mask is not None:
+        frozen = jax.tree.map(
+            lambda lay, sh, dtype: leaf(lay, sh, jnp.dtype(dtype), params_sharded(plan.stage)),
+            plan.frozen_layouts,
+            plan.state_shardings.frozen,
+            plan.frozen_dtypes,
+            is_leaf=is_layout,
+        )
+    return state_from_master(plan, master, frozen)

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxzero.partition import LeafLayout, unpad
+from jaxzero.frozen import merge
+from jaxzero.partition import LeafLayout, is_layout, unpad
 from jaxzero.plan import Plan
 from jaxzero.state import TrainState
 from jaxzero.types import Params
@@ -26,15 +27,22 @@ def gather_leaf(x: jax.Array, lay: LeafLayout) -> np.ndarray:
     return np.asarray(unpad(np.asarray(jax.device_get(x)), lay), np.float32)
 
 
-def gather_params(plan: Plan, state: TrainState) -> Params:
-    """Full fp32 params on the host, with the structure ``init`` was given."""
+def _stored(plan: Plan, state: TrainState) -> Params:
+    """Every param as the state stores it (trainable: fp32 master), the whole tree."""
     src = state.master if plan.mixed else state.params
-    return jax.tree.map(gather_leaf, src, plan.layouts)
+    return merge(plan.mask, src, state.frozen)
+
+
+def gather_params(plan: Plan, state: TrainState) -> Params:
+    """Full fp32 params on the host, with the structure ``init`` was given (frozen ones
+    included, converted to fp32)."""
+    return jax.tree.map(gather_leaf, _stored(plan, state), plan.all_layouts())
 
 
 def iter_params(plan: Plan, state: TrainState) -> Iterator[tuple[LeafLayout, np.ndarray]]:
-    """``(layout, full fp32 param)`` one leaf at a time, in tree order, so a writer
-    holds one param on the host, not the model. Every process must iterate."""
-    src = state.master if plan.mixed else state.params
-    for x, lay in zip(jax.tree.leaves(src), plan.leaves(), strict=True):
+    """``(layout, full fp32 param)`` one leaf at a time, in tree order (frozen ones
+    included), so a writer holds one param on the host, not the model. Every process
+    must iterate."""
+    lays = jax.tree.leaves(plan.all_layouts(), is_leaf=is_layout)
+    for x, lay in zip(jax.tree.leaves(_stored(plan, state)), lays, strict=True):
         yield lay, gather_leaf(x, lay)

@@ -43,6 +43,10 @@ class TrainState:
         where the working params are the master copy.
       opt_state: the optax state; param-shaped leaves laid out like the master, the
         rest by their own shapes (:func:`opt_layouts`).
+      frozen: the params that do not train (``Engine(trainable=...)``), each stored
+        once in the dtype it was given, laid out as the stage lays out working params;
+        ``None`` when every param trains. ``params``, ``master`` and ``opt_state`` then
+        hold the trainable ones only (:mod:`jaxzero.frozen`).
     """
 
     # a jax.Array in a state; the trees of the same structure (state_specs, the checkpoint's
@@ -51,6 +55,7 @@ class TrainState:
     params: Params
     master: Params
     opt_state: OptState
+    frozen: Params = None
 
 
 def params_sharded(stage: int) -> bool:
@@ -112,13 +117,17 @@ def _specs(layouts: Layouts, sharded: bool) -> Specs:
     return jax.tree.map(lambda lay: lay.spec() if sharded else P(), layouts, is_leaf=is_layout)
 
 
-def state_specs(stage: int, layouts: Layouts, opt_lays: OptState, mixed: bool) -> TrainState:
-    """PartitionSpecs of every leaf of the TrainState (same structure)."""
+def state_specs(
+    stage: int, layouts: Layouts, opt_lays: OptState, mixed: bool, frozen: Layouts = None
+) -> TrainState:
+    """PartitionSpecs of every leaf of the TrainState (same structure). Frozen params
+    (``frozen``: their layouts) lie as the working params do: sharded at stage 3 only."""
     return TrainState(
         step=P(),
         params=_specs(layouts, params_sharded(stage)),
         master=master_specs(stage, layouts) if mixed else None,
         opt_state=_specs(opt_lays, master_sharded(stage)),
+        frozen=None if frozen is None else _specs(frozen, params_sharded(stage)),
     )
 
 

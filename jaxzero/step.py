@@ -57,6 +57,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero import collectives
+from jaxzero import frozen as frozen_lib
 from jaxzero import loss as loss_lib
 from jaxzero.gradients import clip, global_norm, reduce_gradients
 from jaxzero.hook_check import check_uses
@@ -70,6 +71,38 @@ from jaxzero.update import optimizer_update, to_logical, to_stored, value_fn_of
 
 def _map(f: Callable[..., Any], layouts: Layouts, *trees: Any) -> Any:
     return jax.tree.map(lambda lay, *xs: f(lay, *xs), layouts, *trees, is_leaf=is_layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    """Where the frozen params go (:mod:`jaxzero.frozen`): their layouts and the mask
+    that merges them with the trainable ones into the tree the loss sees."""
+
+    layouts: Layouts
+    mask: Params
+
+
+def frozen_view(cfg: StepConfig, fz: Frozen, values: Params) -> Params:
+    """The frozen params as the loss gets them: as stored (stages 0–2: whole), or at
+    stage 3 gathered by ``use_params`` (per layer, or here for the whole tree), with no
+    gradient slot: their gathers never meet autodiff, so no weight gradient is computed."""
+    if cfg.stage < 3:
+        return values
+
+    def wrap(lay: LeafLayout, value: jax.Array) -> Stored:
+        bucket = cfg.bucket_bytes if cfg.per_layer else cfg.whole_tree_bucket_bytes
+        op = UseOp(lay, True, "float32", cfg.extra_axes, bucket_bytes=bucket, frozen=True)
+        return Stored(value, None, op)
+
+    stored = _map(wrap, fz.layouts, values)
+    return stored if cfg.per_layer else use_params(stored)
+
+
+def whole_view(cfg: StepConfig, fz: Frozen | None, view: Params, frozen: Params) -> Params:
+    """The tree the loss sees: the trainable view with the frozen params merged in."""
+    if fz is None:
+        return view
+    return frozen_lib.merge(fz.mask, view, frozen_view(cfg, fz, frozen))
 
 
 def model_view(
@@ -114,7 +147,13 @@ def model_view(
 
 
 def dot_barriers(
-    cfg: StepConfig, layouts: Layouts, loss_fn: LossFn, params: Params, batch: Batch
+    cfg: StepConfig,
+    layouts: Layouts,
+    loss_fn: LossFn,
+    params: Params,
+    batch: Batch,
+    fz: Frozen | None = None,
+    frozen: Params = None,
 ) -> Any:
     """Which leaves' gradients pass :func:`collectives.dot_barrier` (all False when the
     barrier is off): those that may be a dot's, from a trace of the plain model's
@@ -122,14 +161,21 @@ def dot_barriers(
     ``batch``: a micro-batch's shapes (``jax.ShapeDtypeStruct``)."""
     if not cfg.dot_barrier:
         return _map(lambda lay: False, layouts)
-    whole = _map(lambda lay, x: jax.ShapeDtypeStruct(lay.shape, x.dtype), layouts, params)
+    whole_of = lambda lays, tree: _map(
+        lambda lay, x: jax.ShapeDtypeStruct(lay.shape, x.dtype), lays, tree
+    )
+    whole = whole_of(layouts, params)
+    held = None if fz is None else whole_of(fz.layouts, frozen)
     rows = jax.tree.leaves(batch)[0].shape[0]
 
-    def grad(p: Params, b: Batch) -> Params:
+    def grad(p: Params, b: Batch, f: Params) -> Params:
         rng = None if cfg.rng_seed is None else loss_lib.batch_key(cfg.rng_seed, 0, 0, rows)
-        return jax.grad(lambda p: loss_lib.unpack(_loss(cfg, loss_fn, p, b, rng, False))[0])(p)
+        full = lambda p: p if fz is None else frozen_lib.merge(fz.mask, p, f)
+        return jax.grad(lambda p: loss_lib.unpack(_loss(cfg, loss_fn, full(p), b, rng, False))[0])(
+            p
+        )
 
-    return collectives.dot_gradients(grad, whole, batch)
+    return collectives.dot_gradients(grad, whole, batch, held)
 
 
 def _loss(
@@ -161,7 +207,14 @@ def _slots(layouts: Layouts, sharded: bool) -> Params:
 
 
 def local_gradients(
-    cfg: StepConfig, layouts: Layouts, loss_fn: LossFn, params: Params, batch: Batch, step: Any = 0
+    cfg: StepConfig,
+    layouts: Layouts,
+    loss_fn: LossFn,
+    params: Params,
+    batch: Batch,
+    step: Any = 0,
+    fz: Frozen | None = None,
+    frozen: Params = None,
 ) -> tuple[jax.Array, jax.Array, Any, Params, bool]:
     """This device's loss terms and gradients, summed over micro-batches.
 
@@ -171,7 +224,8 @@ def local_gradients(
     :class:`jaxzero.loss.Weighted` losses: the sums and the gradient of the sum, to be
     divided by the global weight once it is known (:func:`gradient_step`).
     Stages 0–1 return full, unreduced gradients w.r.t. the working params; stages
-    2–3 this device's slice of the already reduced gradient.
+    2–3 this device's slice of the already reduced gradient. Frozen params (``fz``,
+    ``frozen``) are merged into the tree the loss sees and get no gradient.
     """
     hooked = cfg.stage >= 2
     diff0 = _slots(layouts, True) if hooked else params
@@ -181,13 +235,14 @@ def local_gradients(
     first = _first_row(cfg, rows)
     form: dict[str, bool] = {}  # set while tracing: which form the loss returned
     mb0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows // k, *x.shape[1:]), x.dtype), batch)
-    barriers = dot_barriers(cfg, layouts, loss_fn, params, mb0)
+    barriers = dot_barriers(cfg, layouts, loss_fn, params, mb0, fz, frozen)
 
     def loss_of(diff: Params, mb: Batch, j: Any) -> tuple[jax.Array, Any]:
         if hooked:
             view = model_view(cfg, layouts, params, diff, barriers)
         else:
             view = model_view(cfg, layouts, diff, barriers=barriers)
+        view = whole_view(cfg, fz, view, frozen)
         rng = None
         if cfg.rng_seed is not None:
             rng = loss_lib.batch_key(cfg.rng_seed, step, first + j * (rows // k), rows // k)
@@ -231,16 +286,23 @@ def local_gradients(
 
 
 def gradient_step(
-    cfg: StepConfig, layouts: Layouts, loss_fn: LossFn, params: Params, batch: Batch, step: Any = 0
+    cfg: StepConfig,
+    layouts: Layouts,
+    loss_fn: LossFn,
+    params: Params,
+    batch: Batch,
+    step: Any = 0,
+    fz: Frozen | None = None,
+    frozen: Params = None,
 ) -> tuple[jax.Array, Params, jax.Array, Metrics]:
     """Per device: the global loss, reduced (and clipped) gradients, their global norm
     and the metrics of the loss's form (``tokens`` when weighted, ``aux``).
 
     The gradients come out as the master params are stored: whole in stage 0,
-    this device's padded slice from stage 1.
+    this device's padded slice from stage 1. Frozen params have none.
     """
     total, weight, aux, grads, weighted = local_gradients(
-        cfg, layouts, loss_fn, params, batch, step
+        cfg, layouts, loss_fn, params, batch, step, fz, frozen
     )
     if cfg.stage <= 1:
         grads = reduce_gradients(cfg, layouts, grads)
@@ -270,17 +332,26 @@ def gather_params(cfg: StepConfig, layouts: Layouts, params: Params) -> Params:
 
 
 def _sharded_gradient_step(
-    cfg: StepConfig, mesh: Mesh, layouts: Layouts, specs: TrainState, loss_fn: LossFn
+    cfg: StepConfig,
+    mesh: Mesh,
+    layouts: Layouts,
+    specs: TrainState,
+    loss_fn: LossFn,
+    fz: Frozen | None = None,
 ) -> Callable:
-    """:func:`gradient_step` over the mesh: ``(params, batch, step) -> (loss, grads, norm,
-    metrics)``, the gradients laid out as the master params are stored."""
+    """:func:`gradient_step` over the mesh: ``(params, batch, step, frozen) -> (loss,
+    grads, norm, metrics)``, the gradients laid out as the master params are stored."""
+
     # check_vma=False (module docstring): the loss's gradient is per device, so the
     # reductions in reduce_gradients and hooks are the only ones; loss, norm and metrics
     # (P()) come from psum/pmean results, stage 0's gradients (P()) from an all-reduce.
+    def per_device(params: Params, batch: Batch, step: Any, frozen: Params) -> Any:
+        return gradient_step(cfg, layouts, loss_fn, params, batch, step, fz, frozen)
+
     return jax.shard_map(
-        functools.partial(gradient_step, cfg, layouts, loss_fn),
+        per_device,
         mesh=mesh,
-        in_specs=(specs.params, P(cfg.batch_axes), P()),
+        in_specs=(specs.params, P(cfg.batch_axes), P(), specs.frozen),
         out_specs=(P(), master_specs(cfg.stage, layouts), P(), P()),
         check_vma=False,
     )
@@ -294,6 +365,7 @@ def make_train_step(
     specs: TrainState,
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
+    fz: Frozen | None = None,
 ) -> Callable:
     """The global train step: explicit collectives in ``shard_map``, the update around them.
 
@@ -305,7 +377,7 @@ def make_train_step(
     """
     sharded = master_sharded(cfg.stage)
     grad_specs = master_specs(cfg.stage, layouts)
-    grads_of = _sharded_gradient_step(cfg, mesh, layouts, specs, loss_fn)
+    grads_of = _sharded_gradient_step(cfg, mesh, layouts, specs, loss_fn, fz)
     # check_vma=False: the new params' P() (stages 1-2) holds because an all_gather gives
     # every device the same array; check_vma=True cannot infer that and refuses to trace.
     gather = jax.shard_map(
@@ -323,11 +395,13 @@ def make_train_step(
 
     # a line search's loss and gradient at other params: the step's own, unclipped
     unclipped_cfg = dataclasses.replace(cfg, max_grad_norm=None)
-    unclipped = _sharded_gradient_step(unclipped_cfg, mesh, layouts, specs, loss_fn)
+    unclipped = _sharded_gradient_step(unclipped_cfg, mesh, layouts, specs, loss_fn, fz)
 
-    def loss_and_grads(logical: Params, batch: Batch, step: Any) -> tuple[jax.Array, Params]:
+    def loss_and_grads(
+        logical: Params, batch: Batch, step: Any, frozen: Params
+    ) -> tuple[jax.Array, Params]:
         master = place(to_stored(layouts, logical, sharded))
-        loss, grads, _, _ = unclipped(working(master), batch, step)
+        loss, grads, _, _ = unclipped(working(master), batch, step, frozen)
         return loss, to_logical(layouts, grads)
 
     def working(master: Params) -> Params:
@@ -336,9 +410,11 @@ def make_train_step(
         return gather(params) if cfg.stage in (1, 2) else params
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        loss, grads, norm, extra = grads_of(state.params, batch, state.step)
+        loss, grads, norm, extra = grads_of(state.params, batch, state.step, state.frozen)
         master = state.master if cfg.mixed else state.params
-        value_fn = value_fn_of(lambda logical: loss_and_grads(logical, batch, state.step))
+        value_fn = value_fn_of(
+            lambda logical: loss_and_grads(logical, batch, state.step, state.frozen)
+        )
         master, opt_state = optimizer_update(
             tx, layouts, opt_lays, sharded, grads, state.opt_state, master, loss, value_fn
         )
@@ -348,6 +424,7 @@ def make_train_step(
             params=working(master),
             master=master if cfg.mixed else None,
             opt_state=opt_state,
+            frozen=state.frozen,
         )
         return new, {"loss": loss, "grad_norm": norm, **extra}
 
@@ -355,13 +432,20 @@ def make_train_step(
 
 
 def eval_loss(
-    cfg: StepConfig, layouts: Layouts, loss_fn: LossFn, params: Params, batch: Batch
+    cfg: StepConfig,
+    layouts: Layouts,
+    loss_fn: LossFn,
+    params: Params,
+    batch: Batch,
+    fz: Frozen | None = None,
+    frozen: Params = None,
 ) -> jax.Array:
     """Forward-only loss over the global batch, combined as the step combines it; a loss
     that takes ``rng`` gets None (no dropout)."""
     view = params
     if cfg.stage >= 2:
         view = model_view(cfg, layouts, params, _slots(layouts, cfg.stage == 3))
+    view = whole_view(cfg, fz, view, frozen)
     total, weight, _ = loss_lib.unpack(_loss(cfg, loss_fn, view, batch, None))
     if weight is None:
         return jax.lax.pmean(total, cfg.batch_axes)
@@ -369,18 +453,29 @@ def eval_loss(
 
 
 def make_eval(
-    cfg: StepConfig, mesh: Mesh, layouts: Layouts, specs: TrainState, loss_fn: LossFn
-) -> Callable[[Params, Batch], jax.Array]:
-    """``evaluate(params, batch)``: :func:`eval_loss` over the mesh, in the global view."""
+    cfg: StepConfig,
+    mesh: Mesh,
+    layouts: Layouts,
+    specs: TrainState,
+    loss_fn: LossFn,
+    fz: Frozen | None = None,
+) -> Callable[..., jax.Array]:
+    """``evaluate(params, batch, frozen=None)``: :func:`eval_loss` over the mesh, in the
+    global view (``frozen``: the state's frozen params, when some are)."""
+
+    def per_device(params: Params, batch: Batch, frozen: Params) -> jax.Array:
+        return eval_loss(cfg, layouts, loss_fn, params, batch, fz, frozen)
+
     # check_vma=False as for the step (the module docstring says why): the loss runs as
     # plain per-device JAX; P() holds because eval_loss ends in a pmean or psum.
-    return jax.shard_map(
-        functools.partial(eval_loss, cfg, layouts, loss_fn),
+    sharded = jax.shard_map(
+        per_device,
         mesh=mesh,
-        in_specs=(specs.params, P(cfg.batch_axes)),
+        in_specs=(specs.params, P(cfg.batch_axes), specs.frozen),
         out_specs=P(),
         check_vma=False,
     )
+    return lambda params, batch, frozen=None: sharded(params, batch, frozen)
 
 
 def _nonzero(weight: jax.Array) -> jax.Array:

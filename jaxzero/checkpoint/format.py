@@ -17,13 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxzero.errors import Error
-from jaxzero.partition import path_str
+from jaxzero.frozen import merge
+from jaxzero.partition import LeafLayout, is_layout, path_str
 from jaxzero.plan import Plan
 from jaxzero.state import TrainState
 from jaxzero.version import __version__
 
 FORMAT = 1
-FIELDS = ("step", "params", "master", "opt_state")
+FIELDS = ("step", "params", "master", "opt_state", "frozen")
 ITEMS = ("state", "meta", "extra")  # the orbax items of every step, as CheckpointManager saves
 
 
@@ -159,7 +160,7 @@ def params_from_meta(meta: dict[str, Any]) -> Any:
 def metadata(plan: Plan, state: TrainState) -> dict[str, Any]:
     """What a checkpoint says about itself: enough to rebuild shapes and check a target."""
 
-    lays = leaf_names(TrainState(None, plan.layouts, None, plan.opt_layouts))
+    lays = leaf_names(TrainState(None, plan.layouts, None, plan.opt_layouts, plan.frozen_layouts))
     leaves: dict[str, dict[str, Any]] = {}
     for name, x in leaf_names(state).items():
         field, _, rest = name.partition("/")
@@ -170,11 +171,9 @@ def metadata(plan: Plan, state: TrainState) -> dict[str, Any]:
             "shape": list(lay.shape) if lay is not None else list(x.shape),
         }
     param_tree = [
-        {"path": p, "shape": list(lay.shape), "dtype": "float32"}
-        for p, lay in zip(
-            _param_paths(plan.layouts),
-            plan.leaves(),
-            strict=True,
+        {"path": p, "shape": list(lay.shape), "dtype": dtype, "trainable": on}
+        for p, lay, dtype, on in zip(
+            _param_paths(plan.all_layouts()), *_all_params(plan), strict=True
         )
     ]
     sums = fingerprints(leaf_names(state), {n: v["shape"] for n, v in leaves.items()})
@@ -190,6 +189,8 @@ def metadata(plan: Plan, state: TrainState) -> dict[str, Any]:
         "processes": jax.process_count(),
         "precision": plan.settings.precision,
         "num_params": int(plan.num_params),
+        "num_frozen": int(plan.num_frozen),
+        "frozen_saved": state.frozen is not None,
         "param_tree": param_tree,
         "leaves": leaves,
     }
@@ -199,22 +200,35 @@ def step_of(step_dir: Path) -> int:
     return int(step_dir.name) if step_dir.name.isdigit() else -1
 
 
+def _all_params(plan: Plan) -> tuple[list[LeafLayout], list[str], list[bool]]:
+    """Every param's layout, stored dtype name and whether it trains, in tree order."""
+    lays = jax.tree.leaves(plan.all_layouts(), is_leaf=is_layout)
+    if plan.mask is None:
+        return lays, ["float32"] * len(lays), [True] * len(lays)
+    trained = jax.tree.map(lambda lay: "float32", plan.layouts, is_leaf=is_layout)
+    dtypes = jax.tree.leaves(merge(plan.mask, trained, plan.frozen_dtypes))
+    return lays, dtypes, [bool(x) for x in jax.tree.leaves(plan.mask)]
+
+
 def check_same_params(plan: Plan, meta: dict[str, Any]) -> None:
-    """Refuse a checkpoint of another model, naming the first leaf that differs."""
+    """Refuse a checkpoint of another model, naming the first leaf that differs (its
+    shape, or whether it trains)."""
+    lays, _, trains = _all_params(plan)
+    paths = _param_paths(plan.all_layouts())
     mine = {
-        path_str([k for _, k in p]): lay.shape
-        for p, lay in zip(
-            _param_paths(plan.layouts),
-            plan.leaves(),
-            strict=True,
-        )
+        path_str([k for _, k in p]): (lay.shape, on)
+        for p, lay, on in zip(paths, lays, trains, strict=True)
     }
-    theirs = {path_str([k for _, k in e["path"]]): tuple(e["shape"]) for e in meta["param_tree"]}
+    theirs = {
+        path_str([k for _, k in e["path"]]): (tuple(e["shape"]), e.get("trainable", True))
+        for e in meta["param_tree"]
+    }
     for name in sorted(set(mine) | set(theirs)):
         if mine.get(name) != theirs.get(name):
+            say = lambda v: "absent" if v is None else f"{v[0]}{'' if v[1] else ' frozen'}"
             raise CheckpointError(
                 f"the checkpoint is of a different model: param {name!r} is "
-                f"{theirs.get(name, 'absent')} there and {mine.get(name, 'absent')} here"
+                f"{say(theirs.get(name))} there and {say(mine.get(name))} here"
             )
 
 

@@ -9,6 +9,7 @@ N=3 or N=1 and no leaf is ever whole on one device when the target shards it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -37,6 +38,7 @@ from jaxzero.checkpoint.reader import read_metadata
 from jaxzero.partition import is_layout
 from jaxzero.plan import Plan
 from jaxzero.state import TrainState, master_sharded
+from jaxzero.types import Params
 
 if TYPE_CHECKING:
     from jaxzero.engine import Engine
@@ -67,6 +69,10 @@ class CheckpointManager:
       directory: where checkpoints live (created on the first save).
       keep_last: how many recent checkpoints to keep (None: all).
       keep_every: also keep every checkpoint whose step is a multiple of this.
+      save_frozen: whether a checkpoint holds the frozen params
+        (``Engine(trainable=...)``). False: it holds what trains (and its optimizer
+        state) and records the frozen params' shapes only; :meth:`restore` then takes
+        them from its ``frozen`` argument (a LoRA run reloads its base from the source).
 
     Example:
       >>> import tempfile, jax.numpy as jnp, optax, jaxzero
@@ -84,7 +90,11 @@ class CheckpointManager:
     """
 
     def __init__(
-        self, directory: str | Path, keep_last: int | None = 3, keep_every: int | None = None
+        self,
+        directory: str | Path,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        save_frozen: bool = True,
     ):
         import orbax.checkpoint as ocp
 
@@ -95,6 +105,7 @@ class CheckpointManager:
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise CheckpointError(f"{name} must be a positive integer or None, got {v!r}")
         self._ocp = ocp
+        self.save_frozen = save_frozen
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep_last,
             keep_period=keep_every,
@@ -136,6 +147,8 @@ class CheckpointManager:
         for a save still in flight first, so at most one is.
         """
         ocp = self._ocp
+        if not self.save_frozen:
+            state = dataclasses.replace(state, frozen=None)
         meta = metadata(engine.plan, state)
         args = ocp.args.Composite(
             state=ocp.args.PyTreeSave(nest(leaf_names(state))),
@@ -227,13 +240,17 @@ class CheckpointManager:
             )
         return step
 
-    def restore(self, engine: Engine, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
+    def restore(
+        self, engine: Engine, step: int | None = None, frozen: Params = None
+    ) -> tuple[TrainState, dict[str, Any]]:
         """The state of checkpoint ``step`` (latest by default) in ``engine``'s layout.
 
         ``engine`` may be uninitialised: its plan is then built from the param shapes
         the checkpoint records. Its stage, mesh, N and precision may differ from the
-        saving run's; its model and optimizer may not. Of the engine only its plan
-        (:attr:`~jaxzero.Engine.plan`, :meth:`~jaxzero.Engine.plan_for`) is read.
+        saving run's; its model, optimizer and which params train may not. Of the engine
+        only its plan (:attr:`~jaxzero.Engine.plan`, :meth:`~jaxzero.Engine.plan_for`)
+        is read. ``frozen``: the frozen params as ``engine`` stores them (a state's
+        ``frozen``), for a checkpoint saved without them (``save_frozen=False``).
 
         Returns:
           ``(state, extra)``.
@@ -247,7 +264,14 @@ class CheckpointManager:
             plan = engine.plan_for(params_from_meta(meta))
         target = plan_lib.state_shapes(plan)
         src = fp32_field(meta["leaves"])
-        want = _wanted(plan, target, src)
+        held = plan.mask is not None and meta.get("frozen_saved", True)
+        if plan.mask is not None and not held and frozen is None:
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} holds no frozen params (saved "
+                "with save_frozen=False): pass restore(..., frozen=state.frozen) of the "
+                "base they came from"
+            )
+        want = _wanted(plan, target, src, held)
         self._check_holds(step, want, meta["leaves"])
         out = self._read(step, want)
         flat = flatten(out["state"])
@@ -267,7 +291,11 @@ class CheckpointManager:
         opt_state = jax.tree.unflatten(
             jax.tree.structure(target.opt_state), [flat[n] for n in opt_names]
         )
-        state = plan_lib.state_from_parts(plan, master, opt_state, int(np.asarray(flat["step"])))
+        if held:
+            names = leaf_names(TrainState(None, None, None, None, target.frozen))
+            frozen = jax.tree.unflatten(jax.tree.structure(target.frozen), [flat[n] for n in names])
+        step_no = int(np.asarray(flat["step"]))
+        state = plan_lib.state_from_parts(plan, master, opt_state, step_no, frozen)
         return state, dict(out["extra"] or {})
 
     def _others(self, step: int) -> list[int] | str:
@@ -318,9 +346,10 @@ def _param_names(plan: Plan) -> list[str]:
     return list(leaf_names(TrainState(None, plan.layouts, None, None)))
 
 
-def _wanted(plan: Plan, target: TrainState, src: str) -> Want:
+def _wanted(plan: Plan, target: TrainState, src: str, frozen: bool) -> Want:
     """Each leaf to read: the fp32 params (from ``src``: the master of a bf16 run) in the
-    plan's master layout, then the step and optimizer state as ``target`` holds them."""
+    plan's master layout, then the step and optimizer state as ``target`` holds them,
+    and the frozen params when the checkpoint holds them (``frozen``)."""
     sharded = master_sharded(plan.stage)
     want: Want = {}
     for name, lay, sh in zip(
@@ -328,6 +357,7 @@ def _wanted(plan: Plan, target: TrainState, src: str) -> Want:
     ):
         shape = lay.padded_shape if sharded else lay.shape
         want[src + name[len("params") :]] = (shape, jnp.float32, sh)
-    for name, x in leaf_names(TrainState(target.step, None, None, target.opt_state)).items():
+    rest = TrainState(target.step, None, None, target.opt_state, target.frozen if frozen else None)
+    for name, x in leaf_names(rest).items():
         want[name] = (x.shape, x.dtype, x.sharding)
     return want

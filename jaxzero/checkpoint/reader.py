@@ -85,12 +85,18 @@ def read_extra(step_dir: str | Path) -> dict[str, Any]:
 
 def param_entries(meta: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...]]]:
     """``(param name, stored leaf name, logical shape)`` of each param of a checkpoint's
-    ``meta``, in tree order, naming its fp32 truth (the master of a bf16 run)."""
+    ``meta``, in tree order, naming its fp32 truth (the master of a bf16 run; a frozen
+    param's one stored copy)."""
     source = fp32_field(meta["leaves"])
     out = []
     for entry in meta["param_tree"]:
         name = path_str([k for _, k in entry["path"]])
-        leaf = f"{source}/{name}"
+        leaf = f"{source if entry.get('trainable', True) else 'frozen'}/{name}"
+        if leaf not in meta["leaves"] and not meta.get("frozen_saved", True):
+            raise CheckpointError(
+                f"the checkpoint holds no frozen params (saved without them, as a LoRA "
+                f"run saves only what trains): {name!r} must come from the base model"
+            )
         if leaf not in meta["leaves"]:
             raise CheckpointError(f"checkpoint metadata lists param {name!r} but no {leaf!r}")
         out.append((name, leaf, tuple(entry["shape"])))
