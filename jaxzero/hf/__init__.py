@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxzero import modeldir
+from jaxzero.hf import peft as peft_lib
+from jaxzero.hf.peft import Adapter
 from jaxzero.hf.safetensors import SafetensorsError, SafetensorsFile
 from jaxzero.hf.safetensors import write as write_safetensors
+from jaxzero.models import lora as lora_lib
 from jaxzero.models.llama import Llama
 from jaxzero.models.llama_hf import (
     CONFIG,
@@ -39,6 +43,7 @@ from jaxzero.models.llama_hf import (
     llama_config,
     read_json,
 )
+from jaxzero.models.lora import LoraConfig
 from jaxzero.partition import LeafLayout, is_layout, layouts_for
 from jaxzero.readback import iter_params
 from jaxzero.state import TrainState
@@ -50,10 +55,11 @@ INDEX = "model.safetensors.index.json"
 SAVE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": None, "float16": np.dtype(np.float16)}
 
 
-def model(path: str | Path, **overrides: Any) -> Llama:
+def model(path: str | Path, lora: LoraConfig | None = None, **overrides: Any) -> Llama:
     """The :class:`Llama` a Hugging Face directory's ``config.json`` describes.
 
-    ``overrides`` set jaxzero's own fields (``seq_len``, ``remat``, ``attention``).
+    ``overrides`` set jaxzero's own fields (``seq_len``, ``remat``, ``attention``);
+    ``lora`` adds adapters (:mod:`jaxzero.models.lora`; the base then trains frozen).
     The result remembers the directory and its config, so :func:`save` writes the
     same architecture and copies the tokenizer.
     """
@@ -67,7 +73,7 @@ def model(path: str | Path, **overrides: Any) -> Llama:
     cfg = llama_config(raw, **overrides)
     if cfg.tie_word_embeddings and _separate_head(path):
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
-    m = Llama(cfg)
+    m = Llama(cfg, lora)
     m.hf_dir, m.hf_config = path, raw
     return m
 
@@ -130,6 +136,9 @@ class Weights:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._holder(name).shape(name)
 
+    def dtype(self, name: str) -> np.dtype:
+        return self._holder(name).dtype(name)
+
     def tensor(self, name: str) -> np.ndarray:
         """A memory-mapped view: only what is indexed out of it is read."""
         return self._holder(name).tensor(name)
@@ -152,16 +161,41 @@ def _sources(m: Llama, weights: Weights, layouts: list[LeafLayout]) -> dict[str,
     return out
 
 
-def _reader(path: Path, m: Llama) -> tuple[Any, Any]:
+def _reader(path: Path, m: Llama, adapter: Adapter | None = None, seed: int = 0) -> tuple[Any, Any]:
     """The params' shapes and ``read(layout, index) -> fp32 slice`` over the checkpoint,
-    every tensor checked for presence and shape first."""
+    every tensor checked for presence and shape first.
+
+    A LoRA model (``m.lora``) reads its base from the checkpoint, each frozen weight
+    keeping the checkpoint's dtype, and its adapters from ``adapter`` (a PEFT adapter,
+    checked against the base's shapes) or fresh as peft makes them (A drawn from ``seed``
+    and the param's name, B zero)."""
     weights = Weights(path)
     # the key made inside the trace: this starts no JAX backend, so a run can check a
     # checkpoint before it sets up (simulated) devices
     shapes = jax.eval_shape(lambda: m.init(jax.random.key(0)))
-    names = _sources(m, weights, jax.tree.leaves(layouts_for(shapes, 1), is_leaf=is_layout))
+    lays = jax.tree.leaves(layouts_for(shapes, 1), is_leaf=is_layout)
+    lora = {lay.path: lay.shape for lay in lays if lora_lib.trainable(lay.path)}
+    names = _sources(m, weights, [lay for lay in lays if lay.path not in lora])
+    if adapter is not None:
+        if m.lora is None:
+            raise HFError(f"{path}: an adapter needs a model with LoRA (model(..., lora=...))")
+        peft_lib.check_adapter(adapter, lora, "the PEFT adapter")
+    fresh: dict[str, np.ndarray] = {}
+
+    def adapted(lay: LeafLayout) -> np.ndarray:
+        if adapter is not None:
+            return adapter.tensors[lay.path]
+        if lay.path not in fresh:
+            rng = np.random.default_rng([seed, zlib.crc32(lay.path.encode())])
+            a = lay.path.endswith("lora_A")
+            fresh[lay.path] = (
+                lora_lib.init_a(rng, lay.shape) if a else np.zeros(lay.shape, np.float32)
+            )
+        return fresh[lay.path]
 
     def read(lay: LeafLayout, index: tuple[slice, ...]) -> np.ndarray:
+        if lay.path in lora:
+            return adapted(lay)[index]
         srcs = names[lay.path]
         stacked = lay.path.startswith("layers/")
         parts = srcs[index[0]] if stacked else srcs[:1]
@@ -172,6 +206,14 @@ def _reader(path: Path, m: Llama) -> tuple[Any, Any]:
             raise HFError(f"{path}: reading {srcs[0]} failed ({e})") from None
         return np.stack(out) if stacked else out[0]
 
+    if m.lora is not None:  # the frozen base is stored in the checkpoint's dtype
+        dtypes = {p: weights.dtype(srcs[0]) for p, srcs in names.items()}
+        shapes = jax.tree.map(
+            lambda lay, s: jax.ShapeDtypeStruct(s.shape, dtypes.get(lay.path, s.dtype)),
+            layouts_for(shapes, 1),
+            shapes,
+            is_leaf=is_layout,
+        )
     return shapes, read
 
 
@@ -199,7 +241,13 @@ def check(path: str | Path, m: Llama | None = None) -> Llama:
     return m
 
 
-def load(path: str | Path, engine: Any, m: Llama | None = None) -> TrainState:
+def load(
+    path: str | Path,
+    engine: Any,
+    m: Llama | None = None,
+    adapter: Adapter | None = None,
+    seed: int = 0,
+) -> TrainState:
     """A train state (step 0, fresh optimizer) with the checkpoint's params, written
     straight into ``engine``'s shardings.
 
@@ -208,11 +256,13 @@ def load(path: str | Path, engine: Any, m: Llama | None = None) -> TrainState:
     one param, not the model. ``engine`` comes from ``m.engine(...)`` and need not be
     initialised; ``m`` is the :class:`Llama` it was built from (default: the
     checkpoint's, :func:`model` of ``path``: pass it when you have it, so that
-    ``config.json`` is read once).
+    ``config.json`` is read once). With LoRA (``m.lora``, ``model(path, lora=...)``) the
+    base is frozen in the checkpoint's dtype and the adapters come from ``adapter``
+    (:func:`jaxzero.hf.peft.read_adapter`) or fresh from ``seed``.
     """
     path = Path(path)
     m = model(path) if m is None else m
-    return engine._init_from_slices(*_reader(path, m))
+    return engine._init_from_slices(*_reader(path, m, adapter, seed))
 
 
 def read_params(path: str | Path, m: Llama | None = None) -> dict[str, Any]:

@@ -35,6 +35,8 @@ from jaxzero.models.common import (
     positions,
     token_loss,
 )
+from jaxzero.models.lora import LoraConfig, check_rank
+from jaxzero.models.lora import trainable as lora_trainable
 from jaxzero.models.protocol import ReferenceModel
 from jaxzero.models.rope import ROPE_TYPES, apply_rotary, rope_frequencies, rotary
 from jaxzero.nnx import bind, split, use
@@ -123,15 +125,61 @@ class LlamaConfig:
 
 
 class Linear(nnx.Module):
-    """``x @ weight.T + bias`` with ``weight`` stored ``out x in``, as PyTorch stores it."""
+    """``x @ weight.T + bias`` with ``weight`` stored ``out x in``, as PyTorch stores it;
+    with a LoRA ``rank``, plus ``scale * (x @ lora_A.T) @ lora_B.T`` (:mod:`jaxzero.models.lora`:
+    A ``r x in`` drawn as peft draws it, B ``out x r`` at zero)."""
 
-    def __init__(self, d_in: int, d_out: int, bias: bool, std: float, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        bias: bool,
+        std: float,
+        rngs: nnx.Rngs,
+        rank: int = 0,
+        scale: float = 1.0,
+    ):
         self.weight = nnx.Param(std * jax.random.normal(rngs.params(), (d_out, d_in)))
         self.bias = nnx.Param(jnp.zeros(d_out)) if bias else None
+        if rank:
+            bound = 1.0 / d_in**0.5
+            self.lora_A = nnx.Param(
+                jax.random.uniform(rngs.params(), (rank, d_in), minval=-bound, maxval=bound)
+            )
+            self.lora_B = nnx.Param(jnp.zeros((d_out, rank)))
+        else:
+            self.lora_A = self.lora_B = None
+        self.scale = scale
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
+        if self.lora_A is not None and self.lora_B is not None:
+            a = jnp.einsum("...i,ri->...r", x, self.lora_A[...].astype(x.dtype))
+            y = y + self.scale * jnp.einsum("...r,or->...o", a, self.lora_B[...].astype(x.dtype))
         return y if self.bias is None else y + self.bias[...].astype(x.dtype)
+
+
+def _linear(
+    cfg: LlamaConfig,
+    lora: LoraConfig | None,
+    name: str,
+    d_in: int,
+    d_out: int,
+    bias: bool,
+    rngs: nnx.Rngs,
+) -> Linear:
+    """The projection ``name`` (``self_attn.q_proj``), with adapters if LoRA targets it."""
+    std = cfg.initializer_range
+    if lora is None or not lora.matches(name):
+        return Linear(d_in, d_out, bias, std, rngs)
+    check_rank(lora, name, d_in, d_out)
+    return Linear(d_in, d_out, bias, std, rngs, lora.rank, lora.scale)
+
+
+# every linear module of a decoder layer, by the name peft and transformers give it
+LINEARS = tuple(f"self_attn.{p}_proj" for p in "qkvo") + tuple(
+    f"mlp.{p}_proj" for p in ("gate", "up", "down")
+)
 
 
 class RMSNorm(nnx.Module):
@@ -147,13 +195,12 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
         d, h, kv, k = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
-        std = cfg.initializer_range
-        self.q_proj = Linear(d, h * k, cfg.qkv_bias, std, rngs)
-        self.k_proj = Linear(d, kv * k, cfg.qkv_bias, std, rngs)
-        self.v_proj = Linear(d, kv * k, cfg.qkv_bias, std, rngs)
-        self.o_proj = Linear(h * k, d, cfg.o_bias, std, rngs)
+        self.q_proj = _linear(cfg, lora, "self_attn.q_proj", d, h * k, cfg.qkv_bias, rngs)
+        self.k_proj = _linear(cfg, lora, "self_attn.k_proj", d, kv * k, cfg.qkv_bias, rngs)
+        self.v_proj = _linear(cfg, lora, "self_attn.v_proj", d, kv * k, cfg.qkv_bias, rngs)
+        self.o_proj = _linear(cfg, lora, "self_attn.o_proj", h * k, d, cfg.o_bias, rngs)
         self.heads, self.kv_heads, self.head_dim, self.impl = h, kv, k, cfg.attention
 
     def __call__(
@@ -180,11 +227,11 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        d, f, std = cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range
-        self.gate_proj = Linear(d, f, cfg.mlp_bias, std, rngs)
-        self.up_proj = Linear(d, f, cfg.mlp_bias, std, rngs)
-        self.down_proj = Linear(f, d, cfg.mlp_bias, std, rngs)
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+        d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = _linear(cfg, lora, "mlp.gate_proj", d, f, bias, rngs)
+        self.up_proj = _linear(cfg, lora, "mlp.up_proj", d, f, bias, rngs)
+        self.down_proj = _linear(cfg, lora, "mlp.down_proj", f, d, bias, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -193,11 +240,11 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rngs)
+        self.self_attn = Attention(cfg, rngs, lora)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MLP(cfg, rngs, lora)
 
     def __call__(
         self,
@@ -219,17 +266,20 @@ class Embedding(nnx.Module):
 
 class LlamaModule(nnx.Module):
     """The whole causal LM as one NNX module; ``layers`` holds every decoder layer's
-    params stacked on a leading dim (made with ``nnx.vmap``, run with ``lax.scan``)."""
+    params stacked on a leading dim (made with ``nnx.vmap``, run with ``lax.scan``);
+    ``lora`` adds adapters to the projections it targets (:mod:`jaxzero.models.lora`)."""
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
         self.cfg = cfg
+        if lora is not None:
+            lora.targets_in([*LINEARS, "lm_head"])  # refuses targets that match nothing
         std = cfg.initializer_range
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, std, rngs)
 
         @nnx.split_rngs(splits=cfg.num_hidden_layers)
         @nnx.vmap(in_axes=0, out_axes=0)
         def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(cfg, rngs)
+            return DecoderLayer(cfg, rngs, lora)
 
         self.layers = make_layers(rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -323,11 +373,18 @@ class Llama(ReferenceModel):
     hf_dir: Path | None = None
     hf_config: dict[str, Any] | None = None
 
-    def __init__(self, config: LlamaConfig):
-        self.config = config
-        abstract = nnx.eval_shape(lambda: LlamaModule(config, nnx.Rngs(0)))
+    def __init__(self, config: LlamaConfig, lora: LoraConfig | None = None):
+        self.config, self.lora = config, lora
+        abstract = nnx.eval_shape(lambda: LlamaModule(config, nnx.Rngs(0), lora))
         self.graphdef, _, self._rest = split(abstract)
         self._template = nnx.state(abstract, nnx.Param)
+
+    def engine(self, optimizer: Any, **kwargs: Any) -> Any:
+        """:meth:`ReferenceModel.engine`; with LoRA, only the adapters train (the base is
+        frozen: ``trainable`` defaults to :func:`jaxzero.models.lora.trainable`)."""
+        if self.lora is not None:
+            kwargs.setdefault("trainable", lora_trainable)
+        return super().engine(optimizer, **kwargs)
 
     def module(self, params: Any) -> LlamaModule:
         """The NNX module holding ``params`` (a nested dict as :meth:`init` returns)."""
@@ -335,7 +392,7 @@ class Llama(ReferenceModel):
 
     def init(self, rng: jax.Array) -> dict[str, Any]:
         """Fresh fp32 params (pure: ``Engine.init_from`` runs it sharded from birth)."""
-        return split(LlamaModule(self.config, nnx.Rngs(rng)))[1]
+        return split(LlamaModule(self.config, nnx.Rngs(rng), self.lora))[1]
 
     def apply(
         self,
