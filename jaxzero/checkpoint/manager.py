@@ -262,6 +262,7 @@ class CheckpointManager:
             check_same_params(plan, meta)  # no new plan: the step stays compiled
         else:
             plan = engine.plan_for(params_from_meta(meta))
+            check_same_params(plan, meta)  # the shapes agree; whether each trains may not
         target = plan_lib.state_shapes(plan)
         src = fp32_field(meta["leaves"])
         held = plan.mask is not None and meta.get("frozen_saved", True)

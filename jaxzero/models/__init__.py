@@ -21,6 +21,7 @@ from jaxzero.models.fields import ARCHS, LLAMA_ONLY, ModelConfig, model_config
 from jaxzero.models.gpt import GPT, GPTConfig
 from jaxzero.models.llama import Llama, LlamaConfig
 from jaxzero.models.llama_hf import llama_config, read_json
+from jaxzero.models.lora import LoraConfig
 from jaxzero.models.protocol import Model, ReferenceModel
 
 __all__ = [
@@ -42,7 +43,9 @@ def llama_ff(d_model: int) -> int:
 
 
 def from_fields(
-    fields: ModelConfig | Mapping[str, Any], hf_raw: dict[str, Any] | None = None
+    fields: ModelConfig | Mapping[str, Any],
+    hf_raw: dict[str, Any] | None = None,
+    lora: LoraConfig | None = None,
 ) -> Model:
     """A ``GPT`` or ``Llama`` from a run's model fields: a :class:`ModelConfig`, or a
     mapping of its fields (absent or ``None`` ones take :class:`ModelConfig`'s
@@ -50,17 +53,22 @@ def from_fields(
 
     ``hf_raw``: the contents of the ``config.json`` that ``model.hf_config`` names, when
     the caller has it already (a fine-tune's processes compute it; reading the file
-    that one of them writes would race it).
+    that one of them writes would race it). ``lora``: adapters on a Llama-family model
+    (:mod:`jaxzero.models.lora`).
     """
     m = model_config(fields)
     if m.hf_config or hf_raw is not None:  # a fine-tuned checkpoint's architecture
         raw = read_json(Path(m.hf_config or "").expanduser()) if hf_raw is None else hf_raw
-        llama = Llama(llama_config(raw, seq_len=m.seq_len, remat=m.remat, attention=m.attention))
+        llama = Llama(
+            llama_config(raw, seq_len=m.seq_len, remat=m.remat, attention=m.attention), lora
+        )
         llama.hf_config = raw  # hf.save / export --format hf write this architecture
         return llama
     if m.vocab_size is None:
         raise ValueError("model.vocab_size is not set (a run takes it from its data)")
     if m.arch == "gpt":
+        if lora is not None:
+            raise ValueError("LoRA adapts Llama-family models (model.arch: llama, or a fine-tune)")
         extra = [k for k in LLAMA_ONLY if getattr(m, k) is not None and k != "rope_theta"]
         if extra:
             raise ValueError(f"model.{extra[0]} applies to arch: llama only")
@@ -82,6 +90,7 @@ def from_fields(
                 max_position_embeddings=max(m.seq_len, 2048),
                 remat=m.remat,
                 attention=m.attention,
-            )
+            ),
+            lora,
         )
     raise ValueError(f"unknown model.arch {m.arch!r}: use one of {ARCHS}")

@@ -141,14 +141,10 @@ class Linear(nnx.Module):
     ):
         self.weight = nnx.Param(std * jax.random.normal(rngs.params(), (d_out, d_in)))
         self.bias = nnx.Param(jnp.zeros(d_out)) if bias else None
-        if rank:
-            bound = 1.0 / d_in**0.5
-            self.lora_A = nnx.Param(
-                jax.random.uniform(rngs.params(), (rank, d_in), minval=-bound, maxval=bound)
-            )
-            self.lora_B = nnx.Param(jnp.zeros((d_out, rank)))
-        else:
-            self.lora_A = self.lora_B = None
+        bound = 1.0 / d_in**0.5
+        draw = lambda: jax.random.uniform(rngs.params(), (rank, d_in), minval=-bound, maxval=bound)
+        self.lora_A = nnx.Param(draw()) if rank else None
+        self.lora_B = nnx.Param(jnp.zeros((d_out, rank))) if rank else None
         self.scale = scale
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -29,6 +29,7 @@ from jaxzero.train.sections import (
     Config,
     DataConfig,
     LoggingConfig,
+    LoraSection,
     MeshConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -45,6 +46,7 @@ __all__ = [  # the sections are defined in jaxzero.train.sections and read from 
     "ConfigError",
     "DataConfig",
     "LoggingConfig",
+    "LoraSection",
     "MeshConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -353,6 +355,7 @@ PATH_FIELDS = (
     "train.init_from",
     "checkpoint.dir",
     "model.hf_config",
+    "lora.adapter",
 )
 PATHS_NOTE = (
     f"# paths ({', '.join(PATH_FIELDS)})\n"

@@ -32,6 +32,7 @@ from jaxzero import hf
 from jaxzero.modeldir import TOKENIZER_FILE as TOKENIZER
 from jaxzero.models import Llama
 from jaxzero.models.llama_hf import CONFIG, hf_config, llama_config, read_json
+from jaxzero.train import lora_run
 from jaxzero.train.config import Config, ConfigError, ModelConfig
 from jaxzero.train.data import data_kind
 
@@ -46,6 +47,7 @@ HF_CONFIG = "hf_config.json"
 # which a CPU feels; a model with a shorter context keeps its own.
 SEQ_LEN_CAP = 1024
 LR = 2e-5
+LORA_LR = 2e-4  # LoRA adapters (lora.rank): axolotl's and peft's examples' common rate
 WEIGHT_DECAY = 0.0
 WARMUP_FRACTION = 0.03
 
@@ -84,7 +86,7 @@ def defaults(cfg: Config) -> Config:
         model=dataclasses.replace(base.model, seq_len=min(context, SEQ_LEN_CAP)),
         optimizer=dataclasses.replace(
             base.optimizer,
-            lr=LR,
+            lr=LORA_LR if lora_run.enabled(cfg) else LR,
             weight_decay=WEIGHT_DECAY,
             warmup_steps=math.ceil(WARMUP_FRACTION * horizon),
         ),
@@ -126,6 +128,7 @@ def resolve(cfg: Config) -> tuple[Config, Llama]:
             path,
             hf.model(
                 path,
+                lora=lora_run.adapters(cfg)[0],
                 seq_len=cfg.model.seq_len,
                 remat=cfg.model.remat,
                 attention=cfg.model.attention,
@@ -195,6 +198,6 @@ def load(cfg: Config, engine: Any, model: Llama) -> Any:
     path = source(cfg)
     assert path is not None  # a fine-tune's config
     try:
-        return hf.load(path, engine, model)
+        return hf.load(path, engine, model, lora_run.adapters(cfg)[1], cfg.train.seed)
     except (hf.HFError, hf.SafetensorsError) as e:
         raise ConfigError(f"train.init_from: {e}") from None

@@ -29,17 +29,19 @@ import jax
 import numpy as np
 
 from jaxzero import cli, distributed
+from jaxzero.accounting.estimate import format_bytes
+from jaxzero.accounting.planner import shard_bytes
 from jaxzero.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError
 from jaxzero.train import config as config_lib
 from jaxzero.train import data as data_lib
-from jaxzero.train import finetune, planning, rundir
+from jaxzero.train import finetune, lora_run, planning, rundir
 from jaxzero.train import metrics as metrics_lib
 from jaxzero.train import resume as resume_lib
 from jaxzero.train.args import RESOLVED_CONFIG, build_parser, config_from_args
 from jaxzero.train.config import Config, ConfigError
 from jaxzero.train.devices import printable_config, resolve_run, setup_devices
 from jaxzero.train.planning import build
-from jaxzero.train.steps import Diverged, Run, Steps
+from jaxzero.train.steps import Diverged, Run, Steps, base_frozen
 
 
 def train(
@@ -165,7 +167,12 @@ def _set_up(
         if cfg.logging.progress != "none" and _is_main():
             print(checked.line, flush=True)
     run_dir, ckpt_dir = resume_lib.directories(cfg, resume, undo)
-    ckpt = CheckpointManager(ckpt_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
+    ckpt = CheckpointManager(  # a LoRA run's base is read again from its source
+        ckpt_dir,
+        cfg.checkpoint.keep_last,
+        cfg.checkpoint.keep_every,
+        save_frozen=not lora_run.enabled(cfg),
+    )
     if pretrained is not None:
         cfg, _ = finetune.pin_architecture(cfg, pretrained, run_dir, _is_main())
     return Run(
@@ -209,8 +216,13 @@ def _load_data(cfg: Config, n_dev: int, simulated: int | None) -> tuple[Config, 
 
 def _restore(run: Run) -> tuple[Any, dict[str, Any]]:
     """A resumed run's latest checkpoint (CheckpointError: nothing readable to resume);
-    records logged after it are dropped, to be logged again."""
-    state, extra = run.ckpt.restore(run.engine)
+    records logged after it are dropped, to be logged again. A LoRA run's frozen base is
+    read again from ``train.init_from`` and must be the one its adapters were trained on."""
+    state, extra = run.ckpt.restore(run.engine, frozen=base_frozen(run))
+    if lora_run.enabled(run.cfg):
+        source = finetune.source(run.cfg)
+        assert source is not None  # lora_run.adapters refuses LoRA without it
+        lora_run.check_base(extra.get(lora_run.BASE), source)
     if run.is_main:
         resume_lib.drop_records_after(run.directory / rundir.METRICS_FILE, int(state.step))
     return state, extra
@@ -233,7 +245,7 @@ def _restore_or_init(
         state, extra = run.engine.init_from(run.model.init, jax.random.key(cfg.train.seed)), {}
     per_run = None if run.job.multi else run.simulated  # multi-process: the mesh line says it
     run.progress.print(
-        metrics_lib.banner(cfg, run.corpus, run.engine.num_params, per_run)
+        metrics_lib.banner(cfg, run.corpus, run.engine.num_params, per_run, _lora_line(run))
         + "\n  mesh   "
         + _mesh_line(run.job, run.mesh)
     )
@@ -243,6 +255,23 @@ def _restore_or_init(
             f"{int(state.step)})" + "".join(f"\n  changed {c}" for c in run.resume)
         )
     return state, extra.get("loader")
+
+
+def _lora_line(run: Run) -> str:
+    """A LoRA run's banner line: what trains and what is frozen, counts and bytes per
+    device (from the state's shapes: its master, optimizer state and frozen base)."""
+    e = run.engine
+    if not e.num_frozen:
+        return ""
+    shapes = e.state_shapes()
+    frozen = shard_bytes(shapes.frozen)
+    trained = shard_bytes(shapes) - frozen
+    lora = run.cfg.lora
+    return (
+        f"rank {run.model.lora.rank}, alpha {run.model.lora.alpha:g} on {lora.targets}: "
+        f"{e.num_params:,} params train ({format_bytes(trained)} per device with their "
+        f"optimizer state), {e.num_frozen:,} frozen ({format_bytes(frozen)} per device)"
+    )
 
 
 def _close(*things: Any) -> None:

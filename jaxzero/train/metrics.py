@@ -186,7 +186,10 @@ def summarize(
     """The end-of-run figures: tokens, throughput, MFU (formula stated), losses, memory."""
     local = jax.local_devices()
     n_dev = engine.mesh.size
-    flops_per_token = model.flops_per_token(engine.num_params)
+    total, frozen = engine.num_params + engine.num_frozen, engine.num_frozen
+    # a frozen param's weight gradient is never computed: 4 FLOPs per token, not 6
+    lookup = model.lookup_params() if frozen else 0
+    flops_per_token = model.flops_per_token(total) - 2.0 * max(frozen - lookup, 0)
     peak, source = peak_flops_per_device(local[0], cfg.train.peak_flops_per_device)
     tps = watch.tokens_per_s
     m = cfg.model
@@ -201,7 +204,7 @@ def summarize(
         "train_s": watch.seconds,
         "tokens_per_s": tps,
         "flops_per_token": flops_per_token,
-        "flops_formula": _flops_formula(model, engine.num_params, m.seq_len),
+        "flops_formula": _flops_formula(model, total, m.seq_len, frozen),
         "achieved_flops": flops_per_token * tps,
         "peak_flops_per_device": peak,
         "peak_flops_source": source,
@@ -212,10 +215,16 @@ def summarize(
     }
 
 
-def _flops_formula(model: Any, num_params: int, seq: int) -> str:
+def _flops_formula(model: Any, num_params: int, seq: int, frozen: int = 0) -> str:
     c = model.config
     if hasattr(c, "num_key_value_heads"):  # the Llama: the untied input embedding is a lookup
         lookup = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+        if frozen:  # no weight gradient of a frozen param
+            return (
+                f"6*(N - lookup) - 2*(frozen - lookup) + 12*L*S*H*K = 6*({num_params} - "
+                f"{lookup}) - 2*({frozen} - {lookup}) + "
+                f"12*{c.num_hidden_layers}*{seq}*{c.num_attention_heads}*{c.head_size}"
+            )
         return (
             f"6*(N - lookup) + 12*L*S*H*K = 6*({num_params} - {lookup}) + "
             f"12*{c.num_hidden_layers}*{seq}*{c.num_attention_heads}*{c.head_size}"
@@ -253,9 +262,11 @@ def run_line(cfg: Config) -> str:
     return f"jaxzero train: {cfg.logging.name} -> {Path(cfg.logging.root) / str(cfg.logging.name)}"
 
 
-def banner(cfg: Config, corpus: Any, num_params: int, simulated: int | None) -> str:
+def banner(
+    cfg: Config, corpus: Any, num_params: int, simulated: int | None, frozen: str = ""
+) -> str:
     """What is about to run: data, model, ZeRO layout (printed before the first step, under
-    :func:`run_line`)."""
+    :func:`run_line`); ``frozen``: a LoRA run's line on what trains and what is frozen."""
     p, m = cfg.parallel, cfg.model
     unit = "bytes" if corpus.kind == "bytes" else f"{corpus.kind} tokens"
     dev = f"{p.devices} device(s)"
@@ -272,6 +283,7 @@ def banner(cfg: Config, corpus: Any, num_params: int, simulated: int | None) -> 
             f"seq {m.seq_len}, {num_params:,} params, remat {m.remat}",
             f"  zero   stage {p.stage} on {dev}, {cfg.precision.compute}, micro-batches "
             f"{p.micro_batches}, global batch {cfg.train.batch_size} x {m.seq_len} tokens",
+            *([f"  lora   {frozen}"] if frozen else []),
         ]
     )
 

@@ -42,6 +42,7 @@ from jaxzero.models import Model, from_fields
 from jaxzero.models.common import cudnn_refusal
 from jaxzero.train import config as config_lib
 from jaxzero.train import data as data_lib
+from jaxzero.train import lora_run
 from jaxzero.train.config import Config, ConfigError
 from jaxzero.train.optimizer import make_optimizer
 
@@ -53,7 +54,7 @@ def build(cfg: Config, mesh: Any, model: Model | None = None) -> tuple[Model, An
     refused = cudnn_refusal(cfg.model.attention, PRECISIONS[cfg.precision.compute])
     if refused is not None:
         raise ConfigError(f"model.{refused}")
-    model = from_fields(cfg.model) if model is None else model
+    model = from_fields(cfg.model, lora=lora_run.adapters(cfg)[0]) if model is None else model
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
     engine = model.engine(
         tx,

@@ -137,6 +137,21 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class LoraSection:
+    """LoRA adapters on a frozen base: a fine-tune (``train.init_from``) that trains only
+    a low-rank update of each target projection (:mod:`jaxzero.models.lora`, peft's
+    definition). Checkpoints then hold the adapters and the base's fingerprint."""
+
+    rank: int = 0  # 0: off (every weight trains)
+    alpha: float = 16.0  # the update is scaled by alpha / rank (use_rslora: alpha / sqrt(rank))
+    # all-linear (every projection, as peft) | names, comma-separated (q_proj,v_proj) | a regex
+    targets: str = "all-linear"
+    use_rslora: bool = False
+    # a PEFT adapter directory to start from (its rank, alpha and targets)
+    adapter: str | None = None
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Length and size of training, and the FLOP/s the MFU estimate is measured against."""
 
@@ -164,3 +179,4 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraSection = field(default_factory=LoraSection)

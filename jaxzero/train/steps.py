@@ -21,9 +21,9 @@ import jax
 from jaxzero.checkpoint import CheckpointManager
 from jaxzero.train import config as config_lib
 from jaxzero.train import data as data_lib
+from jaxzero.train import finetune, lora_run, rundir
 from jaxzero.train import metrics as metrics_lib
 from jaxzero.train import resume as resume_lib
-from jaxzero.train import rundir
 from jaxzero.train.config import Config
 
 MAX_ROLLBACKS = 3  # checkpoint.on_nan=rollback: then stop, the run is not recovering
@@ -94,6 +94,14 @@ class _Sent:
     sent: float  # time.perf_counter() at dispatch
 
 
+def base_frozen(run: Run) -> Any:
+    """A LoRA run's frozen base, read again from ``train.init_from`` (its checkpoints do
+    not hold it); None for any other run."""
+    if not lora_run.enabled(run.cfg):
+        return None
+    return finetune.load(run.cfg, run.engine, run.model).frozen
+
+
 class Steps:
     """The training steps ``first..train.steps``: step, check, log, evaluate, checkpoint.
 
@@ -154,6 +162,9 @@ class Steps:
         """Checkpoints ``state`` with the loader's position (written in the background)."""
         run = self.run
         extra = {"config": config_lib.to_dict(run.cfg), "loader": self.loader.state_dict()}
+        source = finetune.source(run.cfg)
+        if lora_run.enabled(run.cfg) and source is not None:
+            extra[lora_run.BASE] = lora_run.base_record(source)
         begin = time.perf_counter()
         run.ckpt.save(run.engine, state, extra=extra, force=force)
         step = int(state.step)
@@ -210,7 +221,7 @@ class Steps:
         run = self.run
         self.rollbacks += 1
         self.skip.add(sent.batch)
-        state, extra = run.ckpt.restore(run.engine)
+        state, extra = run.ckpt.restore(run.engine, frozen=base_frozen(run))
         self.loader.load_state_dict(extra["loader"])
         if run.is_main:
             resume_lib.drop_records_after(run.directory / rundir.METRICS_FILE, int(state.step))
