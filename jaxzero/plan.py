@@ -383,7 +383,7 @@ def state_from_master(plan: Plan, master32: Params, frozen: Params = None) -> Tr
 
 def to_frozen(plan: Plan, x: Any, lay: LeafLayout, dtype: str) -> Any:
     """A logical frozen leaf as stored: its plan dtype, padded when params are sharded."""
-    x = x.astype("float32")
+    x = x.astype(dtype)
     return pad(x, lay) if params_sharded(plan.stage) else x
 
 
