@@ -54,6 +54,7 @@ class UseOp:
     # the cotangent, through the barrier only, goes back to the value (stages 0-1)
     probe: bool = False  # hook_check's trace: same shapes out, no data path from the store
     frozen: bool = False  # a frozen param (no slot): gathered outside autodiff, no gradient
+    cast: str | None = None  # frozen: the compute dtype it is cast to once whole (or None)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -194,8 +195,11 @@ def use_params(tree: Params) -> Params:
         ops = tuple(_op_of(leaves[i]) for i in idx)
         if probe:  # so any other read of a stored array is the misuse hook_check seeks
             outs = _forward(ops, tuple(jnp.zeros_like(leaves[i].value) for i in idx))
-        elif frozen:
+        elif frozen:  # stored in its own dtype (a bf16 base), computed with in the run's
             outs = _forward(ops, tuple(leaves[i].value for i in idx))
+            outs = tuple(
+                x if op.cast is None else x.astype(op.cast) for op, x in zip(ops, outs, strict=True)
+            )
         else:
             values = tuple(leaves[i].value for i in idx)
             outs = _use(ops, values, tuple(leaves[i].slot for i in idx))

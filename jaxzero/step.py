@@ -83,15 +83,26 @@ class Frozen:
 
 
 def frozen_view(cfg: StepConfig, fz: Frozen, values: Params) -> Params:
-    """The frozen params as the loss gets them: as stored (stages 0–2: whole), or at
-    stage 3 gathered by ``use_params`` (per layer, or here for the whole tree), with no
-    gradient slot: their gathers never meet autodiff, so no weight gradient is computed."""
-    if cfg.stage < 3:
+    """The frozen params as the loss gets them, in the compute dtype (a bf16 base in an
+    fp32 run computes in fp32, as its trainable params do): at stage 3 gathered by
+    ``use_params`` (per layer, or here for the whole tree) and cast once whole; at stages
+    0–2 whole already, cast in each layer's ``use_params`` (a per-layer model) or here.
+    No gradient slot: their gathers never meet autodiff, so no weight gradient is
+    computed."""
+    compute = jnp.dtype(cfg.compute_dtype)
+    cast = lambda x: (
+        None if x.dtype == compute or not jnp.issubdtype(x.dtype, jnp.floating) else compute.name
+    )
+    if cfg.stage < 3 and not cfg.per_layer:
+        return jax.tree.map(lambda x: x if cast(x) is None else x.astype(compute), values)
+    if cfg.stage < 3 and all(cast(x) is None for x in jax.tree.leaves(values)):
         return values
 
     def wrap(lay: LeafLayout, value: jax.Array) -> Stored:
         bucket = cfg.bucket_bytes if cfg.per_layer else cfg.whole_tree_bucket_bytes
-        op = UseOp(lay, True, "float32", cfg.extra_axes, bucket_bytes=bucket, frozen=True)
+        gather = cfg.stage == 3
+        op = UseOp(lay, gather, "float32", cfg.extra_axes, bucket_bytes=bucket, reduce=False)
+        op = dataclasses.replace(op, frozen=True, cast=cast(value))
         return Stored(value, None, op)
 
     stored = _map(wrap, fz.layouts, values)

@@ -52,6 +52,8 @@ MODULES = {
     "test_export": "system",
     "test_finetune": "system",
     "test_flax_hooks": "equivalence",
+    "test_frozen": "equivalence",
+    "test_lora": "equivalence",
     "test_hf": "equivalence",
     "test_hook_check": "unit",
     "test_layout": "unit",

@@ -1,0 +1,165 @@
+"""LoRA on the Hugging Face fixtures: exact at every stage against one device, PEFT
+adapters in and out against peft's own logits, and a LoRA run from the command line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxzero import cli, hf, make_mesh
+from jaxzero.hf import peft
+from jaxzero.models.llama import Llama
+from jaxzero.models.llama_hf import HFError
+from jaxzero.models.lora import LoraConfig
+
+HF = Path(__file__).parent / "fixtures" / "hf"
+PEFT = Path(__file__).parent / "fixtures" / "peft"
+BASE = HF / "llama_gqa" / "single"  # bf16 weights
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize(
+    "name, base", [("llama_gqa_r4", "llama_gqa"), ("qwen2_tied_qv_rslora", "qwen2_tied")]
+)
+def test_a_peft_adapter_loads_to_peft_logits_and_merges(name, base, tmp_path):
+    """peft's own logits (reference.npz, torch) from the adapter over its base; the merged
+    weights give peft's merge_and_unload logits; written back, the adapter is the same."""
+    adapter = peft.read_adapter(PEFT / name)
+    ref = np.load(PEFT / name / "reference.npz")
+    m = hf.model(HF / base / "single", lora=adapter.config, seq_len=24)
+    engine = m.engine(optax.sgd(0.0), mesh=make_mesh(8), stage=3)
+    state = hf.load(HF / base / "single", engine, m, adapter=adapter)
+    params = engine.gather_params(state)
+    tokens = jnp.asarray(ref["tokens"])
+    assert _relative(np.asarray(m.apply(params, tokens)), ref["logits"]) < 1e-4
+    assert _relative(ref["logits"], ref["base_logits"]) > 0.1  # the adapter matters
+    merged = peft.merged(params, adapter.config)
+    plain = np.asarray(Llama(m.config).apply(merged, tokens))
+    assert _relative(plain, ref["merged_logits"]) < 1e-4
+    peft.write_adapter(tmp_path, adapter.config, adapter.tensors, base=str(HF / base / "single"))
+    again = peft.read_adapter(tmp_path)
+    assert again.config == adapter.config
+    for k, v in adapter.tensors.items():
+        np.testing.assert_array_equal(again.tensors[k], v)
+
+
+def _batch(rows: int = 16, seq: int = 16) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, (rows, seq + 1)).astype(np.int32)
+    mask = (rng.random((rows, seq)) < 0.6).astype(np.float32)  # uneven tokens per row
+    mask[0] = 0.0  # a row with nothing to learn from
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
+
+
+def _train(stage: int, devices: int, micro: int, steps: int = 3):
+    lora = LoraConfig(rank=4, alpha=8)
+    m = hf.model(BASE, lora=lora, seq_len=16)
+    engine = m.engine(optax.adamw(1e-3), mesh=make_mesh(devices), stage=stage, micro_batches=micro)
+    state = hf.load(BASE, engine, m, seed=1)
+    base = jax.tree.map(np.asarray, jax.device_get(engine.gather_params(state)))
+    losses = []
+    for _ in range(steps):
+        state, metrics = engine.step(state, _batch())
+        losses.append(float(metrics["loss"]))
+    return m, engine, state, base, np.array(losses)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _train(0, 1, 1)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_lora_at_every_stage_equals_one_device(stage, one_device):
+    """8 devices, 2 micro-batches, masked uneven tokens: the losses and adapters of one
+    device to 1e-5; the step-1 loss is the base model's; the base is bit-identical."""
+    m, e1, s1, base, ref = one_device
+    _, engine, state, _, losses = _train(stage, 8, 2)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    got, want = engine.gather_params(state), e1.gather_params(s1)
+    flat = dict(jax.tree_util.tree_leaves_with_path(want))
+    before = dict(jax.tree_util.tree_leaves_with_path(base))
+    for path, x in jax.tree_util.tree_leaves_with_path(got):
+        np.testing.assert_allclose(x, flat[path], atol=1e-5, rtol=1e-5)
+        if "lora" not in jax.tree_util.keystr(path):
+            np.testing.assert_array_equal(x, before[path])  # the base, bit for bit
+    plain = Llama(m.config)  # the base model alone, the same batch
+    out = plain.loss_fn(hf.read_params(BASE, plain), _batch())
+    np.testing.assert_allclose(losses[0], float(out.total / out.weight), rtol=1e-5)
+    assert engine.num_frozen > 5 * engine.num_params  # the base is frozen, its bf16 kept
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state.frozen))
+    assert len(jax.tree.leaves(state.opt_state)) == 1 + 2 * 14  # count, mu and nu per adapter
+
+
+def test_bad_lora_settings_are_one_line():
+    with pytest.raises(ValueError, match="matches none of the model's linear modules: self_attn"):
+        hf.model(BASE, lora=LoraConfig(rank=2, targets="nothing_proj"))
+    with pytest.raises(ValueError, match="lora.rank must be a positive integer"):
+        LoraConfig(rank=0)
+    with pytest.raises(ValueError, match="lora.rank 40 exceeds self_attn.q_proj's dimensions"):
+        hf.model(BASE, lora=LoraConfig(rank=40))
+    other = peft.read_adapter(PEFT / "qwen2_tied_qv_rslora")
+    wrong = LoraConfig(rank=2, alpha=4, targets=("self_attn.q_proj", "self_attn.v_proj"))
+    m = hf.model(BASE, lora=wrong)
+    bad = peft.Adapter(
+        other.config,
+        {k: v[:, :, :5] if k.endswith("lora_A") else v for k, v in other.tensors.items()},
+        None,
+    )
+    engine = m.engine(optax.sgd(0.1), mesh=make_mesh(1))
+    with pytest.raises(HFError, match="made for another base model"):
+        hf.load(BASE, engine, m, adapter=bad)
+
+
+def _lora_run(root: Path, base: Path, data: Path, *extra: str) -> int:
+    return cli.main(
+        [
+            "train",
+            *extra,
+            *("--set", "model.seq_len=16", "--set", "train.batch_size=8"),
+            *("--set", "logging.eval_every=2", "--set", "logging.sample_tokens=0"),
+            *("--set", "checkpoint.every=2", "--set", f"logging.root={root}"),
+            *("--devices", "2", "--stage", "3"),
+        ]
+    )
+
+
+def test_a_lora_run_checkpoints_adapters_and_refuses_a_changed_base(tmp_path, capsys):
+    """The command line: step 1 is the base model's loss, checkpoints hold no base, resume
+    continues, and a base that changed since is refused in one line."""
+    base = tmp_path / "base"
+    shutil.copytree(BASE, base)
+    rng = np.random.default_rng(0)
+    words = lambda n: " ".join(f"t{i}" for i in rng.integers(3, 64, n))
+    data = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": words(4), "completion": " " + words(5)} for _ in range(80)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "runs" / "lora"
+    start = ("--init-from", f"hf:{base}", "--data", str(data), "--set", "lora.rank=4")
+    assert _lora_run(tmp_path / "runs", base, data, *start, "--steps", "2", "--name", "lora") == 0
+    out = capsys.readouterr().out
+    assert "lora   rank 4, alpha 16 on all-linear: 3,712 params train" in out
+    meta = json.loads((run / "checkpoints" / "2" / "meta" / "metadata").read_text())
+    assert meta["frozen_saved"] is False
+    assert not any(n.startswith("frozen/") for n in meta["leaves"])
+    assert cli.main(["train", "--resume", str(run), "--steps", "4"]) == 0
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines if "loss" in json.loads(x)][-1] == 4
+    weights = base / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-3] ^= 1
+    weights.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", str(run), "--steps", "6"]) != 0
+    err = capsys.readouterr().err
+    assert "changed since the checkpoint was saved" in err and len(err.strip().splitlines()) == 1
