@@ -37,27 +37,28 @@ import yaml
 from jaxzero import cli, hf, modeldir
 from jaxzero.checkpoint import (
     CheckpointError,
-    LeafReader,
     complete_steps,
     host_reader_process,
     is_step_dir,
-    param_entries,
     read_extra,
     read_metadata,
 )
 from jaxzero.cli import Parser
 from jaxzero.errors import Error
 from jaxzero.hf import safetensors
+from jaxzero.hf.peft import write_adapter
 from jaxzero.models import Llama, from_fields
 from jaxzero.models.fields import EXPORTED
+from jaxzero.train import merged
 from jaxzero.train.args import RESOLVED_CONFIG as RUN_CONFIG
 from jaxzero.train.config import DataConfig
 from jaxzero.train.data import data_kind
+from jaxzero.train.lora_run import config_of
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 MODEL_FIELDS = EXPORTED  # the run's model fields an export carries (jaxzero.models.fields)
-FORMATS = ("jaxzero", "hf")
+FORMATS = ("jaxzero", "hf", "peft")
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}
 
 
@@ -159,20 +160,23 @@ def model_fields(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]
 def export_params(step_dir: Path, out_file: Path, dtype: str = "fp32") -> dict[str, Any]:
     """Writes the checkpoint's logical params to ``out_file``, one leaf in memory at a time."""
     meta = read_metadata(step_dir)
-    entries = param_entries(meta)
+    lora = merged.lora_of(step_dir)
+    entries = merged.entries(meta, lora)
     dt = DTYPES[dtype]
-    with LeafReader(step_dir) as reader:
+    try:
         size = safetensors.write(
             out_file,
-            [(n, dt, s) for n, _, s in entries],
-            (reader.read(leaf, shape, dt) for _, leaf, shape in entries),
+            [(n, dt, s) for n, s in entries],
+            merged.arrays(step_dir, meta, lora, dt),
             {"format": "jaxzero", "step": str(meta.get("step"))},
         )
+    except hf.HFError as e:  # a LoRA run's base, changed or gone
+        raise ExportError(str(e)) from None
     return {
         "step": meta.get("step"),
         "params": len(entries),
         "bytes": size,
-        "largest_leaf_bytes": max(math.prod(s) * dt.itemsize for *_, s in entries),
+        "largest_leaf_bytes": max(math.prod(s) * dt.itemsize for _, s in entries),
     }
 
 
@@ -223,27 +227,45 @@ def export_hf(
     base = _base_model(run)
     if base is not None and base.is_dir():
         model.hf_dir = base  # its generation_config.json, as hf.save copies it
-    entries = param_entries(meta)
+    lora = merged.lora_of(step_dir)  # a LoRA run: its base with the adapters merged in
     try:
-        with LeafReader(step_dir) as reader:
-            return hf.write_model(
-                out,
-                model,
-                [(n, s) for n, _, s in entries],
-                (reader.read(leaf, shape, DTYPES["fp32"]) for _, leaf, shape in entries),
-                {"fp32": "float32", "bf16": "bfloat16"}[dtype],
-                overwrite=overwrite,
-                tokenizer=_tokenizer(run),
-                protected=protected(step_dir, run),
-            )
+        return hf.write_model(
+            out,
+            model,
+            merged.entries(meta, lora),
+            merged.arrays(step_dir, meta, lora, DTYPES["fp32"]),
+            {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+            overwrite=overwrite,
+            tokenizer=_tokenizer(run),
+            protected=protected(step_dir, run),
+        )
     except hf.HFError as e:
         raise ExportError(str(e)) from None
+
+
+def export_peft(step_dir: Path, meta: dict[str, Any], out: Path, dtype: str) -> Path:
+    """A PEFT adapter directory (``PeftModel.from_pretrained(base, out)`` loads it over
+    the run's base) from a LoRA run's checkpoint."""
+    lora = merged.lora_of(step_dir)
+    if lora is None:
+        raise ExportError(
+            f"--format peft needs a LoRA run (lora.rank); {step_dir} trained every weight "
+            "(export it with --format hf)"
+        )
+    try:
+        with modeldir.staged(out, "jaxzero") as tmp:
+            write_adapter(
+                tmp, config_of(lora), merged.adapters(step_dir, meta), lora["path"], DTYPES[dtype]
+            )
+    except OSError as e:
+        raise ExportError(f"cannot write --out {out}: {e.strerror or e}") from None
+    return out
 
 
 def export(
     path: str | Path,
     out: str | Path,
-    dtype: str = "fp32",
+    dtype: str | None = None,
     step: int | None = None,
     format: str = "jaxzero",
     overwrite: bool = False,
@@ -260,6 +282,8 @@ def export(
     run = run_config(step_dir)
     meta = read_metadata(step_dir)
     out = Path(out)
+    if dtype is None:  # fp32; a LoRA run's merged model and adapter: its base's dtype
+        dtype = merged.base_dtype(merged.lora_of(step_dir))
     try:
         modeldir.check_target(out, overwrite, protected(step_dir, run), "--overwrite")
         tok_files = modeldir.tokenizer_files(_tokenizer(run), required=True)
@@ -267,6 +291,8 @@ def export(
         raise ExportError(str(e)) from None
     if format == "hf":
         return export_hf(step_dir, run, meta, out, dtype, overwrite=True)  # checked above
+    if format == "peft":
+        return export_peft(step_dir, meta, out, dtype)
     fields = model_fields(run, meta)
     try:
         with modeldir.staged(out, "jaxzero") as tmp:
@@ -331,14 +357,19 @@ def _export_parser() -> argparse.ArgumentParser:
         "path", metavar="RUN_OR_CHECKPOINT", help="run dir, its checkpoints dir, or one step dir"
     )
     p.add_argument("--out", required=True, metavar="DIR", help="new, empty or an earlier export")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="default fp32")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help="default fp32 (a LoRA run: its base's, bf16 for a bf16 base)",
+    )
     p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     p.add_argument(
         "--format",
         choices=FORMATS,
         default="jaxzero",
         help="jaxzero: one safetensors file + config.json (default); hf: a Hugging "
-        "Face model directory transformers loads (model.arch=llama runs)",
+        "Face model directory transformers loads (model.arch=llama runs; a LoRA run's "
+        "adapters merged into its base); peft: a LoRA run's adapter, as peft saves it",
     )
     p.add_argument(
         "--overwrite",
@@ -362,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"exported {out} (Hugging Face format)"
             if args.format == "hf"
+            else f"exported {out} (a PEFT LoRA adapter)"
+            if args.format == "peft"
             else f"exported {out / WEIGHTS} and {out / CONFIG}"
         )
         print(describe_source(args.path, args.step), file=sys.stderr)

@@ -91,6 +91,26 @@ def base_record(path: Path) -> dict[str, Any]:
     return _RECORDS[key]
 
 
+def record(path: Path, config: LoraConfig) -> dict[str, Any]:
+    """What a LoRA checkpoint's ``extra`` records: its base (path, fingerprint) and the
+    adapters' settings, so export and sample merge them without the run's config."""
+    targets = config.targets if isinstance(config.targets, str) else list(config.targets)
+    return {
+        **base_record(path),
+        "rank": config.rank,
+        "alpha": config.alpha,
+        "targets": targets,
+        "use_rslora": config.use_rslora,
+    }
+
+
+def config_of(record: dict[str, Any]) -> LoraConfig:
+    """The :class:`LoraConfig` a checkpoint's :func:`record` describes."""
+    t = record["targets"]
+    targets = t if isinstance(t, str) else tuple(t)
+    return LoraConfig(int(record["rank"]), float(record["alpha"]), targets, record["use_rslora"])
+
+
 def check_base(saved: dict[str, Any] | None, path: Path) -> None:
     """Refuse (one line) to resume on a base other than the one the checkpoint's
     adapters were trained on."""

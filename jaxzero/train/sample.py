@@ -18,13 +18,14 @@ import jax
 import numpy as np
 
 from jaxzero import cli, hf
-from jaxzero.checkpoint import LeafReader, nest, param_entries, read_metadata
+from jaxzero.checkpoint import nest, read_metadata
 from jaxzero.cli import ArgError, Parser
 from jaxzero.data.tokenizer import Tokenizer, TokenizerError, unk_share, unk_warning
 from jaxzero.hf import safetensors
 from jaxzero.models import Model, from_fields
 from jaxzero.models.llama_hf import GENERATION_CONFIG
 from jaxzero.partition import path_str
+from jaxzero.train import merged
 from jaxzero.train.data import decode
 from jaxzero.train.export import (
     CONFIG,
@@ -63,11 +64,18 @@ def load_model(path: str | Path, step: int | None = None) -> tuple[Model, dict[s
         step_dir = find_step_dir(path, step)
         run, meta = run_config(step_dir), read_metadata(step_dir)
         config = {**model_fields(run, meta), "tokens": token_kind(run)}
-        with LeafReader(step_dir) as reader:
+        lora = merged.lora_of(step_dir)  # a LoRA run: its base with the adapters merged in
+        try:
             flat = {
-                name: reader.read(leaf, shape, DTYPES["fp32"])
-                for name, leaf, shape in param_entries(meta)
+                name: x
+                for (name, _), x in zip(
+                    merged.entries(meta, lora),
+                    merged.arrays(step_dir, meta, lora, DTYPES["fp32"]),
+                    strict=True,
+                )
             }
+        except hf.HFError as e:
+            raise ExportError(str(e)) from None
         source = str(step_dir)
     fields = {k: config[k] for k in MODEL_FIELDS if config.get(k) is not None}
     try:

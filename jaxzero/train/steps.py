@@ -164,7 +164,7 @@ class Steps:
         extra = {"config": config_lib.to_dict(run.cfg), "loader": self.loader.state_dict()}
         source = finetune.source(run.cfg)
         if lora_run.enabled(run.cfg) and source is not None:
-            extra[lora_run.BASE] = lora_run.base_record(source)
+            extra[lora_run.BASE] = lora_run.record(source, run.model.lora)
         begin = time.perf_counter()
         run.ckpt.save(run.engine, state, extra=extra, force=force)
         step = int(state.step)
