@@ -155,6 +155,7 @@ def test_a_lora_run_checkpoints_adapters_and_refuses_a_changed_base(tmp_path, ca
     assert cli.main(["train", "--resume", str(run), "--steps", "4"]) == 0
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines if "loss" in json.loads(x)][-1] == 4
+    _exports_merge_the_adapters(run, base, tmp_path, capsys)
     weights = base / "model.safetensors"
     raw = bytearray(weights.read_bytes())
     raw[-3] ^= 1
@@ -163,3 +164,37 @@ def test_a_lora_run_checkpoints_adapters_and_refuses_a_changed_base(tmp_path, ca
     assert cli.main(["train", "--resume", str(run), "--steps", "6"]) != 0
     err = capsys.readouterr().err
     assert "changed since the checkpoint was saved" in err and len(err.strip().splitlines()) == 1
+
+
+def _exports_merge_the_adapters(run: Path, base: Path, tmp_path: Path, capsys) -> None:
+    """--format peft writes the trained adapters over the base (peft's names and
+    config), --format hf the base with them merged (in the base's bf16), and both give
+    the same logits; sample runs the merged model."""
+    for fmt in ("peft", "hf"):
+        assert cli.main(["export", str(run), "--out", str(tmp_path / fmt), "--format", fmt]) == 0
+    adapter = peft.read_adapter(tmp_path / "peft")
+    assert adapter.config.rank == 4 and adapter.base == str(base)
+    raw = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert raw["r"] == 4 and raw["lora_alpha"] == 16 and "q_proj" in raw["target_modules"]
+    m = hf.model(base, lora=adapter.config, seq_len=16)
+    engine = m.engine(optax.sgd(0.0), mesh=make_mesh(1))
+    params = engine.gather_params(hf.load(base, engine, m, adapter=adapter))
+    tokens = jnp.asarray(np.arange(32).reshape(2, 16) % 64)
+    with_adapter = np.asarray(m.apply(params, tokens))
+    plain = hf.model(tmp_path / "hf", seq_len=16)
+    out = np.asarray(plain.apply(hf.read_params(tmp_path / "hf", plain), tokens))
+    assert hf.Weights(tmp_path / "hf").dtype("model.embed_tokens.weight") == "bfloat16"
+    assert _relative(out, with_adapter) < 2e-2  # the merged weights rounded to bf16 once
+    before = np.asarray(Llama(m.config).apply(hf.read_params(base, plain), tokens))
+    assert np.max(np.abs(with_adapter - before)) > 1e-3  # the adapters trained
+    capsys.readouterr()
+    assert cli.main(["sample", str(run), "--prompt", "t3 t4", "--tokens", "3"]) == 0
+    assert cli.main(["export", str(run), "--out", str(tmp_path / "x"), "--format", "jaxzero"]) == 0
+
+
+def test_peft_export_of_a_full_fine_tune_is_one_line(tmp_path, capsys):
+    from jaxzero.train.export import ExportError, export_peft
+
+    meta = {"param_tree": [], "leaves": {}}
+    with pytest.raises(ExportError, match="--format peft needs a LoRA run"):
+        export_peft(tmp_path, meta, tmp_path / "out", "fp32")
