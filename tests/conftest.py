@@ -70,6 +70,7 @@ MODULES = {
     "test_plan": "equivalence",
     "test_planner": "equivalence",
     "test_procs": "unit",
+    "test_quant": "unit",
     "test_run_edges": "system",
     "test_run_failures": "system",
     "test_step": "equivalence",
