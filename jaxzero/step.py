@@ -83,15 +83,19 @@ class Frozen:
 
 
 def frozen_view(cfg: StepConfig, fz: Frozen, values: Params) -> Params:
-    """The frozen params as the loss gets them, in the compute dtype (a bf16 base in an
-    fp32 run computes in fp32, as its trainable params do): at stage 3 gathered by
+    """The frozen params as the loss gets them, cast up to the compute dtype (a bf16 base
+    in an fp32 run computes in fp32, as its trainable params do): at stage 3 gathered by
     ``use_params`` (per layer, or here for the whole tree) and cast once whole; at stages
     0–2 whole already, cast in each layer's ``use_params`` (a per-layer model) or here.
     No gradient slot: their gathers never meet autodiff, so no weight gradient is
     computed."""
     compute = jnp.dtype(cfg.compute_dtype)
+    # only up (a bf16 base in an fp32 run): a wider frozen leaf (QLoRA's fp32 scales in a
+    # bf16 run) is used as stored, the model casting where it computes
     cast = lambda x: (
-        None if x.dtype == compute or not jnp.issubdtype(x.dtype, jnp.floating) else compute.name
+        compute.name
+        if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < compute.itemsize
+        else None
     )
     if cfg.stage < 3 and not cfg.per_layer:
         return jax.tree.map(lambda x: x if cast(x) is None else x.astype(compute), values)

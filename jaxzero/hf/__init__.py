@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import zlib
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax.experimental import multihost_utils
@@ -43,8 +45,9 @@ from jaxzero.models.llama_hf import (
     llama_config,
     read_json,
 )
-from jaxzero.models.lora import LoraConfig
-from jaxzero.partition import LeafLayout, is_layout, layouts_for
+from jaxzero.models.lora import QUANTIZED, LoraConfig
+from jaxzero.models.quant import BLOCK, quantize
+from jaxzero.partition import LeafLayout, is_layout, layouts_for, path_str
 from jaxzero.readback import iter_params
 from jaxzero.state import TrainState
 
@@ -168,19 +171,23 @@ def _reader(path: Path, m: Llama, adapter: Adapter | None = None, seed: int = 0)
     A LoRA model (``m.lora``) reads its base from the checkpoint, each frozen weight
     keeping the checkpoint's dtype, and its adapters from ``adapter`` (a PEFT adapter,
     checked against the base's shapes) or fresh as peft makes them (A drawn from ``seed``
-    and the param's name, B zero)."""
+    and the param's name, B zero). A QLoRA base (``m.lora.base_dtype``) is quantized as
+    it is read, whole rows at a time (:mod:`jaxzero.models.quant`)."""
     weights = Weights(path)
     # the key made inside the trace: this starts no JAX backend, so a run can check a
     # checkpoint before it sets up (simulated) devices
     shapes = jax.eval_shape(lambda: m.init(jax.random.key(0)))
     lays = jax.tree.leaves(layouts_for(shapes, 1), is_leaf=is_layout)
     lora = {lay.path: lay.shape for lay in lays if lora_lib.trainable(lay.path)}
-    names = _sources(m, weights, [lay for lay in lays if lay.path not in lora])
+    quant = {lay.path: _dequantized(lay, shapes) for lay in lays if _is_quantized(lay.path)}
+    plain = [lay for lay in lays if lay.path not in lora and lay.path not in quant]
+    names = _sources(m, weights, plain + list({w.path: w for w in quant.values()}.values()))
     if adapter is not None:
         if m.lora is None:
             raise HFError(f"{path}: an adapter needs a model with LoRA (model(..., lora=...))")
         peft_lib.check_adapter(adapter, lora, "the PEFT adapter")
     fresh: dict[str, np.ndarray] = {}
+    kind = (m.lora.base_dtype if m.lora is not None else None) or ""
 
     def adapted(lay: LeafLayout) -> np.ndarray:
         if adapter is not None:
@@ -196,6 +203,11 @@ def _reader(path: Path, m: Llama, adapter: Adapter | None = None, seed: int = 0)
     def read(lay: LeafLayout, index: tuple[slice, ...]) -> np.ndarray:
         if lay.path in lora:
             return adapted(lay)[index]
+        if lay.path in quant:  # whole rows of the weight, quantized, then this region's part
+            whole = quant[lay.path]
+            rows = read(whole, (*index[:-1], slice(0, whole.shape[-1])))
+            part = "codes" if lay.path.endswith("_codes") else "scale"
+            return quantize(rows, kind)[part][..., index[-1]]
         srcs = names[lay.path]
         stacked = lay.path.startswith("layers/")
         parts = srcs[index[0]] if stacked else srcs[:1]
@@ -207,7 +219,7 @@ def _reader(path: Path, m: Llama, adapter: Adapter | None = None, seed: int = 0)
         return np.stack(out) if stacked else out[0]
 
     if m.lora is not None:  # the frozen base is stored in the checkpoint's dtype
-        dtypes = {p: weights.dtype(srcs[0]) for p, srcs in names.items()}
+        dtypes = {p: weights.dtype(srcs[0]) for p, srcs in names.items() if p not in quant}
         shapes = jax.tree.map(
             lambda lay, s: jax.ShapeDtypeStruct(s.shape, dtypes.get(lay.path, s.dtype)),
             layouts_for(shapes, 1),
@@ -215,6 +227,21 @@ def _reader(path: Path, m: Llama, adapter: Adapter | None = None, seed: int = 0)
             is_leaf=is_layout,
         )
     return shapes, read
+
+
+def _is_quantized(path: str) -> bool:
+    return re.search(QUANTIZED, path) is not None
+
+
+def _dequantized(lay: LeafLayout, shapes: Any) -> LeafLayout:
+    """The layout of the weight a QLoRA ``.../weight_codes`` or ``weight_scale`` quantizes
+    (its last dim from the scale's blocks)."""
+    module = lay.path.rsplit("/", 1)[0]
+    node = shapes
+    for k in module.split("/"):
+        node = node[k]
+    shape = (*node["weight_scale"].shape[:-1], node["weight_scale"].shape[-1] * BLOCK)
+    return LeafLayout(f"{module}/weight", tuple(shape), None, 1)
 
 
 def _finite(x: np.ndarray, name: str, path: Path) -> np.ndarray:
@@ -262,7 +289,18 @@ def load(
     """
     path = Path(path)
     m = model(path) if m is None else m
-    return engine._init_from_slices(*_reader(path, m, adapter, seed))
+    shapes, read = _reader(path, m, adapter, seed)
+    if m.lora is not None:  # a frozen base no wider than the run computes in (bf16 run: bf16)
+        compute = np.dtype(engine.compute_dtype)
+
+        def narrow(path: Any, s: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+            name = path_str(path)
+            base = not lora_lib.trainable(name) and not _is_quantized(name)
+            wide = jnp.issubdtype(s.dtype, jnp.floating) and s.dtype.itemsize > compute.itemsize
+            return jax.ShapeDtypeStruct(s.shape, compute) if base and wide else s
+
+        shapes = jax.tree_util.tree_map_with_path(narrow, shapes)
+    return engine._init_from_slices(shapes, read)
 
 
 def read_params(path: str | Path, m: Llama | None = None) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxzero.hooks import remat_layer, use_params
@@ -35,9 +36,10 @@ from jaxzero.models.common import (
     positions,
     token_loss,
 )
-from jaxzero.models.lora import LoraConfig, check_rank
+from jaxzero.models.lora import QUANTIZED, LoraConfig, check_rank
 from jaxzero.models.lora import trainable as lora_trainable
 from jaxzero.models.protocol import ReferenceModel
+from jaxzero.models.quant import dequantize, quantize, quantized_shapes
 from jaxzero.models.rope import ROPE_TYPES, apply_rotary, rope_frequencies, rotary
 from jaxzero.nnx import bind, split, use
 
@@ -138,8 +140,15 @@ class Linear(nnx.Module):
         rngs: nnx.Rngs,
         rank: int = 0,
         scale: float = 1.0,
+        quant: str | None = None,
     ):
-        self.weight = nnx.Param(std * jax.random.normal(rngs.params(), (d_out, d_in)))
+        w = std * jax.random.normal(rngs.params(), (d_out, d_in))
+        self.quant = quant
+        if quant is None:
+            self.weight = nnx.Param(w)
+        else:  # QLoRA's frozen base: codes and block scales (jaxzero.models.quant)
+            q = quantized(w, quant)
+            self.weight_codes, self.weight_scale = nnx.Param(q["codes"]), nnx.Param(q["scale"])
         self.bias = nnx.Param(jnp.zeros(d_out)) if bias else None
         bound = 1.0 / d_in**0.5
         draw = lambda: jax.random.uniform(rngs.params(), (rank, d_in), minval=-bound, maxval=bound)
@@ -148,7 +157,12 @@ class Linear(nnx.Module):
         self.scale = scale
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
+        if self.quant is None:
+            w = self.weight[...].astype(x.dtype)
+        else:  # dequantized here, one layer at a time (scan over layers)
+            q = {"codes": self.weight_codes[...], "scale": self.weight_scale[...]}
+            w = dequantize(q, self.quant, x.dtype)
+        y = jnp.einsum("...i,oi->...o", x, w)
         if self.lora_A is not None and self.lora_B is not None:
             a = jnp.einsum("...i,ri->...r", x, self.lora_A[...].astype(x.dtype))
             y = y + self.scale * jnp.einsum("...r,or->...o", a, self.lora_B[...].astype(x.dtype))
@@ -169,7 +183,21 @@ def _linear(
     if lora is None or not lora.matches(name):
         return Linear(d_in, d_out, bias, std, rngs)
     check_rank(lora, name, d_in, d_out)
-    return Linear(d_in, d_out, bias, std, rngs, lora.rank, lora.scale)
+    return Linear(d_in, d_out, bias, std, rngs, lora.rank, lora.scale, lora.base_dtype)
+
+
+def quantized(w: jax.Array, kind: str) -> dict[str, jax.Array]:
+    """``w`` quantized (:func:`jaxzero.models.quant.quantize`, numpy, on the host: a fresh
+    model's init under ``jit`` calls back to it; a checkpoint's base is quantized as it
+    is read)."""
+    shapes = quantized_shapes(tuple(w.shape), kind)
+    out = jax.pure_callback(
+        lambda a: tuple(quantize(np.asarray(a), kind).values()),
+        (shapes["codes"], shapes["scale"]),
+        w,
+        vmap_method="expand_dims",  # quantize blocks the last axis: any leading dims
+    )
+    return {"codes": out[0], "scale": out[1]}
 
 
 # every linear module of a decoder layer, by the name peft and transformers give it
@@ -380,6 +408,8 @@ class Llama(ReferenceModel):
         frozen: ``trainable`` defaults to :func:`jaxzero.models.lora.trainable`)."""
         if self.lora is not None:
             kwargs.setdefault("trainable", lora_trainable)
+            if self.lora.base_dtype is not None:  # whole rows: a block never straddles shards
+                kwargs["rules"] = (*kwargs.get("rules", ()), (QUANTIZED, 1))
         return super().engine(optimizer, **kwargs)
 
     def module(self, params: Any) -> LlamaModule:

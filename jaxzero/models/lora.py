@@ -25,8 +25,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxzero.models.quant import KINDS
+
 ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output head
 MARK = ("lora_A", "lora_B")  # the adapter leaves' names under their projection
+QUANTIZED = r"/weight_(codes|scale)$"  # a QLoRA target's frozen weight, quantized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +46,18 @@ class LoraConfig:
     alpha: float = 16.0
     targets: str | tuple[str, ...] = ALL_LINEAR
     use_rslora: bool = False
+    base_dtype: str | None = None  # QLoRA: "int8" or "nf4" (jaxzero.models.quant)
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise ValueError(f"lora.rank must be a positive integer, got {self.rank!r}")
         if not self.alpha > 0:
             raise ValueError(f"lora.alpha must be positive, got {self.alpha!r}")
+        if self.base_dtype is not None and self.base_dtype not in KINDS:
+            raise ValueError(
+                f"lora.base_dtype {self.base_dtype!r} is not a quantization: use one of "
+                f"{KINDS} (or null: the base in its own dtype)"
+            )
         if isinstance(self.targets, list):
             object.__setattr__(self, "targets", tuple(self.targets))
         if isinstance(self.targets, str) and self.targets != ALL_LINEAR:

@@ -10,6 +10,7 @@ resume, so a base that changed since is refused, not trained on.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from pathlib import Path
@@ -50,13 +51,19 @@ def adapters(cfg: Config) -> tuple[LoraConfig | None, Adapter | None]:
                 f"lora.rank={section.rank} contradicts the adapter's r={adapter.config.rank} "
                 f"({section.adapter}): drop lora.rank"
             )
-        return adapter.config, adapter
+        try:
+            return dataclasses.replace(adapter.config, base_dtype=section.base_dtype), adapter
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     t = section.targets
     targets: str | tuple[str, ...] = t
     if t != ALL_LINEAR and _NAMES.fullmatch(t):
         targets = tuple(t.split(","))
     try:
-        return LoraConfig(section.rank, section.alpha, targets, section.use_rslora), None
+        config = LoraConfig(
+            section.rank, section.alpha, targets, section.use_rslora, section.base_dtype
+        )
+        return config, None
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -149,6 +149,9 @@ class LoraSection:
     use_rslora: bool = False
     # a PEFT adapter directory to start from (its rank, alpha and targets)
     adapter: str | None = None
+    # QLoRA: the targets' frozen weights quantized, int8 or nf4 (blocks of 64 inputs);
+    # null: the base in its own dtype (no wider than the run's compute dtype)
+    base_dtype: str | None = None
 
 
 @dataclass(frozen=True)
