@@ -286,6 +286,7 @@ def test_models_page_speed_table_quotes_the_benchmark_results():
 # pages whose python blocks run in order in one fresh Python, and what they must print
 FRESH = {
     "models.md": ["(16, 1)", "loss "],
+    "lora.md": ["params train, ", "loss ", "4 layers/"],
     "planning.md": ["first choice: stage 3", "stage=3"],
     "runs.md": ["restored step 0 first"],
 }

@@ -31,12 +31,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxzero.hf.safetensors import SafetensorsFile
 from jaxzero.hf.safetensors import write as write_safetensors
 from jaxzero.models.llama_hf import HFError
 from jaxzero.models.lora import MARK, LoraConfig
+from jaxzero.partition import path_str
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -178,6 +180,17 @@ def write_adapter(
     tmp = path / (CONFIG + ".tmp")
     tmp.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path / CONFIG)
+
+
+def adapters_of(params: Any) -> dict[str, np.ndarray]:
+    """A LoRA model's adapters (``.../lora_A``, ``.../lora_B``) out of its whole params
+    tree (e.g. :meth:`jaxzero.Engine.gather_params`), by name: what
+    :func:`write_adapter` writes."""
+    return {
+        path_str(p): np.asarray(x, np.float32)
+        for p, x in jax.tree_util.tree_leaves_with_path(params)
+        if path_str(p).rsplit("/", 1)[-1] in MARK
+    }
 
 
 def merged(params: dict[str, Any], config: LoraConfig) -> dict[str, Any]:
