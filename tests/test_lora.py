@@ -198,3 +198,90 @@ def test_peft_export_of_a_full_fine_tune_is_one_line(tmp_path, capsys):
     meta = {"param_tree": [], "leaves": {}}
     with pytest.raises(ExportError, match="--format peft needs a LoRA run"):
         export_peft(tmp_path, meta, tmp_path / "out", "fp32")
+
+
+@pytest.fixture(scope="module")
+def wide_base(tmp_path_factory) -> Path:
+    """A bf16 Hugging Face directory whose projections take multiples of 64 inputs (a
+    quantization block), written by jaxzero.hf.save from a random Llama."""
+    from jaxzero.models.llama import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, seq_len=16,
+    )  # fmt: skip
+    m = Llama(cfg)
+    engine = m.engine(optax.sgd(0.1), mesh=make_mesh(1))
+    out = tmp_path_factory.mktemp("qbase") / "base"
+    hf.save(out, m, engine, engine.init_from(m.init, jax.random.key(0)), dtype="bfloat16")
+    return out
+
+
+def _qlora(base: Path, kind: str | None, stage: int, devices: int, micro: int):
+    m = hf.model(base, lora=LoraConfig(rank=4, alpha=8, base_dtype=kind), seq_len=16)
+    engine = m.engine(optax.adamw(1e-3), mesh=make_mesh(devices), stage=stage, micro_batches=micro)
+    state = hf.load(base, engine, m, seed=1)
+    frozen = jax.tree.map(np.asarray, jax.device_get(state.frozen))
+    losses = []
+    for _ in range(3):
+        state, metrics = engine.step(state, _batch())
+        losses.append(float(metrics["loss"]))
+    return engine, state, frozen, np.array(losses)
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_qlora_trains_like_one_device_and_stores_the_formula(kind, wide_base):
+    """A quantized base trains at stages 0 and 3 on 8 devices as on one device (the same
+    quantized base), stays bit-identical, and stores bytes_per_param bytes a weight."""
+    from jaxzero.models import quant
+
+    e1, s1, q1, ref = _qlora(wide_base, kind, 0, 1, 1)
+    _, _, _, bf16 = _qlora(wide_base, None, 0, 1, 1)
+    assert abs(ref[0] - bf16[0]) / bf16[0] < (2e-3 if kind == "int8" else 2e-2)
+    for stage in (0, 3):
+        engine, state, before, losses = _qlora(wide_base, kind, stage, 8, 2)
+        np.testing.assert_allclose(losses, ref, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(q1), strict=True):
+            np.testing.assert_array_equal(a, b)  # the same quantized base on 8 devices
+        after = jax.tree.leaves(jax.device_get(state.frozen))
+        for a, b in zip(after, jax.tree.leaves(before), strict=True):
+            np.testing.assert_array_equal(a, b)
+        codes = [x for p, x in jax.tree_util.tree_leaves_with_path(state.frozen)
+                 if jax.tree_util.keystr(p).endswith("'weight_codes']")]  # fmt: skip
+        scales = [x for p, x in jax.tree_util.tree_leaves_with_path(state.frozen)
+                  if jax.tree_util.keystr(p).endswith("'weight_scale']")]  # fmt: skip
+        weights = sum(x.size for x in scales) * quant.BLOCK  # the quantized weights' count
+        held = sum(x.nbytes for x in codes + scales)
+        assert abs(held / (weights * quant.bytes_per_param(kind)) - 1) < 0.01
+        per_device = sum(x.addressable_shards[0].data.nbytes for x in codes + scales)
+        assert abs(per_device * (8 if stage == 3 else 1) / held - 1) < 0.01
+
+
+def test_a_run_starts_from_a_peft_adapter(tmp_path):
+    """--set lora.adapter=DIR: peft's adapter (rank, alpha, targets and tensors) is what
+    step 1 computes with: its loss is the adapted model's on the loader's first batch."""
+    from jaxzero.data.tokenizer import Tokenizer
+    from jaxzero.train import data as data_lib
+
+    rng = np.random.default_rng(1)
+    words = lambda n: " ".join(f"t{i}" for i in rng.integers(3, 64, n))
+    data = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": words(4), "completion": " " + words(5)} for _ in range(80)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    adapter_dir = PEFT / "llama_gqa_r4"
+    start = ("--init-from", f"hf:{BASE}", "--data", str(data))
+    extra = ("--set", f"lora.adapter={adapter_dir}", "--steps", "1", "--name", "ad")
+    assert _lora_run(tmp_path / "runs", BASE, data, *start, *extra) == 0
+    first = json.loads((tmp_path / "runs" / "ad" / "metrics.jsonl").read_text().splitlines()[0])
+    tok = Tokenizer.load(BASE)
+    corpus = data_lib.load_corpus(data_lib.DataConfig(path=str(data), tokenizer=str(BASE)))
+    loader = data_lib.Loader(corpus.train, 16, 8, 0, mask=corpus.train_mask, eos=tok.eos_id)
+    adapter = peft.read_adapter(adapter_dir)
+    m = hf.model(BASE, lora=adapter.config, seq_len=16)
+    engine = m.engine(optax.sgd(0.0), mesh=make_mesh(1))
+    params = engine.gather_params(hf.load(BASE, engine, m, adapter=adapter))
+    out = m.loss_fn(params, loader.batch(0))
+    np.testing.assert_allclose(first["loss"], float(out.total / out.weight), rtol=1e-5)
+    plain = hf.model(BASE, seq_len=16)
+    base_out = plain.loss_fn(hf.read_params(BASE, plain), loader.batch(0))
+    assert abs(first["loss"] - float(base_out.total / base_out.weight)) > 1e-2
