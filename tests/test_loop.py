@@ -34,6 +34,7 @@ class _Engine:
     """The public methods the loop calls; a step's loss is ``loss(step, batch)``."""
 
     num_params = 10
+    num_frozen = 0
 
     def __init__(self, mesh, events, loss, on_step):
         self.mesh, self.events, self.loss, self.on_step = mesh, events, loss, on_step
@@ -67,7 +68,7 @@ class _Engine:
 class _Checkpoints:
     """CheckpointManager's calls the loop makes, in memory."""
 
-    def __init__(self, events, directory, *args):
+    def __init__(self, events, directory, *args, **kwargs):
         self.events, self.directory, self.saved = events, Path(directory), {}
 
     def save(self, engine, state, extra=None, force=False):
@@ -77,7 +78,7 @@ class _Checkpoints:
     def latest_step(self):
         return max(self.saved, default=None)
 
-    def restore(self, engine):
+    def restore(self, engine, frozen=None):
         return self.saved[self.latest_step()]
 
     def wait(self):
@@ -103,8 +104,8 @@ def _run(
         made["engine"] = _Engine(mesh, events, loss, lambda step: on_step(step, made))
         return model, made["engine"], lambda step: 1e-3
 
-    def checkpoints(*args):
-        made["ckpt"] = _Checkpoints(events, *args)
+    def checkpoints(*args, **kwargs):
+        made["ckpt"] = _Checkpoints(events, *args, **kwargs)
         return made["ckpt"]
 
     class Signals(resume_lib.StopSignals):
