@@ -482,10 +482,43 @@ def test_report_cli_json(capsys, tmp_path):
     assert data["compiled"]["peak"] > 0
 
 
+@pytest.mark.parametrize("base", ["bf16", "int8"])
+def test_report_cli_lora_counts_the_frozen_base_apart(capsys, base):
+    """``jaxzero report --arch llama --lora-rank R``: the base frozen in bf16 (2 bytes a
+    param; QLoRA int8: a byte a weight and an fp32 scale a block of 64), / N at stage 3,
+    gathered with the adapters and never reduced."""
+    from jaxzero.commands import report
+
+    argv = [
+        "--stage", "3", "--arch", "llama", "--lora-rank", "4", "--layers", "2",
+        "--d-model", "64", "--heads", "4", "--seq-len", "16", "--vocab", "64", "--json",
+        "--base-dtype", base,
+    ]  # fmt: skip
+    assert report.main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    c, p, t = data["config"], data["persistent"], data["theory"]
+    assert c["num_frozen"] > 10 * c["num_params"] > 0
+    assert p["frozen"] == pytest.approx(t["frozen"], rel=0.01)
+    assert p["total"] == pytest.approx(t["persistent"], rel=0.01)
+    reduced = sum(x["bytes_per_step"] for x in data["collectives"] if x["kind"] == "reduce-scatter")
+    assert reduced == pytest.approx(t["comm_grad"], rel=0.01)  # the adapters' alone
+    if base == "int8":  # the quantized weights are stored elements of 1 and 4 bytes
+        assert 1 < t["frozen"] * 8 / c["num_frozen"] < 2
+        return
+    assert t["frozen"] == pytest.approx(2 * c["num_frozen"] / 8)  # bf16, / N
+    assert t["comm_frozen"] == pytest.approx(2 * 2 * c["num_frozen"] * 7 / 8)
+    # the embeddings are kept for the backward pass, not gathered again (the notes say so)
+    assert data["ratios"]["comm_logical"] == pytest.approx(1.0, abs=0.03)
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(
-    "argv", [["--heads", "3"], ["--stage", "5"], ["--micro-batches", "0"], ["--devices", "x"]]
-)
+    "argv",
+    [
+        ["--heads", "3"], ["--stage", "5"], ["--micro-batches", "0"], ["--devices", "x"],
+        ["--lora-rank", "4"], ["--arch", "llama", "--lora-rank", "0"],
+    ],
+)  # fmt: skip
 def test_report_cli_nonsense_is_one_line(argv, capsys):
     from jaxzero.commands import report
 
@@ -556,3 +589,183 @@ def test_hybrid_2x4_stage3_intra_and_inter_group_bytes_match_the_formulas():
     assert sum(measured.values()) == pytest.approx(r.traffic.grad_param)
     assert "across groups (R = 2)" in r.table()
     assert r.to_dict()["ratios"]["comm_inter"] == pytest.approx(1.0, abs=0.02)
+
+
+# ------------------------------------------------------- frozen params (a LoRA-like model)
+
+LORA_L, LORA_D, LORA_R = 4, 64, 4  # layers, width, adapter rank
+
+
+def _lora_params(base_dtype, stacked: bool) -> dict:
+    """A frozen base ``w`` (D x D a layer) and small trainable adapters ``a``, ``b``."""
+    rng = np.random.default_rng(0)
+    L, D, R = LORA_L, LORA_D, LORA_R
+    w = (rng.standard_normal((L, D, D)) / np.sqrt(D)).astype(base_dtype)
+    a = (0.1 * rng.standard_normal((L, R, D))).astype(np.float32)
+    b = (0.1 * rng.standard_normal((L, D, R))).astype(np.float32)
+    if stacked:
+        return {"layers": {"w": w, "a": a, "b": b}}
+    return {"layers": [{"w": w[i], "a": a[i], "b": b[i]} for i in range(L)]}
+
+
+def _lora_loss(p, batch):
+    """Each layer's params through ``use_params`` (stage 3 gathers the frozen ``w`` with
+    the adapters), re-gathered in the backward pass (``remat_layer``)."""
+    import jaxzero
+
+    def layer(x, lp):
+        lp = jaxzero.use_params(lp)
+        return jnp.tanh(x @ lp["w"] + (x @ lp["a"].T) @ lp["b"].T), None
+
+    block = jaxzero.remat_layer(layer)
+    x = batch["x"]
+    if isinstance(p["layers"], list):
+        for lp in p["layers"]:
+            x = block(x, lp)[0]
+    else:
+        x = lax.scan(block, x, p["layers"])[0]
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+def _adapters(path: str) -> bool:
+    return path.rsplit("/", 1)[-1] in ("a", "b")
+
+
+def _lora_report(stage, base_dtype, stacked, precision="fp32", micro_batches=1, per_layer=True):
+    import optax
+
+    import jaxzero
+
+    engine = jaxzero.Engine(
+        _lora_loss,
+        optax.adamw(1e-3),
+        mesh=jaxzero.make_mesh(8),
+        stage=stage,
+        precision=precision,
+        micro_batches=micro_batches,
+        per_layer=per_layer,
+        stacked="^layers/" if stacked else None,
+        trainable=_adapters,
+    )
+    state = engine.init(_lora_params(base_dtype, stacked))
+    rows = 16 * micro_batches
+    batch = {"x": jnp.ones((rows, LORA_D)), "y": jnp.ones((rows, LORA_D))}
+    return engine, acc.report(engine, state, batch)
+
+
+# (base dtype, stacked layers, precision, micro-batches, per_layer). Per-layer models are
+# scanned: XLA merges an unrolled loop's re-gathers with the forward's (one gather a layer)
+LORA_CASES = {
+    "fp32-base": ("float32", True, "fp32", 1, True),
+    "bf16-base-fp32-run-k2": ("bfloat16", True, "fp32", 2, True),
+    "bf16-base-bf16-run": ("bfloat16", True, "bf16", 1, True),
+    "bf16-base-unrolled-coarse": ("bfloat16", False, "fp32", 1, False),
+}
+
+
+@pytest.mark.parametrize(
+    "stage, case",
+    [(s, c) for s in (0, 3) for c in LORA_CASES]
+    + [(1, "bf16-base-bf16-run"), (2, "bf16-base-fp32-run-k2")],
+)
+def test_frozen_base_is_counted_apart_from_the_trainable_params(stage, case):
+    """A LoRA-like step: each part of the state (working params, master, optimizer, frozen)
+    as the formulas and the layouts say; the gathers at stage 3 include the frozen base's
+    (twice a micro-batch per layer, once coarse), the gradient reductions are the adapters'
+    alone."""
+    base_dtype, stacked, precision, k, per_layer = LORA_CASES[case]
+    engine, r = _lora_report(stage, jnp.dtype(base_dtype), stacked, precision, k, per_layer)
+    L, D, R, N = LORA_L, LORA_D, LORA_R, 8
+    psi_t, psi_f = 2 * L * R * D, L * D * D
+    assert (engine.num_params, engine.num_frozen) == (psi_t, psi_f)
+    assert (r.config["num_params"], r.config["num_frozen"]) == (psi_t, psi_f)
+    base_bytes = jnp.dtype(base_dtype).itemsize
+    assert r.theory.frozen == psi_f * base_bytes / (N if stage == 3 else 1)  # 2Ψf (/N)
+
+    # persistent bytes, part by part, against the formulas and the layouts (1%)
+    p, t = r.persistent, r.theory
+    for part, formula in [
+        ("params", t.params), ("master", t.master), ("optimizer", t.optimizer),
+        ("frozen", t.frozen),
+    ]:  # fmt: skip
+        if formula == 0:
+            assert p[part] == 0, (part, r.table())
+        else:
+            assert p[part] == pytest.approx(formula, rel=0.01), (part, r.table())
+    assert p["frozen"] == pytest.approx(r.expected.frozen, rel=0.01)
+    assert p["total"] == pytest.approx(t.persistent, rel=0.01)
+    assert p["total"] == pytest.approx(r.expected.persistent, rel=1e-4, abs=64)
+    assert p["total"] - p["other"] == r.expected.persistent  # leaf by leaf, exactly
+
+    # traffic at the program's dtypes: gathers (frozen included) and reductions apart
+    tr = r.traffic.by_kind_logical
+    gathered = tr.get("all-gather", 0.0)
+    reduced = tr.get("reduce-scatter", 0.0) + tr.get("all-reduce", 0.0)
+    frac = (N - 1) / N
+    grad_bytes = 2 if precision == "bf16" else 4
+    trainable_reduce = (
+        2 * psi_t * grad_bytes * frac
+        if stage == 0
+        else (k if stage >= 2 else 1) * psi_t * grad_bytes * frac
+    )
+    assert r.expected.comm_grad == pytest.approx(trainable_reduce)
+    assert r.theory.comm_grad == pytest.approx(trainable_reduce)
+    assert reduced == pytest.approx(trainable_reduce, rel=0.01), r.table()  # Ψt's alone
+    gathers = 2 if per_layer else 1
+    frozen_gathers = k * gathers * psi_f * base_bytes * frac if stage == 3 else 0.0
+    assert r.theory.comm_frozen == pytest.approx(frozen_gathers)
+    assert r.expected.comm_frozen == pytest.approx(frozen_gathers)
+    assert gathered == pytest.approx(r.expected.comm_param, rel=0.01, abs=1), r.table()
+    assert gathered == pytest.approx(r.theory.comm_param, rel=0.01, abs=1), r.table()
+    if stage == 3:
+        param_bytes = 2 if precision == "bf16" else 4
+        trainable_gathers = k * gathers * psi_t * param_bytes * frac
+        assert gathered - trainable_gathers == pytest.approx(frozen_gathers, rel=0.01)
+    assert r.traffic.grad_param_logical == pytest.approx(r.expected.comm, rel=0.01)
+    assert r.comm_ratio_logical == pytest.approx(1.0, abs=0.01)
+    assert not any("gathers" in n and "again" in n for n in r.notes), r.notes
+
+    text = r.table()
+    assert "frozen params" in text and f"Ψf = {psi_f:,} frozen" in text
+    assert ("of which frozen gathers" in text) == (stage == 3)
+    data = json.loads(r.to_json())
+    assert data["persistent"]["frozen"] == p["frozen"] and data["theory"]["frozen"] == t.frozen
+
+
+def test_without_frozen_params_the_report_has_no_frozen_rows():
+    r = _mlp_report(3)
+    assert r.persistent["frozen"] == 0 and r.theory.frozen == 0 and r.config["num_frozen"] == 0
+    assert "frozen" not in r.table()
+
+
+@pytest.mark.unit
+def test_theory_and_layouts_count_frozen_bytes_apart():
+    from types import SimpleNamespace as Lay
+
+    from jaxzero.accounting.expected import layout_expectation, theory
+
+    psi, n = 1000, 8
+    plain = theory(psi, n, 3, 2, 2, 4, 8)
+    assert plain == theory(psi, n, 3, 2, 2, 4, 8, frozen_bytes=0.0)  # backward compatible
+    for stage in (0, 1, 2, 3):
+        base = theory(psi, n, stage, 2, 2, 4, 8, micro_batches=2)
+        th = theory(psi, n, stage, 2, 2, 4, 8, micro_batches=2, frozen_bytes=7000.0)
+        assert th.frozen == 7000.0 / (n if stage == 3 else 1)
+        assert th.persistent == pytest.approx(base.persistent + th.frozen)
+        assert th.comm_grad == base.comm_grad  # nothing to reduce
+        gathered = 2 * 2 * 7000.0 * 7 / 8 if stage == 3 else 0.0
+        assert th.comm_frozen == pytest.approx(gathered)
+        assert th.comm_param == pytest.approx(base.comm_param + gathered)
+    # leaf by leaf: a frozen leaf of 100 rows pads to 104 at stage 3; a small one stays whole
+    big = Lay(shape=(100, 10), dim=0, padded_shape=(104, 10))
+    small = Lay(shape=(4,), dim=None, padded_shape=(4,))
+    trained = [Lay(shape=(64, 8), dim=0, padded_shape=(64, 8))]
+    for stage in (0, 3):
+        ex = layout_expectation(trained, n, stage, 4, 4, 0, frozen=[(big, 2), (small, 4)])
+        no = layout_expectation(trained, n, stage, 4, 4, 0)
+        held = 1040 / 8 * 2 + 16 if stage == 3 else 1000 * 2 + 16
+        assert ex.frozen == held and ex.persistent == no.persistent + held
+        assert (ex.frozen_params, ex.padded_frozen) == (1004, 1044 if stage == 3 else 1004)
+        gathered = 2 * 1040 * 2 * 7 / 8 if stage == 3 else 0.0  # the small leaf: replicated
+        assert ex.comm_frozen == pytest.approx(gathered)
+        assert ex.comm == pytest.approx(no.comm + gathered) and ex.comm_grad == no.comm_grad

@@ -136,6 +136,60 @@ def test_cli_table_and_json(capsys):
     assert data["activations"]["per_layer"] > 0
 
 
+def test_frozen_params_cost_their_stored_bytes_alone():
+    """The ZeRO paper's 2Ψ per frozen bf16 param (no gradient, master or optimizer state),
+    divided by N at stage 3 only; the trainable Ψ's 16Ψ as before."""
+    psi, frozen, n = 1e8, 7e9, 8
+    for stage in est.STAGES:
+        plain = est.model_state_bytes(psi, n, stage)
+        ms = est.model_state_bytes(psi, n, stage, frozen=frozen)
+        assert ms.frozen == 2 * frozen / (n if stage == 3 else 1)
+        assert (ms.params, ms.grads, ms.master, ms.optimizer) == (
+            plain.params, plain.grads, plain.master, plain.optimizer
+        )  # fmt: skip
+        assert ms.trainable == plain.persistent and ms.persistent == plain.persistent + ms.frozen
+        assert ms.total == pytest.approx(plain.total + ms.frozen)
+        fp32 = est.model_state_bytes(psi, n, stage, frozen=frozen, frozen_bytes_per_param=4)
+        assert fp32.frozen == 2 * ms.frozen
+        # traffic: nothing to reduce; gathered at stage 3 as the params are (twice a pass)
+        cm = est.comm_bytes(psi, n, stage, 2, micro_batches=2, frozen=frozen)
+        base = est.comm_bytes(psi, n, stage, 2, micro_batches=2)
+        gathered = 2 * 2 * 2 * frozen * 7 / 8 if stage == 3 else 0.0
+        assert cm.grad == base.grad and cm.frozen == pytest.approx(gathered)
+        assert cm.param == pytest.approx(base.param + gathered)
+    # a 7B bf16 base beside 100M trainable params: 14 GB at stage 0, 1.75 GB at stage 3
+    assert est.model_state_bytes(psi, n, 0, frozen=frozen).frozen == 14e9
+    assert est.formula(0) == "16Ψ" and est.formula(2) == "2Ψ + 14Ψ/N"
+    assert est.formula(0, None, 2) == "16Ψ + 2Ψf" and est.formula(3, None, 2) == "16Ψ/N + 2Ψf/N"
+    # the largest trainable Ψ beside the frozen base; none when the base fills the device
+    left = est.max_params(80 * GB, n, 0, frozen=frozen)
+    assert est.model_state_bytes(left, n, 0, frozen=frozen).total == pytest.approx(80 * GB)
+    assert est.max_params(10 * GB, 1, 0, frozen=frozen) == 0.0
+    with pytest.raises(ValueError, match="frozen parameter count"):
+        est.model_state_bytes(psi, n, 0, frozen=-1)
+
+
+def test_cli_frozen_params_prints_trainable_and_frozen_with_their_formulas(capsys):
+    argv = ["--params", "100M", "--frozen-params", "7B", "-n", "8"]
+    assert command.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Ψ = 1e+08 trainable + Ψf = 7e+09 frozen" in out
+    for formula in ("16Ψ + 2Ψf", "4Ψ + 12Ψ/N + 2Ψf", "2Ψ + 14Ψ/N + 2Ψf", "16Ψ/N + 2Ψf/N"):
+        assert formula in out
+    assert "(2 + 2 + K)Ψ = 16Ψ" in out and "frozen: 2Ψf" in out
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln and ln[0] in "0123"}
+    assert rows["0"][6:8] == ["14.00", "15.60"] and rows["3"][6:8] == ["1.75", "1.95"]
+    assert command.main([*argv, "--frozen-dtype", "fp32", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["frozen_params"] == 7e9 and data["frozen_bytes_per_param"] == 4
+    assert [r["frozen"] / GB for r in data["stages"]] == [28, 28, 28, 3.5]
+    assert data["stages"][3]["comm_frozen"] == pytest.approx(2 * 28e9 * 7 / 8)
+    # without frozen params the table is the one it always was
+    assert command.main(["--params", "7e9", "-n", "8"]) == 0
+    plain = capsys.readouterr().out
+    assert "frozen" not in plain and "Ψf" not in plain and "max Ψ (states only)" in plain
+
+
 NONSENSE = [
     ["--params", "-5"],
     ["--params", "1e9", "--devices", "0"],
@@ -146,6 +200,10 @@ NONSENSE = [
     ["--params", "1e9", "--devices", "eight"],
     ["--layers", "2", "--d-model", "100", "--heads", "3"],
     [],
+    ["--params", "1e9", "--frozen-params", "lots"],
+    ["--params", "1e9", "--frozen-params=-7B"],
+    ["--params", "1e9", "--frozen-params", "7B", "--frozen-dtype", "fp7"],
+    ["--config", "configs/tiny.yaml", "--frozen-params", "7B"],
 ]
 
 

@@ -188,6 +188,7 @@ class Traffic:
         asked for, before the backend widened any (equal on GPU/TPU, and in fp32).
       by_scope: grad_param bytes by :func:`scope` (all ``"intra"`` on a plain mesh).
       by_scope_logical: the same at the program's element types.
+      by_kind_logical: ``by_kind`` at the program's element types.
     """
 
     grad_param: float
@@ -198,6 +199,7 @@ class Traffic:
     grad_param_logical: float
     by_scope: dict[str, float] = field(default_factory=dict)
     by_scope_logical: dict[str, float] = field(default_factory=dict)
+    by_kind_logical: dict[str, float] = field(default_factory=dict)
 
 
 def traffic(
@@ -212,6 +214,7 @@ def traffic(
     """
     big = small = logical = 0.0
     by_kind: dict[str, float] = {}
+    by_kind_logical: dict[str, float] = {}
     by_scope = dict.fromkeys(SCOPES, 0.0)
     by_scope_logical = dict.fromkeys(SCOPES, 0.0)
     for c in collectives:
@@ -223,9 +226,14 @@ def traffic(
                 small += sent
             else:
                 big += sent
-                logical += c.runs * c.wire_bytes(nb)
+                asked = c.runs * c.wire_bytes(nb)
+                logical += asked
                 by_kind[c.kind] = by_kind.get(c.kind, 0.0) + sent
+                by_kind_logical[c.kind] = by_kind_logical.get(c.kind, 0.0) + asked
                 by_scope[where] += sent
-                by_scope_logical[where] += c.runs * c.wire_bytes(nb)
+                by_scope_logical[where] += asked
     runs = sum(c.runs for c in collectives)
-    return Traffic(big, small, by_kind, len(collectives), runs, logical, by_scope, by_scope_logical)
+    return Traffic(
+        big, small, by_kind, len(collectives), runs, logical, by_scope, by_scope_logical,
+        by_kind_logical,
+    )  # fmt: skip

@@ -10,9 +10,16 @@ predicted numbers always come from one definition.
 
 GB here means 1e9 bytes, as in the ZeRO paper.
 
+Frozen params (a LoRA run's base, ``Engine(trainable=...)``) are counted apart from the
+trainable Ψ: a frozen param gets no gradient, no fp32 master and no optimizer state, so
+it costs only its stored bytes (2Ψf for a bf16 base), replicated at stages 0-2 and
+sharded at stage 3 (2Ψf/N), where it is all-gathered with the params and never reduced.
+
 Example:
   >>> round(model_state_bytes(7.5e9, 64, 1).total / 1e9, 1)
   31.4
+  >>> model_state_bytes(1e6, 8, 3, frozen=7e9).frozen / 1e9  # 2 bytes each, / N
+  1.75
 """
 
 from __future__ import annotations
@@ -38,6 +45,10 @@ OPTIMIZER_BYTES = {
     "sgd": 0.0,
     "adafactor": 0.0,
 }
+
+# Bytes per element of a frozen param as it is stored (``--frozen-dtype``): a frozen
+# param keeps the dtype it was given (a bf16 base stays bf16), int8 a quantized base.
+FROZEN_DTYPES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "int8": 1.0}
 
 # Working (16-bit or 32-bit) bytes per element, and whether an fp32 master copy exists.
 PRECISIONS = {
@@ -94,10 +105,34 @@ def precision_bytes(precision: str = "mixed", optimizer: str = "adam") -> Precis
 def _check(psi: float, n: int, stage: int) -> None:
     if not (isinstance(psi, int | float) and math.isfinite(psi) and psi > 0):
         raise ValueError(f"parameter count must be a positive number, got {psi!r}")
+    _check_devices(n, stage)
+
+
+def _check_devices(n: int, stage: int) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"number of devices must be a positive integer, got {n!r}")
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+
+
+def _check_frozen(frozen: float, bytes_per_param: float) -> None:
+    for name, v in (
+        ("frozen parameter count", frozen),
+        ("frozen bytes per param", bytes_per_param),
+    ):
+        if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+
+
+def frozen_state_bytes(frozen: float, n: int, stage: int, bytes_per_param: float = 2.0) -> float:
+    """Per-device bytes of ``frozen`` params stored at ``bytes_per_param`` each (2: bf16).
+
+    A frozen param has no gradient, master or optimizer state: the state holds it once,
+    whole at stages 0-2 (``frozen * bytes_per_param``) and sharded at stage 3 (``/ n``).
+    """
+    _check_devices(n, stage)
+    _check_frozen(frozen, bytes_per_param)
+    return frozen * bytes_per_param / (n if stage >= 3 else 1)
 
 
 @dataclass(frozen=True)
@@ -109,17 +144,25 @@ class ModelStates:
       grads: gradients (transient: they live inside the step).
       master: fp32 master parameters (0 in fp32 training).
       optimizer: optimizer moments.
+      frozen: frozen parameters (no gradient, master or optimizer state), 0 when all train.
     """
 
     params: float
     grads: float
     master: float
     optimizer: float
+    frozen: float = 0.0
+
+    @property
+    def trainable(self) -> float:
+        """The trainable params' persistent bytes: params + master + moments."""
+        return self.params + self.master + self.optimizer
 
     @property
     def persistent(self) -> float:
-        """What the train state holds between steps: params + master + moments."""
-        return self.params + self.master + self.optimizer
+        """What the train state holds between steps: params + master + moments, and
+        the frozen params."""
+        return self.trainable + self.frozen
 
     @property
     def total(self) -> float:
@@ -127,17 +170,26 @@ class ModelStates:
         return self.persistent + self.grads
 
 
-def model_state_bytes(psi: float, n: int, stage: int, prec: Precision | None = None) -> ModelStates:
+def model_state_bytes(
+    psi: float,
+    n: int,
+    stage: int,
+    prec: Precision | None = None,
+    frozen: float = 0.0,
+    frozen_bytes_per_param: float = 2.0,
+) -> ModelStates:
     """Per-device model-state bytes: docs/zero.md's memory table.
 
     Stage 1 shards the optimizer state (and master), stage 2 also the gradients,
     stage 3 also the working parameters; everything sharded is divided by ``n``.
 
     Args:
-      psi: parameter count Ψ.
+      psi: trainable parameter count Ψ.
       n: devices that shard the state (N).
       stage: ZeRO stage 0-3.
       prec: byte counts; default mixed precision with Adam (K = 12).
+      frozen: frozen parameter count Ψf (:func:`frozen_state_bytes`): stored once at
+        ``frozen_bytes_per_param`` (2: a bf16 base), divided by ``n`` at stage 3 only.
     """
     _check(psi, n, stage)
     prec = prec or precision_bytes()
@@ -149,19 +201,49 @@ def model_state_bytes(psi: float, n: int, stage: int, prec: Precision | None = N
         grads=prec.grad * psi / g_div,
         master=prec.master * psi / os_div,
         optimizer=prec.optimizer * psi / os_div,
+        frozen=frozen_state_bytes(frozen, n, stage, frozen_bytes_per_param),
     )
 
 
-def max_params(device_bytes: float, n: int, stage: int, prec: Precision | None = None) -> float:
+def formula(stage: int, prec: Precision | None = None, frozen_bytes_per_param: float = 0.0) -> str:
+    """docs/zero.md's memory formula of a stage as text, Ψ trainable and Ψf frozen:
+    ``'2Ψ + 14Ψ/N'`` (stage 2, mixed-precision Adam), ``'16Ψ/N + 2Ψf/N'`` (stage 3 with
+    a bf16 frozen base). ``frozen_bytes_per_param`` 0: no frozen term."""
+    prec = prec or precision_bytes()
+    _check_devices(1, stage)
+    whole, sharded = {
+        0: (prec.param + prec.grad + prec.k, 0.0),
+        1: (prec.param + prec.grad, prec.k),
+        2: (prec.param, prec.grad + prec.k),
+        3: (0.0, prec.param + prec.grad + prec.k),
+    }[stage]
+    terms = [f"{whole:g}Ψ"] if whole else []
+    terms += [f"{sharded:g}Ψ/N"] if sharded else []
+    if frozen_bytes_per_param:
+        terms.append(f"{frozen_bytes_per_param:g}Ψf" + ("/N" if stage >= 3 else ""))
+    return " + ".join(terms)
+
+
+def max_params(
+    device_bytes: float,
+    n: int,
+    stage: int,
+    prec: Precision | None = None,
+    frozen: float = 0.0,
+    frozen_bytes_per_param: float = 2.0,
+) -> float:
     """Largest Ψ whose model states (with gradients) fit in ``device_bytes`` per device.
 
     The inverse of :func:`model_state_bytes`, ignoring activations and buffers, as the
     ZeRO paper's section 5 does (N = 64, 32 GB: about 7.6B / 14.4B / 128B for stages 1-3).
+    With ``frozen`` params (Ψf at ``frozen_bytes_per_param``): the largest trainable Ψ
+    beside them (0 when they alone fill the device).
     """
     if not device_bytes > 0:
         raise ValueError(f"device memory must be positive, got {device_bytes!r}")
     per_param = model_state_bytes(1.0, n, stage, prec).total
-    return device_bytes / per_param
+    left = device_bytes - frozen_state_bytes(frozen, n, stage, frozen_bytes_per_param)
+    return max(left, 0.0) / per_param
 
 
 @dataclass(frozen=True)
@@ -170,11 +252,13 @@ class Communication:
 
     Attributes:
       grad: gradient reduction traffic (all-reduce or reduce-scatter).
-      param: parameter all-gather traffic.
+      param: parameter all-gather traffic (the frozen params' gathers included).
+      frozen: of ``param``, the frozen params' gathers (stage 3 only; never reduced).
     """
 
     grad: float
     param: float
+    frozen: float = 0.0
 
     @property
     def total(self) -> float:
@@ -208,6 +292,8 @@ def comm_bytes(
     param_bytes: float | None = None,
     micro_batches: int = 1,
     param_gathers: int = 2,
+    frozen: float = 0.0,
+    frozen_bytes_per_param: float = 2.0,
 ) -> Communication:
     """Per-device bytes on the wire per optimizer step (docs/zero.md's communication table).
 
@@ -229,8 +315,12 @@ def comm_bytes(
       param_gathers: stage-3 gathers of each param per micro-batch: 2 (forward and
         backward, per-layer models), 1 when the whole tree is gathered once and kept
         through the backward pass (jaxzero's coarse mode, ``per_layer=False``).
+      frozen: frozen parameter count Ψf, stored at ``frozen_bytes_per_param``: no
+        gradient to reduce; at stage 3 gathered as the params are (``param_gathers``
+        per micro-batch, in their stored dtype), replicated (nothing sent) below.
     """
     _check(psi, n, stage)
+    _check_frozen(frozen, frozen_bytes_per_param)
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
     pb = grad_bytes if param_bytes is None else param_bytes
@@ -247,9 +337,12 @@ def comm_bytes(
             grad=k * ring_bytes("reduce-scatter", g_full, n),
             param=ring_bytes("all-gather", p_full, n),
         )
+    gathers = param_gathers * k
+    held = gathers * ring_bytes("all-gather", frozen * frozen_bytes_per_param, n)
     return Communication(
         grad=k * ring_bytes("reduce-scatter", g_full, n),
-        param=param_gathers * k * ring_bytes("all-gather", p_full, n),
+        param=gathers * ring_bytes("all-gather", p_full, n) + held,
+        frozen=held,
     )
 
 
@@ -272,11 +365,17 @@ class StageEstimate:
     comm_param: float
     comm_total: float
     max_params: float
+    frozen: float = 0.0  # the frozen params' bytes (in ``persistent``)
+    comm_frozen: float = 0.0  # their stage-3 gathers (in ``comm_param``)
+    formula: str = ""  # the stage's memory formula, as text (:func:`formula`)
 
 
 @dataclass
 class Estimate:
-    """Everything ``jaxzero estimate`` prints, for every stage."""
+    """Everything ``jaxzero estimate`` prints, for every stage.
+
+    ``num_params`` is the trainable Ψ; ``frozen_params`` (Ψf, stored at
+    ``frozen_bytes_per_param``) those that do not train (a LoRA run's base)."""
 
     num_params: float
     devices: int
@@ -287,12 +386,16 @@ class Estimate:
     micro_batches: int
     activations: Activations | None
     stages: list[StageEstimate] = field(default_factory=list)
+    frozen_params: float = 0.0
+    frozen_bytes_per_param: float = 2.0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def table(self) -> str:
         """Human-readable table, GB = 1e9 bytes."""
+        if self.frozen_params:
+            return self._frozen_table()
         lines = [
             f"Ψ = {self.num_params:.4g} parameters, N = {self.devices} devices of "
             f"{self.device_memory / GB:g} GB, {self.precision} precision, {self.optimizer} "
@@ -320,6 +423,52 @@ class Estimate:
             )
         return "\n".join(lines)
 
+    def _frozen_table(self) -> str:
+        """The table with frozen params: trainable and frozen apart, each stage's formula."""
+        fb = self.frozen_bytes_per_param
+        lines = [
+            f"Ψ = {self.num_params:.4g} trainable + Ψf = {self.frozen_params:.4g} frozen "
+            f"parameters ({fb:g} bytes each, stored once: no gradient, master or optimizer "
+            f"state), N = {self.devices} devices of {self.device_memory / GB:g} GB, "
+            f"{self.precision} precision, {self.optimizer} (K = {self.k:g}), "
+            f"{self.micro_batches} micro-batch(es) per step",
+        ]
+        if self.activations is not None:
+            act = self.activations
+            lines.append(
+                f"activations per device: {act.per_layer / GB:.3f} GB per layer, "
+                f"{act.total / GB:.3f} GB in all (output layer {act.output / GB:.3f} GB)"
+            )
+        head = (
+            f"{'stage':<14}{'params':>9}{'grads':>9}{'optim':>9}{'trained':>9}{'frozen':>9}"
+            f"{'states':>9}{'+act':>9}  fits  {'comm/step':>10}  {'max Ψ beside Ψf':>16}"
+            f"  formula (states)"
+        )
+        lines += ["", "GB per device", head, "-" * len(head)]
+        for r in self.stages:
+            with_act = "-" if r.activations is None else f"{r.total / GB:.2f}"
+            trained = r.params + r.master + r.optimizer + r.grads
+            lines.append(
+                f"{r.stage} ({r.name})".ljust(14)
+                + f"{r.params / GB:>9.2f}{r.grads / GB:>9.2f}"
+                + f"{(r.master + r.optimizer) / GB:>9.2f}{trained / GB:>9.2f}"
+                + f"{r.frozen / GB:>9.2f}{r.model_states / GB:>9.2f}"
+                + f"{with_act:>9}  {'yes ' if r.fits else 'NO  '}  {r.comm_total / GB:>10.2f}"
+                + f"  {format_count(r.max_params):>16}  {r.formula}"
+            )
+        gathered = self.stages[3].comm_frozen
+        s0 = self.stages[0]
+        per = (s0.params + s0.grads + s0.master + s0.optimizer) / self.num_params
+        w, g = s0.params / self.num_params, s0.grads / self.num_params
+        lines += [
+            "",
+            f"trainable: ({w:g} + {g:g} + K)Ψ = {per:g}Ψ, sharded as each stage shards; "
+            f"frozen: {fb:g}Ψf (its stored bytes only), divided by N at stage 3 only",
+            "frozen traffic: none at stages 0-2 (no gradient; replicated); at stage 3 "
+            f"{gathered / GB:.2f} GB per step of all-gathers (with the params', never reduced)",
+        ]
+        return "\n".join(lines)
+
 
 def format_count(x: float) -> str:
     """``7.64e9`` -> ``'7.64B'``: parameter counts as people say them."""
@@ -340,11 +489,13 @@ def estimate(
     micro_batches: int = 1,
     remat: str = "none",
     fused_attention: bool = False,
+    frozen_params: float = 0.0,
+    frozen_bytes_per_param: float = 2.0,
 ) -> Estimate:
     """Memory, fit and communication for every ZeRO stage.
 
     Args:
-      num_params: Ψ.
+      num_params: Ψ, the trainable params.
       devices: N.
       device_memory: bytes per device.
       precision: "mixed"/"bf16"/"fp16" (16-bit + fp32 master) or "fp32".
@@ -354,9 +505,12 @@ def estimate(
       micro_batches: gradient-accumulation steps (k).
       remat: "none" or "full" activation recomputation.
       fused_attention: no stored attention scores.
+      frozen_params: Ψf, params that do not train (a LoRA run's base): stored once at
+        ``frozen_bytes_per_param`` (2: bf16), sharded at stage 3 only, never reduced.
     """
     prec = precision_bytes(precision, optimizer)
     _check(num_params, devices, 0)
+    _check_frozen(frozen_params, frozen_bytes_per_param)
     if not device_memory > 0:
         raise ValueError(f"device memory must be positive, got {device_memory!r}")
     act = None
@@ -371,10 +525,15 @@ def estimate(
         k=prec.k,
         micro_batches=micro_batches,
         activations=act,
+        frozen_params=float(frozen_params),
+        frozen_bytes_per_param=float(frozen_bytes_per_param),
     )
+    held = (frozen_params, frozen_bytes_per_param)
     for stage in STAGES:
-        ms = model_state_bytes(num_params, devices, stage, prec)
-        comm = comm_bytes(num_params, devices, stage, prec.grad, prec.param, micro_batches)
+        ms = model_state_bytes(num_params, devices, stage, prec, *held)
+        comm = comm_bytes(
+            num_params, devices, stage, prec.grad, prec.param, micro_batches, 2, *held
+        )
         total = ms.total + (act.total if act else 0.0)
         out.stages.append(
             StageEstimate(
@@ -392,7 +551,10 @@ def estimate(
                 comm_grad=comm.grad,
                 comm_param=comm.param,
                 comm_total=comm.total,
-                max_params=max_params(device_memory, devices, stage, prec),
+                max_params=max_params(device_memory, devices, stage, prec, *held),
+                frozen=ms.frozen,
+                comm_frozen=comm.frozen,
+                formula=formula(stage, prec, frozen_bytes_per_param if frozen_params else 0.0),
             )
         )
     return out

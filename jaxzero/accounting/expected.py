@@ -5,6 +5,10 @@ Two predictions for the same engine: :func:`theory`, the formulas of
 stage, with everything sharded evenly; and :func:`layout_expectation`, the same
 counted leaf by leaf over the engine's actual layouts (padding, replicated small
 leaves). :mod:`jaxzero.accounting.measure` puts both beside what it measures.
+
+Both count frozen params (``Engine(trainable=...)``) apart from the trainable Ψ: their
+stored bytes once (no gradient, master or optimizer state), divided by N at stage 3,
+where they are all-gathered as the params are and never reduced.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class Theory:
     optimizer_per_param: float  # bytes of optimizer state per param (Adam: 8)
     comm_intra: float = 0.0  # hybrid split of ``comm``: within a group of N devices ...
     comm_inter: float = 0.0  # ... across the R groups (the all-reduce of gradient shards)
+    frozen: float = 0.0  # the frozen params' bytes (in ``persistent`` and ``model_states``)
+    comm_frozen: float = 0.0  # their stage-3 all-gathers (in ``comm_param`` and ``comm``)
 
 
 def inter_group_bytes(
@@ -62,6 +68,7 @@ def theory(
     micro_batches: int = 1,
     param_gathers: int = 2,
     replicas: int = 1,
+    frozen_bytes: float = 0.0,
 ) -> Theory:
     """Model-state memory and communication from :mod:`jaxzero.accounting.estimate`'s formulas.
 
@@ -76,6 +83,9 @@ def theory(
       micro_batches: gradient-accumulation steps per optimizer step.
       param_gathers: stage-3 gathers per param and micro-batch (see ``est.comm_bytes``).
       replicas: hybrid sharding: R groups of ``n`` devices each hold a copy of the state.
+      frozen_bytes: the frozen params' bytes, Σ elements × their stored dtype's size
+        (2Ψf for a bf16 base): held once, / N at stage 3; gathered there
+        ``param_gathers`` times a micro-batch as the params are; never reduced.
     """
     prec = est.Precision(
         param=param_bytes,
@@ -83,9 +93,12 @@ def theory(
         master=master_bytes,
         optimizer=optimizer_per_param,
     )
-    ms = est.model_state_bytes(psi, n, stage, prec)
+    held = (frozen_bytes, 1.0)  # (count, bytes each) as the estimate takes them
+    ms = est.model_state_bytes(psi, n, stage, prec, *held)
     n_ring = n * replicas if stage == 0 else n  # stage 0 all-reduces over every device
-    cm = est.comm_bytes(psi, n_ring, stage, grad_bytes, param_bytes, micro_batches, param_gathers)
+    cm = est.comm_bytes(
+        psi, n_ring, stage, grad_bytes, param_bytes, micro_batches, param_gathers, *held
+    )
     inter = inter_group_bytes(psi, n, replicas, stage, grad_bytes, micro_batches)
     intra = 0.0 if stage == 0 and replicas > 1 else cm.total
     return Theory(
@@ -101,6 +114,8 @@ def theory(
         optimizer_per_param=optimizer_per_param,
         comm_intra=intra,
         comm_inter=inter,
+        frozen=ms.frozen,
+        comm_frozen=cm.frozen,
     )
 
 
@@ -120,6 +135,16 @@ class LayoutExpectation:
     padded_params: int
     replicated_params: int
     comm_inter: float = 0.0  # hybrid: the part of ``comm`` that crosses groups
+    comm_param: float = 0.0  # the part of ``comm`` that gathers params, frozen ones too
+    frozen: float = 0.0  # the frozen params' stored bytes (in ``persistent``)
+    comm_frozen: float = 0.0  # their stage-3 gathers (in ``comm_param``)
+    frozen_params: int = 0  # their logical elements ...
+    padded_frozen: int = 0  # ... and as stored (padded where sharded at stage 3)
+
+    @property
+    def comm_grad(self) -> float:
+        """The part of ``comm`` that reduces gradients (the trainable params' alone)."""
+        return self.comm - self.comm_param
 
 
 def _stored_per_device(lay: Any, n: int, sharded: bool) -> float:
@@ -140,23 +165,38 @@ def layout_expectation(
     micro_batches: int = 1,
     param_gathers: int = 2,
     replicas: int = 1,
+    frozen: Sequence[tuple[Any, float]] = (),
 ) -> LayoutExpectation:
     """Leaf-by-leaf persistent bytes and traffic for the engine's layouts.
 
     Args:
-      layouts: objects with ``shape``, ``dim`` (None: replicated) and ``padded_shape``.
+      layouts: the trainable params' layouts: objects with ``shape``, ``dim`` (None:
+        replicated) and ``padded_shape``.
       n, stage, param_bytes, grad_bytes, master_bytes, micro_batches, param_gathers,
         replicas: as for :func:`theory`.
       optimizer: ``(layout, itemsize)`` of every optimizer-state leaf (sharded with
         the master from stage 1, by its own layout).
+      frozen: ``(layout, itemsize)`` of every frozen param (its stored dtype): stored
+        as the working params are (sharded, padded, at stage 3 only), gathered there
+        ``param_gathers`` times a micro-batch, never reduced.
     """
     frac = (n - 1) / n if n > 1 else 0.0
     every = n * replicas  # replicated leaves (and stage 0) all-reduce over every device
     frac_all = (every - 1) / every if every > 1 else 0.0
     k = micro_batches
     persistent = sum(_stored_per_device(lay, n, stage >= 1) * size for lay, size in optimizer)
-    comm = inter = 0.0
+    comm = inter = gather = 0.0
     padded_total = replicated = 0
+    held = held_comm = 0.0
+    held_size = held_padded = 0
+    for lay, size in frozen:
+        held += _stored_per_device(lay, n, stage == 3) * size
+        held_size += math.prod(lay.shape)
+        sharded = stage == 3 and lay.dim is not None
+        held_padded += math.prod(lay.padded_shape if sharded else lay.shape)
+        if sharded:
+            held_comm += k * param_gathers * math.prod(lay.padded_shape) * size * frac
+    persistent += held
     for lay in layouts:
         size = math.prod(lay.shape)
         persistent += (
@@ -177,10 +217,22 @@ def layout_expectation(
             )
         if stage == 0:
             comm += 2 * size * grad_bytes * frac_all
-        elif stage == 1:
-            comm += padded * (grad_bytes + param_bytes) * frac
-        elif stage == 2:
-            comm += padded * (k * grad_bytes + param_bytes) * frac
+        elif stage in (1, 2):
+            comm += padded * (1 if stage == 1 else k) * grad_bytes * frac
+            gather += padded * param_bytes * frac
         else:
-            comm += k * padded * (grad_bytes + param_gathers * param_bytes) * frac
-    return LayoutExpectation(persistent, comm + inter, padded_total, replicated, inter)
+            comm += k * padded * grad_bytes * frac
+            gather += k * padded * param_gathers * param_bytes * frac
+    gather += held_comm
+    return LayoutExpectation(
+        persistent,
+        comm + gather + inter,
+        padded_total,
+        replicated,
+        inter,
+        comm_param=gather,
+        frozen=held,
+        comm_frozen=held_comm,
+        frozen_params=held_size,
+        padded_frozen=held_padded,
+    )

@@ -25,9 +25,11 @@ ties everything to an Engine.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxzero.accounting.comm import (
@@ -88,12 +90,17 @@ def device0_bytes(tree: Any, device: Any = None) -> int:
     return total
 
 
-def _stage3_notes(plan: Plan, collectives: list[Collective], scalar_elements: int) -> list[str]:
+def _stage3_notes(
+    plan: Plan, collectives: list[Collective], scalar_elements: int, frozen_elements: int = 0
+) -> list[str]:
     """Explain stage-3 traffic below 3Ψ: how much the backward pass gathers again.
 
     The design gathers every param twice (forward, backward) per reduce-scatter of
     its gradient. Counting elements (not bytes, so dtypes do not matter) shows how
-    much of that second gather the compiled step really does.
+    much of that second gather the compiled step really does. Frozen params are
+    gathered too but never reduced: ``frozen_elements`` (their sharded elements as
+    stored, padding included) joins each micro-batch's reduced elements as what one
+    forward pass gathers.
     """
     if plan.stage != 3:
         return []
@@ -108,6 +115,7 @@ def _stage3_notes(plan: Plan, collectives: list[Collective], scalar_elements: in
         )
 
     gathered, scattered = elements("all-gather"), elements("reduce-scatter")
+    scattered += plan.settings.step.micro_batches * frozen_elements  # once a forward pass
     notes = []
     if not plan.settings.step.per_layer:
         notes.append(
@@ -128,11 +136,13 @@ def _itemsize(dtype: Any) -> int:
 
 
 def _persistent(state: TrainState, device: Any) -> dict[str, int]:
-    """Device 0's bytes of the state: params, master, optimizer, other and total."""
+    """Device 0's bytes of the state: params, master, optimizer, frozen (the params that
+    do not train, 0 when all do), other and total."""
     persistent = {
         "params": device0_bytes(state.params, device),
         "master": device0_bytes(state.master, device),
         "optimizer": device0_bytes(state.opt_state, device),
+        "frozen": device0_bytes(getattr(state, "frozen", None), device),
     }
     whole = device0_bytes(state, device)
     persistent["other"] = whole - sum(persistent.values())
@@ -152,6 +162,7 @@ def _predictions(plan: Plan, state: TrainState, replicas: int) -> tuple[Theory, 
     per_param = sum(lay.size * b for lay, b in zip(opt_lays, opt_sizes, strict=True)) / psi
     k = cfg.micro_batches
     gathers = 2 if cfg.per_layer else 1  # coarse stage 3 gathers once
+    frozen = _frozen_leaves(plan)
     th = theory(
         psi,
         n,
@@ -163,6 +174,7 @@ def _predictions(plan: Plan, state: TrainState, replicas: int) -> tuple[Theory, 
         k,
         param_gathers=gathers,
         replicas=replicas,
+        frozen_bytes=sum(math.prod(lay.shape) * size for lay, size in frozen),
     )
     layouts = plan.leaves()
     ex = layout_expectation(
@@ -176,11 +188,24 @@ def _predictions(plan: Plan, state: TrainState, replicas: int) -> tuple[Theory, 
         k,
         param_gathers=gathers,
         replicas=replicas,
+        frozen=frozen,
     )
     return th, ex
 
 
-def _layout_notes(ex: LayoutExpectation, psi: int) -> list[str]:
+def _frozen_leaves(plan: Plan) -> list[tuple[Any, int]]:
+    """``(layout, itemsize)`` of every frozen param, in its stored dtype (none when every
+    param trains)."""
+    if getattr(plan, "mask", None) is None:
+        return []
+    dtypes = jax.tree.leaves(plan.frozen_dtypes)
+    return [
+        (lay, int(jnp.dtype(d).itemsize))
+        for lay, d in zip(plan.frozen_leaves(), dtypes, strict=True)
+    ]
+
+
+def _layout_notes(ex: LayoutExpectation, psi: int, stage: int = 0) -> list[str]:
     """How padding and replicated small leaves explain bytes beyond the formulas."""
     notes = []
     if ex.padded_params != psi:
@@ -193,6 +218,16 @@ def _layout_notes(ex: LayoutExpectation, psi: int) -> list[str]:
         notes.append(
             f"{ex.replicated_params:,} params sit in leaves too small to shard: replicated, "
             "their gradients all-reduced (the 'layouts' column counts them)"
+        )
+    if ex.frozen_params:
+        notes.append(
+            f"{ex.frozen_params:,} frozen params are stored once in their own dtype, with no "
+            "gradient, master or optimizer state (the 'frozen params' row); "
+            + (
+                "sharded at stage 3, they are all-gathered with the params, never reduced"
+                if stage == 3
+                else "replicated below stage 3, they send nothing"
+            )
         )
     return notes
 
@@ -216,6 +251,8 @@ def _config(
         "donate": plan.settings.donate,  # without donation the peak holds two states
         "num_params": int(plan.num_params),
         "padded_params": ex.padded_params,
+        "num_frozen": ex.frozen_params,  # params that do not train (Engine(trainable=...))
+        "padded_frozen": ex.padded_frozen,
         "scalar_elements": scalar_elements,
     }
 
@@ -249,7 +286,10 @@ def report(
     replicas = int(plan.mesh.devices.size) // n
     tr = traffic(hlo.collectives, scalar_elements, group_size=n)
     th, ex = _predictions(plan, state, replicas)
-    notes = list(hlo.notes) + _layout_notes(ex, int(plan.num_params))
-    notes += _stage3_notes(plan, hlo.collectives, scalar_elements)
+    notes = list(hlo.notes) + _layout_notes(ex, int(plan.num_params), plan.stage)
+    held = sum(
+        math.prod(lay.padded_shape) for lay, _ in _frozen_leaves(plan) if lay.dim is not None
+    )
+    notes += _stage3_notes(plan, hlo.collectives, scalar_elements, held)
     config = _config(plan, ex, replicas, scalar_elements)
     return Report(config, persistent, th, ex, compiled_memory(compiled), tr, hlo.collectives, notes)

@@ -7,7 +7,9 @@ with abstract shapes and compiled, allocating nothing: the compiled program's
 sends per step. Candidates whose persistent model states alone exceed the budget by
 the ZeRO formulas (:func:`~jaxzero.accounting.estimate.model_state_bytes`, a lower
 bound of the real bytes: padding and replicated small leaves only add) are pruned
-before compiling. Those that fit are ranked by a stated roofline,
+before compiling. Frozen params (a LoRA run's base) count at their stored bytes, not
+as trainable ones (:func:`param_split`): a frozen base counted at 16 bytes a param
+would prune runs that fit. Those that fit are ranked by a stated roofline,
 ``max(FLOPs / device FLOP/s, bytes sent / link bandwidth)``, and the best few get
 the largest global batch that fits, found on compiled peaks.
 
@@ -29,6 +31,7 @@ from jaxzero.accounting.comm import collectives_from_hlo, traffic
 from jaxzero.accounting.estimate import GB, Precision, format_bytes, model_state_bytes
 from jaxzero.accounting.measure import compiled_memory
 from jaxzero.accounting.plan_table import format_survey
+from jaxzero.frozen import Trainable, mask_of
 
 __all__ = [
     "HARDWARE",
@@ -39,6 +42,8 @@ __all__ = [
     "Row",
     "Survey",
     "candidates",
+    "formula_states",
+    "param_split",
     "survey",
 ]
 
@@ -355,6 +360,37 @@ def _pair(r: Row) -> tuple[int, str]:
     return (r.candidate.stage, r.candidate.remat)
 
 
+def param_split(shapes: Any, trainable: Trainable = None) -> tuple[float, float]:
+    """``(Ψ, frozen bytes)`` of a params tree: the trainable params' count, and the
+    frozen ones' bytes in their own dtypes (Σ elements × itemsize: 2Ψf for a bf16 base),
+    as :func:`survey` takes them (``num_params``, ``frozen_bytes``).
+
+    ``shapes``: the params or their ``jax.ShapeDtypeStruct`` (``jax.eval_shape`` of an
+    init); ``trainable``: the engine's ``trainable=`` (a predicate on leaf paths, a tree
+    of bools, None: all train), e.g. ``engine.trainable``.
+    """
+    mask = jax.tree.leaves(mask_of(trainable, shapes))
+    psi = held = 0.0
+    for on, x in zip(mask, jax.tree.leaves(shapes), strict=True):
+        size = float(np.prod(x.shape, dtype=np.int64))
+        if on:
+            psi += size
+        else:
+            held += size * np.dtype(x.dtype).itemsize
+    return psi, held
+
+
+def formula_states(
+    num_params: float, group: int, precision: Precision, frozen_bytes: float = 0.0
+) -> Callable[[int], float]:
+    """A stage's persistent model-state bytes per device by the formulas (the
+    :class:`Planner`'s ``formula_states``): ``num_params`` trainable params at
+    ``precision``, ``frozen_bytes`` of frozen ones (whole, / N at stage 3). A lower
+    bound of what the state holds: padding and replicated small leaves only add."""
+    held = (frozen_bytes, 1.0)  # (count, bytes each) as the formulas take them
+    return lambda stage: model_state_bytes(num_params, group, stage, precision, *held).persistent
+
+
 def survey(
     build: Callable[[Candidate], Built],
     cands: Sequence[Candidate],
@@ -369,6 +405,7 @@ def survey(
     exhaustive: bool = False,
     budget_note: str = "",
     title: str = "",
+    frozen_bytes: float = 0.0,
 ) -> Survey:
     """Compile ``cands``, hold them to ``budget`` bytes per device, rank those that fit.
 
@@ -379,9 +416,13 @@ def survey(
       hardware: the roofline (:data:`HARDWARE`).
       devices: devices in the mesh.
       group: devices sharding the state (default all).
-      num_params: Ψ, to prune by the formulas before compiling (None: compile every
-        candidate).
+      num_params: the trainable Ψ, to prune by the formulas before compiling (None:
+        compile every candidate). A frozen param must not be in it (:func:`param_split`):
+        the formulas count 12-16 bytes for a trainable param, the state holds a frozen
+        one at its stored bytes only.
       precision: the bytes per param the formulas count (with ``num_params``).
+      frozen_bytes: the frozen params' bytes in their own dtypes (:func:`param_split`),
+        counted whole at stages 0-2 and / N at stage 3, as the state holds them.
       max_batch: search the largest global batch for this many of the best (0: none;
         each search compiles about three more programs).
       exhaustive: compile every micro-batch count, not only the fewest that fit.
@@ -389,7 +430,7 @@ def survey(
     group = group or devices
     states = None
     if num_params is not None and precision is not None:
-        states = lambda stage: model_state_bytes(num_params, group, stage, precision).persistent  # noqa: E731
+        states = formula_states(num_params, group, precision, frozen_bytes)
     planner = Planner(build, budget, hardware, group, states)
     rows = planner.survey(cands, exhaustive)
     out = Survey(rows, budget, budget_note, hardware, devices, group, title)

@@ -41,7 +41,7 @@ class Report:
     Attributes:
       config: stage, N, precision, dtypes, micro-batches, Ψ (logical and padded).
       persistent: measured bytes of device 0 per category (params, master,
-        optimizer, other) and their total.
+        optimizer, frozen: the params that do not train, other) and their total.
       theory: the formulas' figures for Ψ (no padding, everything sharded).
       expected: the same counted leaf by leaf over the engine's layouts (padding,
         replicated small leaves), which explains any gap to ``theory``.
@@ -129,11 +129,32 @@ class Report:
             lines.append(line)
         return lines
 
+    @property
+    def has_frozen(self) -> bool:
+        """Whether some params do not train (``Engine(trainable=...)``)."""
+        return bool(self.config.get("num_frozen", 0))
+
+    def _frozen_head(self) -> str:
+        c, e = self.config, self.expected
+        return (
+            f"; Ψf = {c['num_frozen']:,} frozen (stored {e.padded_frozen:,}), once in "
+            "their dtype: no gradient, master or optimizer state"
+        )
+
     def table(self) -> str:
         """Measured vs. theory, MB = 1e6 bytes."""
         c, t, p, e = self.config, self.theory, self.persistent, self.expected
         mb = lambda x: f"{x / 1e6:12.4f}"
         ratio = lambda a, b: f"{a / b:8.3f}" if b else "       -"
+        held = p.get("frozen", 0)
+        frozen_row = (
+            [
+                f"{'frozen params':<30}{mb(held)}{mb(t.frozen)}{ratio(held, t.frozen)}"
+                f"{mb(e.frozen)}{ratio(held, e.frozen)}"
+            ]
+            if self.has_frozen
+            else []
+        )
         head = f"{'':<30}{'measured':>12}{'formula':>12}{'ratio':>8}{'layouts':>12}{'ratio':>8}"
         lines = [
             f"stage {c['stage']}, N = {c['num_shards']}, {c['precision']} "
@@ -147,7 +168,8 @@ class Report:
             ),
             f"Ψ = {c['num_params']:,} (stored {e.padded_params:,} with padding; "
             f"{e.replicated_params:,} in replicated small leaves); optimizer state "
-            f"{t.optimizer_per_param:.2f} bytes per param",
+            f"{t.optimizer_per_param:.2f} bytes per param"
+            + (self._frozen_head() if self.has_frozen else ""),
             "",
             "persistent memory per device (MB)",
             head,
@@ -155,6 +177,7 @@ class Report:
             f"{'fp32 master':<30}{mb(p['master'])}{mb(t.master)}{ratio(p['master'], t.master)}",
             f"{'optimizer state':<30}{mb(p['optimizer'])}{mb(t.optimizer)}"
             f"{ratio(p['optimizer'], t.optimizer)}",
+            *frozen_row,
             f"{'other (step, counters)':<30}{mb(p['other'])}",
             f"{'total':<30}{mb(p['total'])}{mb(t.persistent)}{ratio(p['total'], t.persistent)}"
             f"{mb(e.persistent)}{ratio(p['total'], e.persistent)}",
@@ -180,6 +203,12 @@ class Report:
             lines[-1] += f"{mb(e.comm)}{ratio(self.traffic.grad_param, e.comm)}"
         for kind, b in sorted(self.traffic.by_kind.items()):
             lines.append(f"{'  ' + kind:<30}{mb(b)}")
+        if self.has_frozen and (t.comm_frozen or e.comm_frozen):
+            # the HLO does not say whose params a gather moves: formulas only
+            lines.append(
+                f"{'  of which frozen gathers':<30}{'':>12}{mb(t.comm_frozen)}{'':>8}"
+                f"{mb(e.comm_frozen)}"
+            )
         lines += self._scope_lines(mb, ratio)
         lines.append(f"{'scalars (loss, norms)':<30}{mb(self.traffic.scalars)}")
         lines += ["", f"collectives: {self.traffic.ops} ops, {self.traffic.runs} runs per step"]

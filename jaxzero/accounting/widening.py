@@ -60,6 +60,29 @@ def _widening_converts(
     return found
 
 
+def _widened_from(
+    defs: dict[str, dict[str, Instruction]], comp: str, name: str, depth: int = 0
+) -> str | None:
+    """The element type ``name`` was converted up from, when it is that convert itself
+    (seen through layout ops and a producing fusion's root): nothing computed between.
+
+    So the CPU backend leaves a gather of a narrow value that the program uses wide (a
+    bf16 frozen param in an fp32 run: gathered as stored, cast up after): the convert
+    up moves ahead of the gather, and no use converts its result back down.
+    """
+    ins = defs.get(comp, {}).get(name)
+    if ins is None or depth > 16 or not ins.operands:
+        return None
+    if ins.opcode == "convert":
+        return _first_dtype(defs[comp].get(ins.operands[0]))
+    if ins.opcode in _LAYOUT_OPS:
+        return _widened_from(defs, comp, ins.operands[0], depth + 1)
+    if ins.opcode == "fusion" and (callee := _callee(ins)) in defs:
+        root = next((i for i in defs[callee].values() if i.root), None)
+        return _widened_from(defs, callee, root.name, depth + 1) if root else None
+    return None
+
+
 def _is_narrower_float(src: str, dst: str) -> bool:
     return (
         src.startswith(_FLOATS)
@@ -121,9 +144,11 @@ def logical_buffers(
     collectives in converts to f32 and back. A reduction it widened calls a
     ``*_promoted`` computation; the narrow type is the one converted from just
     before. A widened gather is recognised by both converts: its operand comes from a
-    narrower type and every use converts the result straight back to it. A convert
-    the program asked for (``reduce_dtype="fp32"`` with bf16 compute) has neither
-    mark and is left alone.
+    narrower type and every use converts the result straight back to it; or, where
+    the program's use is wide, by its operand being the convert up itself
+    (:func:`_widened_from`; jaxzero gathers every param in its stored dtype). A
+    convert the program asked for (``reduce_dtype="fp32"`` with bf16 compute) is a
+    reduction's, with none of these marks, and is left alone.
     """
     if len(ins.operands) != len(bufs):
         return bufs
@@ -135,10 +160,14 @@ def logical_buffers(
         sources = [
             src for src, _ in _widening_converts(defs, comp, op) if _is_narrower_float(src, b.dtype)
         ]
+        # a gather (nothing reduced) of a narrow value, converted up just before it
+        up = None if to_apply else _widened_from(defs, comp, op)
         if promoted:
             out.append(Buffer(min(sources, key=dtype_bytes) if sources else "bf16", b.shape))
         elif sources and back and set(sources) & back:
             out.append(Buffer(min(set(sources) & back, key=dtype_bytes), b.shape))
+        elif up is not None and _is_narrower_float(up, b.dtype):
+            out.append(Buffer(up, b.shape))
         else:
             out.append(b)
     return tuple(out)

@@ -2,7 +2,10 @@
 
 Given a parameter count, a GPT shape or a ``jaxzero train`` config (its model counted
 exactly with ``jax.eval_shape``), print per-device memory and communication for
-ZeRO stages 0-3. No devices needed.
+ZeRO stages 0-3. No devices needed. ``--frozen-params`` adds params that do not train
+(a LoRA run's base): stored once in ``--frozen-dtype``, no gradient, master or
+optimizer state; the table then shows trainable and frozen bytes apart, with each
+stage's formula (``16Ψ + 2Ψf`` at stage 0 with mixed-precision Adam and a bf16 base).
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ import jax
 
 from jaxzero import cli
 from jaxzero.accounting.activations import GPTShape
-from jaxzero.accounting.estimate import GB, OPTIMIZER_BYTES, PRECISIONS, Estimate, estimate
+from jaxzero.accounting.estimate import (
+    FROZEN_DTYPES,
+    GB,
+    OPTIMIZER_BYTES,
+    PRECISIONS,
+    Estimate,
+    estimate,
+)
 from jaxzero.cli import Parser
 from jaxzero.models import from_fields
 from jaxzero.train import config as config_lib
@@ -39,7 +49,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jaxzero estimate",
         description="Per-device memory and communication of ZeRO stages 0-3 (GB = 1e9 bytes).",
     )
-    p.add_argument("--params", type=str, help="parameter count, e.g. 7.5e9, 7.5B, 350M")
+    p.add_argument("--params", type=str, help="(trainable) parameter count, e.g. 7.5e9, 7.5B, 350M")
+    p.add_argument(
+        "--frozen-params",
+        type=str,
+        default=None,
+        metavar="N",
+        help="params that do not train (a LoRA run's base), e.g. 7B: stored once in "
+        "--frozen-dtype, no gradient, master or optimizer state; sharded at stage 3 only",
+    )
+    p.add_argument(
+        "--frozen-dtype",
+        default="bf16",
+        choices=sorted(FROZEN_DTYPES),
+        help="the frozen params' stored dtype (default bf16: 2 bytes each)",
+    )
     p.add_argument(
         "--config",
         metavar="YAML",
@@ -98,10 +122,25 @@ def _from_config(args: argparse.Namespace) -> Estimate:
     )
 
 
+def _frozen(args: argparse.Namespace) -> dict[str, float]:
+    """``estimate``'s frozen keywords from ``--frozen-params`` and ``--frozen-dtype``."""
+    if args.frozen_params is None:
+        return {}
+    frozen = parse_count(args.frozen_params)
+    if not (math.isfinite(frozen) and frozen >= 0):
+        raise ValueError(f"--frozen-params must be a count >= 0, got {args.frozen_params!r}")
+    return {"frozen_params": frozen, "frozen_bytes_per_param": FROZEN_DTYPES[args.frozen_dtype]}
+
+
 def _from_args(args: argparse.Namespace) -> Estimate:
     if args.config is not None:
         if args.params is not None or args.layers is not None:
             raise ValueError("give --config or --params/a GPT shape, not both")
+        if args.frozen_params is not None:
+            raise ValueError(
+                "--frozen-params goes with --params or a GPT shape (the trainable params), "
+                "not --config"
+            )
         return _from_config(args)
     shape = None
     gpt = (args.layers, args.d_model, args.heads)
@@ -122,6 +161,7 @@ def _from_args(args: argparse.Namespace) -> Estimate:
         raise ValueError("give --params or a GPT shape (--layers, --d-model, --heads)")
     if not math.isfinite(args.device_memory) or args.device_memory <= 0:
         raise ValueError(f"--device-memory must be positive, got {args.device_memory}")
+    frozen = _frozen(args)
     return estimate(
         psi,
         args.devices,
@@ -133,6 +173,7 @@ def _from_args(args: argparse.Namespace) -> Estimate:
         args.micro_batches,
         args.remat,
         args.fused_attention,
+        **frozen,
     )
 
 

@@ -5,6 +5,8 @@ compiles the step without running it, and prints :mod:`jaxzero.accounting.measur
 measured memory and communication beside the ZeRO formulas. On a machine without
 an accelerator it simulates CPU devices (default 8), so the sharding is real even
 on a laptop: the collectives and per-device bytes are those a cluster would see.
+``--lora-rank`` reports a LoRA step of the Llama: its base frozen in ``--base-dtype``,
+counted apart from the adapters that train (the report's "frozen params" row).
 """
 
 from __future__ import annotations
@@ -70,6 +72,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="gpt: the reference GPT; llama: the Llama (--kv-heads for GQA)",
     )
     p.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads")
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="llama: LoRA adapters of rank R on every linear layer (alpha 2R); the base "
+        "is frozen (no gradient, master or optimizer state)",
+    )
+    p.add_argument(
+        "--base-dtype",
+        default="bf16",
+        choices=["bf16", "fp32", "int8", "nf4"],
+        help="with --lora-rank: the frozen base's stored dtype (default bf16, as a "
+        "fine-tune loads it); int8/nf4: QLoRA, the targets' weights quantized (codes and "
+        "block scales), the rest of the base bf16",
+    )
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -97,7 +115,9 @@ def _validate(args: argparse.Namespace) -> None:
     for name in ("micro_batches", "d_model", "layers", "heads", "seq_len", "vocab"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
-    for name in ("devices", "simulate_devices", "batch", "group_size"):
+    if args.lora_rank is not None and args.arch != "llama":
+        raise ValueError("--lora-rank adapts the Llama: add --arch llama")
+    for name in ("devices", "simulate_devices", "batch", "group_size", "lora_rank"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
@@ -120,6 +140,12 @@ def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any]:
     """The Engine, its initial state and a sample batch for ``stage``."""
     n = args.devices or jax.device_count()
     mesh = jaxzero.make_mesh(n, replicas=replicas_for(args.group_size, n, n))
+    lora = None
+    if args.lora_rank is not None:
+        from jaxzero.models.lora import LoraConfig
+
+        quant = args.base_dtype if args.base_dtype in ("int8", "nf4") else None
+        lora = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank, base_dtype=quant)
     model = from_fields(
         dict(
             arch=args.arch,
@@ -130,7 +156,8 @@ def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any]:
             n_heads=args.heads,
             n_kv_heads=args.kv_heads,
             remat=args.remat,
-        )
+        ),
+        lora=lora,
     )
     engine = model.engine(
         optax.adamw(1e-3),
@@ -141,10 +168,31 @@ def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any]:
         micro_batches=args.micro_batches,
         donate=True,  # as on accelerators, whatever this machine's default
     )
-    state = engine.init_from(model.init, jax.random.key(0))
+
+    def init(key: jax.Array) -> Any:
+        params = model.init(key)
+        if lora is not None and args.base_dtype != "fp32":  # as a fine-tune loads its base
+            params = _frozen_in(params, engine.trainable, jnp.bfloat16)
+        return params
+
+    state = engine.init_from(init, jax.random.key(0))
     batch_size = args.batch or 2 * engine.batch_devices * args.micro_batches
     tokens = jnp.zeros((batch_size, args.seq_len), jnp.int32)
     return engine, state, {"inputs": tokens, "targets": tokens}
+
+
+def _frozen_in(params: Any, trainable: Any, dtype: Any) -> Any:
+    """``params`` with every frozen float leaf (False by ``trainable``, a path predicate)
+    in ``dtype``: a base as a fine-tune loads it, the adapters as initialised. QLoRA's
+    quantized weights (``weight_codes``, ``weight_scale``) stay as quantized."""
+    from jaxzero.partition import path_str
+
+    def cast(path: Any, x: jax.Array) -> jax.Array:
+        name = path_str(path)
+        keep = trainable(name) or name.rsplit("/", 1)[-1].startswith("weight_")
+        return x if keep or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def main(argv: list[str] | None = None) -> int:
