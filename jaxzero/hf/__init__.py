@@ -290,17 +290,31 @@ def load(
     path = Path(path)
     m = model(path) if m is None else m
     shapes, read = _reader(path, m, adapter, seed)
-    if m.lora is not None:  # a frozen base no wider than the run computes in (bf16 run: bf16)
-        compute = np.dtype(engine.compute_dtype)
+    return engine._init_from_slices(_stored(shapes, m, engine.compute_dtype), read)
 
-        def narrow(path: Any, s: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-            name = path_str(path)
-            base = not lora_lib.trainable(name) and not _is_quantized(name)
-            wide = jnp.issubdtype(s.dtype, jnp.floating) and s.dtype.itemsize > compute.itemsize
-            return jax.ShapeDtypeStruct(s.shape, compute) if base and wide else s
 
-        shapes = jax.tree_util.tree_map_with_path(narrow, shapes)
-    return engine._init_from_slices(shapes, read)
+def param_shapes(path: str | Path, m: Llama, compute_dtype: Any) -> Any:
+    """The params' shapes and dtypes as :func:`load` stores them in an engine computing
+    in ``compute_dtype`` (a LoRA base in its dtype, no wider than the compute dtype; a
+    QLoRA base as codes and scales), reading only the files' headers: what a planner
+    compiles the run's step with."""
+    return _stored(_reader(Path(path), m)[0], m, compute_dtype)
+
+
+def _stored(shapes: Any, m: Llama, compute_dtype: Any) -> Any:
+    """A LoRA model's frozen base no wider than the run computes in (a bf16 run keeps
+    it bf16, an fp32 run the checkpoint's dtype); other models' shapes as they are."""
+    if m.lora is None:
+        return shapes
+    compute = np.dtype(compute_dtype)
+
+    def narrow(path: Any, s: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        name = path_str(path)
+        base = not lora_lib.trainable(name) and not _is_quantized(name)
+        wide = jnp.issubdtype(s.dtype, jnp.floating) and s.dtype.itemsize > compute.itemsize
+        return jax.ShapeDtypeStruct(s.shape, compute) if base and wide else s
+
+    return jax.tree_util.tree_map_with_path(narrow, shapes)
 
 
 def read_params(path: str | Path, m: Llama | None = None) -> dict[str, Any]:

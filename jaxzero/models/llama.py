@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxzero.hooks import remat_layer, use_params
@@ -39,7 +38,7 @@ from jaxzero.models.common import (
 from jaxzero.models.lora import QUANTIZED, LoraConfig, check_rank
 from jaxzero.models.lora import trainable as lora_trainable
 from jaxzero.models.protocol import ReferenceModel
-from jaxzero.models.quant import dequantize, quantize, quantized_shapes
+from jaxzero.models.quant import dequantize, quantize_traced
 from jaxzero.models.rope import ROPE_TYPES, apply_rotary, rope_frequencies, rotary
 from jaxzero.nnx import bind, split, use
 
@@ -147,7 +146,7 @@ class Linear(nnx.Module):
         if quant is None:
             self.weight = nnx.Param(w)
         else:  # QLoRA's frozen base: codes and block scales (jaxzero.models.quant)
-            q = quantized(w, quant)
+            q = quantize_traced(w, quant)  # a fresh model; a checkpoint's: hf.load
             self.weight_codes, self.weight_scale = nnx.Param(q["codes"]), nnx.Param(q["scale"])
         self.bias = nnx.Param(jnp.zeros(d_out)) if bias else None
         bound = 1.0 / d_in**0.5
@@ -184,20 +183,6 @@ def _linear(
         return Linear(d_in, d_out, bias, std, rngs)
     check_rank(lora, name, d_in, d_out)
     return Linear(d_in, d_out, bias, std, rngs, lora.rank, lora.scale, lora.base_dtype)
-
-
-def quantized(w: jax.Array, kind: str) -> dict[str, jax.Array]:
-    """``w`` quantized (:func:`jaxzero.models.quant.quantize`, numpy, on the host: a fresh
-    model's init under ``jit`` calls back to it; a checkpoint's base is quantized as it
-    is read)."""
-    shapes = quantized_shapes(tuple(w.shape), kind)
-    out = jax.pure_callback(
-        lambda a: tuple(quantize(np.asarray(a), kind).values()),
-        (shapes["codes"], shapes["scale"]),
-        w,
-        vmap_method="expand_dims",  # quantize blocks the last axis: any leading dims
-    )
-    return {"codes": out[0], "scale": out[1]}
 
 
 # every linear module of a decoder layer, by the name peft and transformers give it

@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -128,17 +129,29 @@ def quantize(w: np.ndarray, kind: str, block: int = BLOCK) -> dict[str, np.ndarr
     packed two a byte along the last axis, element 2k in the high nibble and 2k + 1 in the
     low one (bitsandbytes' order): uint8 ``(*lead, in // 2)``. Computed in float32."""
     w = np.asarray(w, dtype=np.float32)
-    nb = _blocks(w.shape, kind, block, "quantize")
+    if not np.all(np.isfinite(w)):
+        raise ValueError(f"quantize: a weight of shape {w.shape} holds a NaN or an infinity")
+    return _quantize(np, w, kind, block)
+
+
+def quantize_traced(w: jax.Array, kind: str, block: int = BLOCK) -> dict[str, jax.Array]:
+    """:func:`quantize` in JAX, for a fresh model's init under ``jit`` (a checkpoint's base
+    is quantized on the host as it is read); the same operations, so the same codes."""
+    return _quantize(jnp, w.astype(jnp.float32), kind, block)
+
+
+def _quantize(xp: Any, w: Any, kind: str, block: int) -> dict[str, Any]:
+    """:func:`quantize`'s arithmetic in numpy or ``jax.numpy`` (``xp``)."""
+    nb = _blocks(tuple(w.shape), kind, block, "quantize")
     lead = w.shape[:-1]
     wb = w.reshape(*lead, nb, block)
-    scale = np.max(np.abs(wb), axis=-1, initial=np.float32(0))
-    if not np.all(np.isfinite(scale)):
-        raise ValueError(f"quantize: a weight of shape {w.shape} holds a NaN or an infinity")
-    x = wb / np.where(scale == 0, np.float32(1), scale)[..., None]  # |x| <= 1
+    scale = xp.max(xp.abs(wb), axis=-1, initial=np.float32(0))
+    x = wb / xp.where(scale == 0, np.float32(1), scale)[..., None]  # |x| <= 1
     if kind == "int8":
-        codes = np.clip(np.rint(x * np.float32(127)), -127, 127).astype(np.int8)
+        codes = xp.clip(xp.rint(x * np.float32(127)), -127, 127).astype(np.int8)
         return {"codes": codes.reshape(w.shape), "scale": scale}
-    idx = np.searchsorted(_NF4_BOUNDS, x, side="left").astype(np.uint8).reshape(w.shape)
+    bounds = xp.asarray(_NF4_BOUNDS)
+    idx = xp.searchsorted(bounds, x, side="left").astype(np.uint8).reshape(w.shape)
     packed = (idx[..., 0::2] << np.uint8(4)) | idx[..., 1::2]
     return {"codes": packed.astype(np.uint8), "scale": scale}
 

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxzero import hf
 from jaxzero.accounting.estimate import format_bytes, parse_bytes, precision_bytes
 from jaxzero.accounting.measure import compiled_memory
 from jaxzero.accounting.planner import (
@@ -33,13 +34,15 @@ from jaxzero.accounting.planner import (
     Planner,
     Survey,
     candidates,
+    param_split,
     shard_bytes,
     survey,
 )
 from jaxzero.engine import PRECISIONS
 from jaxzero.mesh import REPLICA
-from jaxzero.models import Model, from_fields
+from jaxzero.models import Llama, Model, from_fields
 from jaxzero.models.common import cudnn_refusal
+from jaxzero.models.lora import trainable as lora_trainable
 from jaxzero.train import config as config_lib
 from jaxzero.train import data as data_lib
 from jaxzero.train import lora_run
@@ -118,16 +121,23 @@ class Candidates:
         self._shapes: Any = None
 
     def model(self, cfg: Config) -> Model:
+        lora = lora_run.adapters(cfg)[0]  # a LoRA run's every candidate has its adapters
         if self.pretrained is None:
-            return from_fields(cfg.model)
-        model = from_fields(cfg.model, hf_raw=self.pretrained.hf_config)
+            return from_fields(cfg.model, lora=lora)
+        model = from_fields(cfg.model, hf_raw=self.pretrained.hf_config, lora=lora)
         model.hf_dir = self.pretrained.hf_dir  # type: ignore[attr-defined]  # where it came from
         return model
 
     def shapes(self, model: Model) -> Any:
-        """The params' shapes (one ``eval_shape``: remat does not change them)."""
+        """The params' shapes and dtypes as the run stores them (a fine-tune's from its
+        checkpoint's headers: a LoRA base in bf16 in a bf16 run); one reading: remat does
+        not change them."""
         if self._shapes is None:
-            self._shapes = jax.eval_shape(model.init, jax.random.key(0))
+            if self.pretrained is not None and isinstance(model, Llama) and model.hf_dir:
+                compute = PRECISIONS[self.cfg.precision.compute]
+                self._shapes = hf.param_shapes(model.hf_dir, model, compute)
+            else:
+                self._shapes = jax.eval_shape(model.init, jax.random.key(0))
         return self._shapes
 
     def adopt(self, c: Candidate, model: Model, engine: Any) -> None:
@@ -148,8 +158,11 @@ class Candidates:
         batch = batch_like(self.sample, c.batch)
         return Built(engine, engine.abstract_state(shapes), batch, flops)
 
-    def num_params(self) -> float:
-        return float(sum(x.size for x in jax.tree.leaves(self.shapes(self.model(self.cfg)))))
+    def num_params(self) -> tuple[float, float]:
+        """``(Ψ, frozen bytes)``: the trainable params' count and the frozen ones' bytes
+        as stored (a LoRA run's base), as the planner's formulas take them."""
+        trainable = lora_trainable if lora_run.enabled(self.cfg) else None
+        return param_split(self.shapes(self.model(self.cfg)), trainable)
 
 
 # --------------------------------------------------------------------------- the target
@@ -228,15 +241,17 @@ def plan_run(
     group = n // int(dict(cands.mesh.shape).get(REPLICA, 1))
     cands_ = which or candidates(cfg.train.batch_size, n)
     prec = precision_bytes("mixed" if cfg.precision.compute == "bf16" else "fp32", "adamw")
-    psi = cands.num_params()
+    psi, frozen = cands.num_params()
+    held = f" (+{format_bytes(frozen)} frozen)" if frozen else ""
     title = (
-        f"{cfg.model.arch} {psi / 1e6:,.1f}M params, global batch {cfg.train.batch_size} x "
+        f"{cfg.model.arch} {psi / 1e6:,.1f}M params{held}, global batch {cfg.train.batch_size} x "
         f"{cfg.model.seq_len} tokens, {n} devices (groups of {group}), "
         f"{cfg.precision.compute}, AdamW"
     )
     return survey(
         cands, cands_, budget_bytes, hw, devices=n, group=group, num_params=psi,
-        precision=prec, max_batch=max_batch, exhaustive=exhaustive, budget_note=note, title=title,
+        frozen_bytes=frozen, precision=prec, max_batch=max_batch, exhaustive=exhaustive,
+        budget_note=note, title=title,
     )  # fmt: skip
 
 
