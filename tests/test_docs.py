@@ -283,6 +283,15 @@ def test_models_page_speed_table_quotes_the_benchmark_results():
     assert table in (ROOT / "docs" / "models.md").read_text(), table
 
 
+@pytest.mark.unit
+def test_lora_page_quotes_the_memory_and_speed_results():
+    """docs/lora.md's tables are experiments/results/lora_memory.md's (the script's run)."""
+    results = (ROOT / "experiments" / "results" / "lora_memory.md").read_text().strip()
+    page = (ROOT / "docs" / "lora.md").read_text()
+    for table in results.split("\n\n"):
+        assert table.startswith("| ") and table in page, table[:80]
+
+
 # pages whose python blocks run in order in one fresh Python, and what they must print
 FRESH = {
     "models.md": ["(16, 1)", "loss "],
