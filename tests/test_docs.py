@@ -285,10 +285,12 @@ def test_models_page_speed_table_quotes_the_benchmark_results():
 
 @pytest.mark.unit
 def test_lora_page_quotes_the_memory_and_speed_results():
-    """docs/lora.md's tables are experiments/results/lora_memory.md's (the script's run)."""
+    """docs/lora.md's tables are experiments/results/lora_memory.md's and qlora_loss.md's
+    (the scripts' runs)."""
     results = (ROOT / "experiments" / "results" / "lora_memory.md").read_text().strip()
+    qlora = (ROOT / "experiments" / "results" / "qlora_loss.md").read_text().strip()
     page = (ROOT / "docs" / "lora.md").read_text()
-    for table in results.split("\n\n"):
+    for table in [*results.split("\n\n"), qlora]:
         assert table.startswith("| ") and table in page, table[:80]
 
 
