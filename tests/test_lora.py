@@ -285,3 +285,24 @@ def test_a_run_starts_from_a_peft_adapter(tmp_path):
     plain = hf.model(BASE, seq_len=16)
     base_out = plain.loss_fn(hf.read_params(BASE, plain), loader.batch(0))
     assert abs(first["loss"] - float(base_out.total / base_out.weight)) > 1e-2
+
+
+def test_adapter_dropout_is_a_mask_per_row_on_any_device_count():
+    """lora.dropout: the engine passes the loss its key (a mask per global row), so 8
+    devices with 2 micro-batches train as one device; the masks change training."""
+
+    def run(devices: int, micro: int, rate: float) -> np.ndarray:
+        m = hf.model(BASE, lora=LoraConfig(rank=4, alpha=8, dropout=rate), seq_len=16)
+        engine = m.engine(optax.adamw(1e-3), mesh=make_mesh(devices), stage=3, micro_batches=micro)
+        state = hf.load(BASE, engine, m, seed=1)
+        losses = []
+        for _ in range(3):
+            state, metrics = engine.step(state, _batch())
+            losses.append(float(metrics["loss"]))
+        return np.array(losses)
+
+    one = run(1, 1, 0.3)
+    np.testing.assert_allclose(run(8, 2, 0.3), one, rtol=1e-5)
+    assert np.max(np.abs(one - run(1, 1, 0.0))) > 1e-4
+    with pytest.raises(ValueError, match=r"lora.dropout must be in \[0, 1\)"):
+        LoraConfig(dropout=1.0)

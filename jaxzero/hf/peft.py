@@ -109,6 +109,7 @@ def read_adapter(path: str | Path) -> Adapter:
         alpha=float(raw["lora_alpha"]),
         targets=tuple(modules),
         use_rslora=bool(raw.get("use_rslora", False)),
+        dropout=float(raw.get("lora_dropout") or 0.0),
     )
     return Adapter(config, tensors, raw.get("base_model_name_or_path"))
 
@@ -167,7 +168,7 @@ def write_adapter(
         "lora_alpha": config.alpha,
         "target_modules": modules,
         "use_rslora": config.use_rslora,
-        "lora_dropout": 0.0,
+        "lora_dropout": config.dropout,
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxzero import loss as loss_lib
 from jaxzero.hooks import remat_layer, use_params
 from jaxzero.models.common import (
     ATTENTION,
@@ -140,6 +141,7 @@ class Linear(nnx.Module):
         rank: int = 0,
         scale: float = 1.0,
         quant: str | None = None,
+        dropout: float = 0.0,
     ):
         w = std * jax.random.normal(rngs.params(), (d_out, d_in))
         self.quant = quant
@@ -153,9 +155,10 @@ class Linear(nnx.Module):
         draw = lambda: jax.random.uniform(rngs.params(), (rank, d_in), minval=-bound, maxval=bound)
         self.lora_A = nnx.Param(draw()) if rank else None
         self.lora_B = nnx.Param(jnp.zeros((d_out, rank))) if rank else None
-        self.scale = scale
+        self.scale, self.dropout = scale, dropout
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+        """``rng``: the loss's key (a mask per row), for dropout on the adapter's input."""
         if self.quant is None:
             w = self.weight[...].astype(x.dtype)
         else:  # dequantized here, one layer at a time (scan over layers)
@@ -163,7 +166,8 @@ class Linear(nnx.Module):
             w = dequantize(q, self.quant, x.dtype)
         y = jnp.einsum("...i,oi->...o", x, w)
         if self.lora_A is not None and self.lora_B is not None:
-            a = jnp.einsum("...i,ri->...r", x, self.lora_A[...].astype(x.dtype))
+            xa = loss_lib.dropout(x, self.dropout, rng)
+            a = jnp.einsum("...i,ri->...r", xa, self.lora_A[...].astype(x.dtype))
             y = y + self.scale * jnp.einsum("...r,or->...o", a, self.lora_B[...].astype(x.dtype))
         return y if self.bias is None else y + self.bias[...].astype(x.dtype)
 
@@ -182,7 +186,14 @@ def _linear(
     if lora is None or not lora.matches(name):
         return Linear(d_in, d_out, bias, std, rngs)
     check_rank(lora, name, d_in, d_out)
-    return Linear(d_in, d_out, bias, std, rngs, lora.rank, lora.scale, lora.base_dtype)
+    return Linear(
+        d_in, d_out, bias, std, rngs, lora.rank, lora.scale, lora.base_dtype, lora.dropout
+    )
+
+
+def _keys(rng: jax.Array | None, n: int) -> list[jax.Array | None]:
+    """``n`` keys of the loss's ``rng`` (each a mask per row), or ``n`` Nones."""
+    return [None if rng is None else jax.random.fold_in(rng, i) for i in range(n)]
 
 
 # every linear module of a decoder layer, by the name peft and transformers give it
@@ -219,20 +230,22 @@ class Attention(nnx.Module):
         sin: jax.Array,
         segment_ids_BxS: jax.Array | None = None,
         cache: LayerCache | None = None,
+        rng: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         """With a ``cache`` (sampling) the tokens attend to it instead, and it comes
         back with their (rotated) keys and values written in."""
         b, s, _ = x_BxSxD.shape
-        q = self.q_proj(x_BxSxD).reshape(b, s, self.heads, self.head_dim)
-        k = self.k_proj(x_BxSxD).reshape(b, s, self.kv_heads, self.head_dim)
-        v = self.v_proj(x_BxSxD).reshape(b, s, self.kv_heads, self.head_dim)
+        r = _keys(rng, 4)
+        q = self.q_proj(x_BxSxD, r[0]).reshape(b, s, self.heads, self.head_dim)
+        k = self.k_proj(x_BxSxD, r[1]).reshape(b, s, self.kv_heads, self.head_dim)
+        v = self.v_proj(x_BxSxD, r[2]).reshape(b, s, self.kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # grouped-query: the kv heads are shared
         if cache is None:
             out_BxSxHxK = causal_attention(q, k, v, self.impl, segment_ids_BxS)
         else:
             out_BxSxHxK, cache = cache.attend(q, k, v)
-        return self.o_proj(out_BxSxHxK.reshape(b, s, self.heads * self.head_dim)), cache
+        return self.o_proj(out_BxSxHxK.reshape(b, s, self.heads * self.head_dim), r[3]), cache
 
 
 class MLP(nnx.Module):
@@ -242,8 +255,9 @@ class MLP(nnx.Module):
         self.up_proj = _linear(cfg, lora, "mlp.up_proj", d, f, bias, rngs)
         self.down_proj = _linear(cfg, lora, "mlp.down_proj", f, d, bias, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+        r = _keys(rng, 3)
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, r[0])) * self.up_proj(x, r[1]), r[2])
 
 
 class DecoderLayer(nnx.Module):
@@ -262,10 +276,13 @@ class DecoderLayer(nnx.Module):
         sin: jax.Array,
         segment_ids_BxS: jax.Array | None = None,
         cache: LayerCache | None = None,
+        rng: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
-        y, cache = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids_BxS, cache)
+        r = _keys(rng, 2)
+        h = self.input_layernorm(x)
+        y, cache = self.self_attn(h, cos, sin, segment_ids_BxS, cache, r[0])
         x = x + y
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return x + self.mlp(self.post_attention_layernorm(x), r[1]), cache
 
 
 class Embedding(nnx.Module):
@@ -299,12 +316,15 @@ class LlamaModule(nnx.Module):
         )
 
     def __call__(
-        self, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None
+        self,
+        tokens_BxS: jax.Array,
+        segment_ids_BxS: jax.Array | None = None,
+        rng: jax.Array | None = None,
     ) -> jax.Array:
         """Logits (fp32) of every position; positions count from 0 in each row, or in
         each document of packed rows (``segment_ids``, whose attention stays inside
         each document). The activations take the params' dtype (bf16 in mixed
-        precision)."""
+        precision). ``rng``: the loss's key, for LoRA's dropout (None: none)."""
         cfg = self.cfg
         embed = use(self.embed_tokens).weight[...]
         x_BxSxD = embed[tokens_BxS]
@@ -313,12 +333,15 @@ class LlamaModule(nnx.Module):
         # flax types split's result as variadic: two filters give exactly two states
         graphdef, stacked, rest = nnx.split(self.layers, nnx.Param, ...)  # type: ignore[misc]
 
-        def layer(x, params):
+        def layer(x, params_and_index):
+            params, i = params_and_index
             layer = nnx.merge(graphdef, use_params(params), rest)
-            return layer(x, cos, sin, segment_ids_BxS)[0], None
+            key = None if rng is None else jax.random.fold_in(rng, i)  # a key a layer
+            return layer(x, cos, sin, segment_ids_BxS, None, key)[0], None
 
         layer = remat_layer(layer, REMAT_POLICIES[cfg.remat])  # stage 3: re-gather in backward
-        x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, stacked)
+        index = jnp.arange(cfg.num_hidden_layers)
+        x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, (stacked, index))
         return self._logits(embed, x_BxSxD)
 
     def _logits(self, embed_VxD: jax.Array, x_BxSxD: jax.Array) -> jax.Array:
@@ -393,6 +416,8 @@ class Llama(ReferenceModel):
         frozen: ``trainable`` defaults to :func:`jaxzero.models.lora.trainable`)."""
         if self.lora is not None:
             kwargs.setdefault("trainable", lora_trainable)
+            if self.lora.dropout:  # the key the loss draws each row's mask from
+                kwargs.setdefault("loss_takes_rng", True)
             if self.lora.base_dtype is not None:  # whole rows: a block never straddles shards
                 kwargs["rules"] = (*kwargs.get("rules", ()), (QUANTIZED, 1))
         return super().engine(optimizer, **kwargs)
@@ -410,20 +435,26 @@ class Llama(ReferenceModel):
         params: dict[str, Any],
         tokens_BxS: jax.Array,
         segment_ids_BxS: jax.Array | None = None,
+        rng: jax.Array | None = None,
     ) -> jax.Array:
-        """Logits (fp32) for every position, computed in the params' dtype."""
+        """Logits (fp32) for every position, computed in the params' dtype; ``rng`` (the
+        loss's key): LoRA's dropout, when the adapters have some."""
         s = tokens_BxS.shape[1]
         if s > self.config.max_position_embeddings:
             raise ValueError(
                 f"sequence of {s} tokens is longer than max_position_embeddings "
                 f"{self.config.max_position_embeddings}"
             )
-        return self.module(params)(tokens_BxS, segment_ids_BxS)
+        return self.module(params)(tokens_BxS, segment_ids_BxS, rng)
 
-    def loss_fn(self, params: dict[str, Any], batch: dict[str, jax.Array]) -> Any:
+    def loss_fn(
+        self, params: dict[str, Any], batch: dict[str, jax.Array], rng: jax.Array | None = None
+    ) -> Any:
         """Next-token cross-entropy (nats per token) of ``batch["inputs"/"targets"]``;
-        ``segment_ids`` and ``loss_mask`` as :func:`jaxzero.models.common.token_loss`."""
-        return token_loss(self.apply(params, batch["inputs"], batch.get("segment_ids")), batch)
+        ``segment_ids`` and ``loss_mask`` as :func:`jaxzero.models.common.token_loss`;
+        ``rng``: the engine's key for LoRA's dropout (:attr:`LoraConfig.dropout`)."""
+        logits = self.apply(params, batch["inputs"], batch.get("segment_ids"), rng)
+        return token_loss(logits, batch)
 
     def attention_shape(self) -> tuple[int, int]:
         """``(layers, heads x head_dim)``: attention's FLOPs (:meth:`flops_per_token`)."""

@@ -47,12 +47,15 @@ class LoraConfig:
     targets: str | tuple[str, ...] = ALL_LINEAR
     use_rslora: bool = False
     base_dtype: str | None = None  # QLoRA: "int8" or "nf4" (jaxzero.models.quant)
+    dropout: float = 0.0  # on the adapters' input, a mask per row (the engine's key)
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise ValueError(f"lora.rank must be a positive integer, got {self.rank!r}")
         if not self.alpha > 0:
             raise ValueError(f"lora.alpha must be positive, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
         if self.base_dtype is not None and self.base_dtype not in KINDS:
             raise ValueError(
                 f"lora.base_dtype {self.base_dtype!r} is not a quantization: use one of "

@@ -52,7 +52,10 @@ def adapters(cfg: Config) -> tuple[LoraConfig | None, Adapter | None]:
                 f"({section.adapter}): drop lora.rank"
             )
         try:
-            return dataclasses.replace(adapter.config, base_dtype=section.base_dtype), adapter
+            config = dataclasses.replace(
+                adapter.config, base_dtype=section.base_dtype, dropout=section.dropout
+            )
+            return config, adapter
         except ValueError as e:
             raise ConfigError(str(e)) from None
     t = section.targets
@@ -61,7 +64,12 @@ def adapters(cfg: Config) -> tuple[LoraConfig | None, Adapter | None]:
         targets = tuple(t.split(","))
     try:
         config = LoraConfig(
-            section.rank, section.alpha, targets, section.use_rslora, section.base_dtype
+            section.rank,
+            section.alpha,
+            targets,
+            section.use_rslora,
+            section.base_dtype,
+            section.dropout,
         )
         return config, None
     except ValueError as e:

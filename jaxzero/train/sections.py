@@ -147,6 +147,7 @@ class LoraSection:
     # all-linear (every projection, as peft) | names, comma-separated (q_proj,v_proj) | a regex
     targets: str = "all-linear"
     use_rslora: bool = False
+    dropout: float = 0.0  # on the adapters' input (peft's lora_dropout), a mask per row
     # a PEFT adapter directory to start from (its rank, alpha and targets)
     adapter: str | None = None
     # QLoRA: the targets' frozen weights quantized, int8 or nf4 (blocks of 64 inputs);
