@@ -78,6 +78,8 @@ def test_config_is_checked_and_flops_count_gqa():
     lookup = TINY.vocab_size * TINY.hidden_size  # untied: the input embedding is a lookup
     attention = 12 * TINY.num_hidden_layers * TINY.seq_len * 6 * 6  # query heads x head dim
     assert model.flops_per_token() == 6 * (n - lookup) + attention
+    frozen = n - 100  # LoRA: the base (the lookup table among it) has no weight gradient
+    assert model.flops_per_token(n, frozen) == 6 * (n - lookup) - 2 * (frozen - lookup) + attention
     linear = rope_frequencies(
         dataclasses.replace(TINY, rope_scaling={"rope_type": "linear", "factor": 4.0})
     )

@@ -96,7 +96,7 @@ def _run(
     events, made = [], {}
     model = types.SimpleNamespace(
         init=None,
-        flops_per_token=lambda n: 6 * n,
+        flops_per_token=lambda n, frozen=0: 6 * n,
         config=types.SimpleNamespace(n_layers=1, d_model=8),
     )
 

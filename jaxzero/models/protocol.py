@@ -52,8 +52,9 @@ class Model(Protocol):
         """How many numbers ``params`` (or their shapes) hold."""
         ...
 
-    def flops_per_token(self, num_params: int | None = None) -> float:
-        """Training FLOPs per token (forward and backward)."""
+    def flops_per_token(self, num_params: int | None = None, frozen: int = 0) -> float:
+        """Training FLOPs per token (forward and backward; ``frozen`` params: no weight
+        gradient)."""
         ...
 
     def generate(
@@ -115,9 +116,11 @@ class ReferenceModel:
         """How many numbers ``params`` hold (arrays or ``ShapeDtypeStruct`` shapes)."""
         return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
 
-    def flops_per_token(self, num_params: int | None = None) -> float:
+    def flops_per_token(self, num_params: int | None = None, frozen: int = 0) -> float:
         """Training FLOPs per token: 6 x the matmul params (fwd+bwd; every param but
-        :meth:`lookup_params`) + 12·L·S·(heads·head_dim) for attention's two matmuls.
+        :meth:`lookup_params`) + 12·L·S·(heads·head_dim) for attention's two matmuls;
+        ``frozen`` of the ``num_params`` get no weight gradient (LoRA's base): 4, not 6
+        (a frozen lookup table: none).
 
         ``num_params`` default: counted from :meth:`init`'s shapes (nothing allocated).
         """
@@ -125,7 +128,9 @@ class ReferenceModel:
             num_params = self.num_params(jax.eval_shape(self.init, jax.random.key(0)))
         layers, width = self.attention_shape()
         attention = 12.0 * layers * self.config.seq_len * width
-        return 6.0 * (num_params - self.lookup_params()) + attention
+        lookup = self.lookup_params()
+        no_grad = max(frozen - lookup, 0) if frozen else 0
+        return 6.0 * (num_params - lookup) - 2.0 * no_grad + attention
 
     def generate(
         self,

@@ -187,9 +187,7 @@ def summarize(
     local = jax.local_devices()
     n_dev = engine.mesh.size
     total, frozen = engine.num_params + engine.num_frozen, engine.num_frozen
-    # a frozen param's weight gradient is never computed: 4 FLOPs per token, not 6
-    lookup = model.lookup_params() if frozen else 0
-    flops_per_token = model.flops_per_token(total) - 2.0 * max(frozen - lookup, 0)
+    flops_per_token = model.flops_per_token(total, frozen)
     peak, source = peak_flops_per_device(local[0], cfg.train.peak_flops_per_device)
     tps = watch.tokens_per_s
     m = cfg.model

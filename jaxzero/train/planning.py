@@ -151,12 +151,13 @@ class Candidates:
             self.built[c] = (model, engine)
         model, engine = self.built[c]
         shapes = self.shapes(model)
+        state = engine.abstract_state(shapes)  # the plan: which params are frozen
         seq = self.cfg.model.seq_len
-        flops = model.flops_per_token(model.num_params(shapes)) * c.batch * seq
+        flops = model.flops_per_token(model.num_params(shapes), engine.num_frozen) * c.batch * seq
         if c.remat == "full":  # the forward runs again in the backward pass
             flops *= 4 / 3
         batch = batch_like(self.sample, c.batch)
-        return Built(engine, engine.abstract_state(shapes), batch, flops)
+        return Built(engine, state, batch, flops)
 
     def num_params(self) -> tuple[float, float]:
         """``(Ψ, frozen bytes)``: the trainable params' count and the frozen ones' bytes
