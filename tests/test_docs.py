@@ -24,7 +24,9 @@ MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh
            "jaxzero.collectives", "jaxzero.models.gpt", "jaxzero.job", "jaxzero.checkpoint.manager",
            "jaxzero.train.loader", "jaxzero.accounting.estimate", "jaxzero.nnx",
            "jaxzero.accounting.activations",
-           "jaxzero.models.llama", "jaxzero.models.llama_hf", "jaxzero.plan"]  # fmt: skip
+           "jaxzero.models.llama", "jaxzero.models.llama_hf", "jaxzero.plan",
+           "jaxzero.accounting.formulas", "jaxzero.frozen", "jaxzero.models.lora",
+           "jaxzero.hf.peft"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MODULES)
