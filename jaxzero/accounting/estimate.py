@@ -9,16 +9,10 @@ theoretical side, so measured and predicted numbers always come from one definit
 
 GB here means 1e9 bytes, as in the ZeRO paper.
 
-Frozen params (a LoRA run's base, ``Engine(trainable=...)``) are counted apart from the
-trainable Ψ: a frozen param gets no gradient, no fp32 master and no optimizer state, so
-it costs only its stored bytes (2Ψf for a bf16 base), replicated at stages 0-2 and
-sharded at stage 3 (2Ψf/N), where it is all-gathered with the params and never reduced.
-
 Example:
-  >>> round(model_state_bytes(7.5e9, 64, 1).total / 1e9, 1)
-  31.4
-  >>> model_state_bytes(1e6, 8, 3, frozen=7e9).frozen / 1e9  # 2 bytes each, / N
-  1.75
+  >>> e = estimate(7.5e9, 64, device_memory=32e9)
+  >>> [round(r.model_states / 1e9, 2) for r in e.stages]
+  [120.0, 31.41, 16.64, 1.88]
 """
 
 from __future__ import annotations
@@ -112,12 +106,7 @@ class Estimate:
             f"{self.device_memory / GB:g} GB, {self.precision} precision, {self.optimizer} "
             f"(K = {self.k:g}), {self.micro_batches} micro-batch(es) per step",
         ]
-        if self.activations is not None:
-            act = self.activations
-            lines.append(
-                f"activations per device: {act.per_layer / GB:.3f} GB per layer, "
-                f"{act.total / GB:.3f} GB in all (output layer {act.output / GB:.3f} GB)"
-            )
+        lines += self._activation_line()
         head = (
             f"{'stage':<14}{'params':>9}{'grads':>9}{'optim':>9}{'states':>9}"
             f"{'+act':>9}  fits  {'comm/step':>10}  {'max Ψ (states only)':>20}"
@@ -134,6 +123,15 @@ class Estimate:
             )
         return "\n".join(lines)
 
+    def _activation_line(self) -> list[str]:
+        act = self.activations
+        if act is None:
+            return []
+        return [
+            f"activations per device: {act.per_layer / GB:.3f} GB per layer, "
+            f"{act.total / GB:.3f} GB in all (output layer {act.output / GB:.3f} GB)"
+        ]
+
     def _frozen_table(self) -> str:
         """The table with frozen params: trainable and frozen apart, each stage's formula."""
         fb = self.frozen_bytes_per_param
@@ -144,12 +142,7 @@ class Estimate:
             f"{self.precision} precision, {self.optimizer} (K = {self.k:g}), "
             f"{self.micro_batches} micro-batch(es) per step",
         ]
-        if self.activations is not None:
-            act = self.activations
-            lines.append(
-                f"activations per device: {act.per_layer / GB:.3f} GB per layer, "
-                f"{act.total / GB:.3f} GB in all (output layer {act.output / GB:.3f} GB)"
-            )
+        lines += self._activation_line()
         head = (
             f"{'stage':<14}{'params':>9}{'grads':>9}{'optim':>9}{'trained':>9}{'frozen':>9}"
             f"{'states':>9}{'+act':>9}  fits  {'comm/step':>10}  {'max Ψ beside Ψf':>16}"
