@@ -40,6 +40,8 @@ from jaxzero.models.llama_hf import HFError
 from jaxzero.models.lora import MARK, LoraConfig
 from jaxzero.partition import path_str
 
+__all__ = ["Adapter", "adapters_of", "merged", "read_adapter", "write_adapter"]
+
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."

@@ -27,6 +27,8 @@ import numpy as np
 
 from jaxzero.models.quant import KINDS
 
+__all__ = ["LoraConfig", "trainable"]
+
 ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output head
 MARK = ("lora_A", "lora_B")  # the adapter leaves' names under their projection
 QUANTIZED = r"/weight_(codes|scale)$"  # a QLoRA target's frozen weight, quantized

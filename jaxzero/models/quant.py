@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
+__all__ = ["dequantize", "quantize"]
+
 KINDS = ("int8", "nf4")
 BLOCK = 64  # elements a scale covers, along the last axis (bitsandbytes' default blocksize)
 
