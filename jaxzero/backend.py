@@ -50,20 +50,9 @@ DONATE: dict[str, tuple[int, ...]] = {"cpu": (3,), "gpu": (0, 1, 2, 3), "tpu": (
 # and all-gather of the whole model, and each per-layer use_params call's at stages 2-3.
 BUCKET_MB = 64
 
-# The same per platform (others: BUCKET_MB). On XLA:CPU a bucket of 1 MiB (a few leaves;
-# a leaf larger than that on its own) measured faster than 64 MiB at every stage below
-# 3's whole-tree call, interleaved in one process against stage 0 (issue 37;
-# docs/dev/performance-log.md): user_gpt's stages 1 / 2 at 1.03x against 1.16 / 1.14x,
-# embed 0.39x against 0.67x (its 16 MiB table no longer copied into a pack), a scanned
-# Llama of d=384 0.81 / 0.65 / 0.72x against 1.00 / 0.78 / 0.76x at stages 1-3 (with
-# 24 MiB of temporary memory against 41), the plain GPT, convnet and the zoo's small
-# per-layer models level. Accelerators keep 64: a collective's launch costs there what
-# a copy into the pack costs on a CPU.
-PLATFORM_BUCKET_MB: dict[str, float] = {"cpu": 1}
-
 # Engine(bucket_mb=None): the bucket of a per_layer=False model's stage-3 use_params call
 # (the whole tree gathered before the forward pass and reduce-scattered after the
-# backward), per platform (others: the platform's bucket above). On XLA:CPU packing the whole tree there
+# backward), per platform (others: BUCKET_MB). On XLA:CPU packing the whole tree there
 # costs what packing a layer saves: interleaved in one process, issue 22's user_gpt ran
 # at 1.30x plain jit packed and 0.96x one collective a leaf (packing the gather alone
 # 1.12x, the reduce-scatter alone 1.06x), the plain GPT 1.13x and 1.11x; per layer, the
@@ -151,12 +140,10 @@ def donate(choice: bool | None, mesh: Mesh, stage: int) -> bool:
 def bucket_bytes(choice: float | None, mesh: Mesh) -> tuple[int, int]:
     """The largest packed collective, in bytes, of a layer (and of stages 1-2's end of
     step) and of a stage-3 whole-tree ``use_params`` call: ``choice`` MiB for both, or
-    the platform's :data:`PLATFORM_BUCKET_MB` (else :data:`BUCKET_MB`) and
-    :data:`WHOLE_TREE_BUCKET_MB` (else the same) when it is None."""
+    :data:`BUCKET_MB` and the platform's :data:`WHOLE_TREE_BUCKET_MB` when it is None."""
     if choice is None:
-        layer = PLATFORM_BUCKET_MB.get(platform(mesh), BUCKET_MB)
-        whole = WHOLE_TREE_BUCKET_MB.get(platform(mesh), layer)
-        return int(layer * 2**20), int(whole * 2**20)
+        whole = WHOLE_TREE_BUCKET_MB.get(platform(mesh), BUCKET_MB)
+        return int(BUCKET_MB * 2**20), int(whole * 2**20)
     if isinstance(choice, bool) or not isinstance(choice, (int, float)) or choice < 0:
         raise ValueError(f"bucket_mb must be a non-negative number of MiB, got {choice!r}")
     return int(choice * 2**20), int(choice * 2**20)

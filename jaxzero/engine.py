@@ -78,9 +78,8 @@ class Engine:
         ``use_params`` call's gather and reduce-scatter at stages 2–3. One rendezvous
         a bucket instead of one a leaf, for at most one bucket of extra memory. 0:
         one collective per leaf. None: the backend's default
-        (:data:`jaxzero.backend.BUCKET_MB`, 64; 1 on CPUs,
-        :data:`jaxzero.backend.PLATFORM_BUCKET_MB`; a ``per_layer=False`` model's
-        stage-3 whole-tree call on CPUs one collective a leaf,
+        (:data:`jaxzero.backend.BUCKET_MB`, 64; a ``per_layer=False`` model's stage-3
+        whole-tree call on CPUs one collective a leaf,
         :data:`jaxzero.backend.WHOLE_TREE_BUCKET_MB`).
       donate: whether the step donates (consumes) its input state, so the new state
         reuses its buffers. None: the backend's default for the stage

@@ -190,10 +190,9 @@ def _plain_jit_eigen_dots(params, batch, tx, mesh):
 
 @pytest.mark.unit
 def test_bucket_defaults_per_platform(monkeypatch):
-    """None: 64 MiB (1 MiB on CPUs), a CPU whole-tree call one collective a leaf; a
-    number: both."""
+    """None: 64 MiB, a CPU whole-tree call one collective a leaf; a number: both."""
     mesh = jaxzero.make_mesh(2)
-    assert backend.bucket_bytes(None, mesh) == (1 << 20, 0)
+    assert backend.bucket_bytes(None, mesh) == (64 << 20, 0)
     assert backend.bucket_bytes(0.5, mesh) == (1 << 19, 1 << 19)
     monkeypatch.setattr(backend, "platform", lambda m: "gpu")
     assert backend.bucket_bytes(None, mesh) == (64 << 20, 64 << 20)
