@@ -217,7 +217,7 @@ def test_bad_checkpoints_are_named(saved, tmp_path):
 
 
 CRASH = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, time
     sys.path.insert(0, {tests!r})
     import jax, numpy as np, optax, jaxzero
     from _models import mlp_loss
@@ -229,6 +229,12 @@ CRASH = textwrap.dedent("""
     ckpt.save(engine, state); ckpt.wait()
     state = jaxzero.TrainState(state.step + 1, state.params, state.master, state.opt_state)
     ckpt.save(engine, state)  # returns with the write still in flight
+    # the partial directory may appear after save() returns: kill once it is there
+    # (the 400 MB write takes seconds; killed before it began, nothing would be tested)
+    while not any("tmp" in name for name in os.listdir({d!r})):
+        if "1" in os.listdir({d!r}):
+            sys.exit("the save finished before it could be cut short")
+        time.sleep(0.005)
     print("saving", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
