@@ -472,6 +472,7 @@ def test_launch_stops_the_survivors_of_a_failure_at_once():
     at once, not by SIGKILL after the grace period."""
     status, text, seen = _timed_launch("raise", survivor="60")
     assert status == 1 and "[rank 0] done" not in seen, text
+    assert "[rank 1] leaving" in seen and "[rank 2] leaving" in seen, text  # both got there
     left = min(seen["[rank 1] leaving"], seen["[rank 2] leaving"])
     assert seen["stopping the other"] - left < 2, text
     assert "killed by SIGTERM" in text and "SIGKILL" not in text, text
