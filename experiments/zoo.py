@@ -9,6 +9,9 @@ benchmark or changed to make jaxzero look good:
   projection; an untied output head; embeddings by indexing; LayerNorm by hand.
 * ``user_gpt_small``: the same model at 4 rows per device (global batch 8): a small step,
   where a fixed cost per step (per collective, per leaf) shows (issue 37).
+* ``user_gpt_d260``: the same model at d_model 260 and 127 tokens: a control. At the
+  power-of-two shapes XLA:CPU lays its temporaries out 4 KiB apart and some steps,
+  plain jit's too, land on a slow placement (``cpu_placement.py``); here none does.
 * ``plain``: ``plain_gpt.py``: a pytree GPT with ``jax.nn.dot_product_attention`` and
   tied embeddings.
 * ``gpt``: jaxzero's reference GPT (Flax Linen, scanned blocks, per-layer gathering).
@@ -42,6 +45,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "user_gpt_small": dict(
         devices=2, d_model=256, layers=4, heads=4, seq_len=128, vocab=256, batch=8, steps=21
+    ),
+    "user_gpt_d260": dict(
+        devices=2, d_model=260, layers=4, heads=4, seq_len=127, vocab=256, batch=16, steps=21
     ),
     "plain": dict(
         devices=2, d_model=256, layers=4, heads=4, seq_len=128, vocab=256, batch=16, steps=21
@@ -258,7 +264,7 @@ def build(args, mesh, tx) -> Built:
             flops,
         )
 
-    if args.model in ("plain", "user_gpt", "user_gpt_small"):
+    if args.model == "plain" or args.model.startswith("user_gpt"):
         if args.model == "plain":
             from experiments import plain_gpt
 

@@ -232,3 +232,33 @@ def test_sample_speed_script_times_the_uncached_and_cached_loops():
     assert "uncached:" in out and "ms/token" in out and "speed-up per token" in out
     assert "the first 2 of 2 uncached tokens are the cached loop's" in out
     assert float(out.rsplit("max |diff| ", 1)[1].split()[0]) < 1e-4
+
+
+def test_cpu_placement_compiles_one_program_twice_and_profiles_both():
+    """The two compiled steps are the same program but for donation's alias line (the
+    script's premise, checked, not assumed), and both are timed and profiled."""
+    out = _run(
+        "cpu_placement.py", "--d-model", "16", "--layers", "1", "--seq-len", "8",
+        "--batch", "4", "--steps", "1", "--rounds", "1",
+    )  # fmt: skip
+    assert "compiled programs identical but for the alias line: True" in out
+    assert float(out.split("donating / not: ")[1].split()[0]) > 0
+    assert "copies/transposes in all:" in out
+
+
+def test_same_program_ignores_only_the_alias_line_and_the_root_tuples_name():
+    from experiments.cpu_placement import same_program
+
+    layout = "entry_computation_layout={(f32[2]{0})->(f32[2]{0})}\n"
+    donating = (
+        "HloModule jit_step, input_output_alias={ {0}: (0, {}, may-alias) }, " + layout
+        + "  ROOT %tuple.15 = (f32[2]{0}) tuple(%multiply_add_fusion.1)"
+    )  # fmt: skip
+    plain = (
+        "HloModule jit_step, "
+        + layout
+        + "  ROOT %tuple.14 = (f32[2]{0}) tuple(%multiply_add_fusion.1)"
+    )
+    assert same_program(plain, donating)
+    assert not same_program(plain, donating.replace("multiply_add", "add"))
+    assert not same_program(plain, donating.replace("f32[2]{0})->", "f32[4]{0})->"))
