@@ -265,26 +265,35 @@ def lost_ranks(wait: float) -> list[int] | None:
 
     ``multihost_utils.live_devices`` (public in JAX 0.10 and 0.12, marked unstable) asks
     the service, which answers once every live process asks or a silent one has missed
-    its heartbeats, so a survivor learns who died within the heartbeat timeout. It asks
-    again as its ``with`` ends; only the first answer is waited for.
+    its heartbeats, so a survivor learns who died within the heartbeat timeout. Its
+    ``with`` asks a second time as it ends (a second barrier). Both are blocking C++
+    calls, so they run in a thread, and this returns only once that thread has left
+    them: a thread still inside JAX's runtime when the interpreter exits is ended by
+    ``pthread_exit``, whose unwinding through JAX's C++ frames aborts the process
+    (``terminate called without an active exception``; docs/multiprocess.md). On None
+    (no answer in ``wait`` s) the thread is still in there: end the process with
+    :func:`leave` (``os._exit``, no interpreter shutdown), never a clean exit.
     """
     if not jax.distributed.is_initialized():
         return None
     everyone: set[int] = set(range(jax.process_count()))
     answer: dict[str, set[int]] = {}
-    answered = threading.Event()
 
     def ask() -> None:
         try:
             with multihost_utils.live_devices(jax.devices()) as alive:
                 answer["live"] = {d.process_index for d in alive}
-                answered.set()
+        except multihost_utils.ProcessFailureError as e:  # one died between the two asks
+            gone = {d.process_index for d in e.failed_devices}
+            answer["live"] = answer.get("live", everyone) - gone
         except Exception:  # noqa: BLE001 - the service itself is gone: rank 0 hosts it
             answer.setdefault("live", everyone - {0})
-        answered.set()
 
-    threading.Thread(target=ask, daemon=True).start()
-    answered.wait(wait)
+    thread = threading.Thread(target=ask, daemon=True, name="jaxzero-lost-ranks")
+    thread.start()
+    thread.join(wait)
+    if thread.is_alive():
+        return None
     return sorted(everyone - answer["live"]) if "live" in answer else None
 
 

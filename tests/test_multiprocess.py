@@ -47,6 +47,7 @@ def test_two_processes_match_one_device(stage, tmp_path):
     report = read_report(report)
     losses = report["losses"]
     assert report["lost"] == []  # distributed.lost_ranks asked JAX's coordination service
+    assert report["threads_left"] == 0  # and returned only once its thread was done
     ref_losses, ref_params = train_reference(
         mlp_loss, mlp_params(), mlp_batches(5), optax.adamw(1e-3)
     )
