@@ -34,6 +34,7 @@ import optax  # noqa: E402
 import yaml  # noqa: E402
 
 import jaxzero  # noqa: E402
+from experiments.results_io import write_csv  # noqa: E402
 from jaxzero.accounting.planner import shard_bytes  # noqa: E402
 from jaxzero.models import from_fields  # noqa: E402
 from jaxzero.models.lora import LoraConfig  # noqa: E402
@@ -159,10 +160,7 @@ def main() -> None:
     ]
     print("\n".join(table + timing))
     OUT.mkdir(parents=True, exist_ok=True)
-    keys = list(rows[0])
-    (OUT / "lora_memory.csv").write_text(
-        ",".join(keys) + "\n" + "".join(",".join(str(r[k]) for k in keys) + "\n" for r in rows)
-    )
+    write_csv(OUT / "lora_memory.csv", rows)
     (OUT / "lora_memory.md").write_text(
         "\n".join(lines) + "\n\n" + "\n".join(table + timing) + "\n"
     )

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.results_io import environment, write_csv
+
 CANDIDATES = [(0, "none"), (3, "none"), (3, "full"), (1, "dots")]
 RESULTS = Path(__file__).parent / "results" / "plan_error.csv"
 
@@ -132,7 +134,8 @@ def main() -> None:
         return
     if args.one:
         sets, steps = (SMOLLM, 3) if args.smollm else ([], 12)
-        print(json.dumps(one(int(args.one[0]), args.one[1], sets, steps)))
+        # the row records the environment it was measured in (this process's devices)
+        print(json.dumps(one(int(args.one[0]), args.one[1], sets, steps) | environment()))
         return
     rows = []
     runs = [(s, r, []) for s, r in CANDIDATES] + [(3, "full", ["--smollm"])]
@@ -142,10 +145,7 @@ def main() -> None:
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
     RESULTS.parent.mkdir(exist_ok=True)
-    with RESULTS.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(RESULTS, rows)
     print(f"wrote {RESULTS}")
 
 
