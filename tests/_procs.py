@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -10,6 +11,24 @@ import time
 import weakref
 from pathlib import Path
 from typing import Any
+
+_DEVICES = re.compile(r"\s*--xla_force_host_platform_device_count=\d+")
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """This process's XLA_FLAGS less conftest's 8 simulated devices (the other flags, such
+    as the suite's code-generation level, are kept), with ``devices`` of them if given."""
+    flags = _DEVICES.sub("", os.environ.get("XLA_FLAGS", "")).strip()
+    return f"{flags} --xla_force_host_platform_device_count={devices}".strip() if devices else flags
+
+
+def child_env() -> dict[str, str]:
+    """This environment for a process that chooses its own device count."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = xla_flags()
+    if not env["XLA_FLAGS"]:
+        del env["XLA_FLAGS"]
+    return env
 
 
 def free_port() -> int:

@@ -311,7 +311,7 @@ EXECUTED = {"README.md", "getting-started.md", *FRESH}
 def _as_a_reader(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """``code`` in a fresh Python started in the repository root on a CPU-only machine:
     one CPU device, nothing simulated (this process's XLA_FLAGS simulate 8)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = _procs.child_env()
     env["JAX_PLATFORMS"] = "cpu"
     return _procs.run(
         [sys.executable, "-c", code],

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -441,7 +440,7 @@ def test_a_fine_tune_under_launch_with_two_processes(pairs, tmp_path):
     the checkpoint; rank 1 once read rank 0's hf_config.json before it was written."""
     data = tmp_path / "pairs.jsonl"
     shutil.copyfile(pairs, data)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # 2 devices a process
+    env = _procs.child_env()  # 2 devices a process
     env["JAX_PLATFORMS"] = "cpu"
     proc = _procs.run(
         [sys.executable, "-m", "jaxzero.cli", "launch", "--nproc-per-node", "2",

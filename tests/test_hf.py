@@ -192,7 +192,7 @@ def test_two_processes_read_their_own_slices_and_save_together(tmp_path):
     from _procs import REPORT, free_port, read_report
 
     src, out, port = FIXTURES / "llama_gqa/sharded", tmp_path / "out", free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = _procs.child_env()
     env.update(
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join(

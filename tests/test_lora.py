@@ -135,6 +135,7 @@ def _lora_run(root: Path, base: Path, data: Path, *extra: str) -> int:
     )
 
 
+@pytest.mark.system  # the command line end to end
 def test_a_lora_run_checkpoints_adapters_and_refuses_a_changed_base(tmp_path, capsys):
     """The command line: step 1 is the base model's loss, checkpoints hold no base, resume
     continues, and a base that changed since is refused in one line."""
@@ -269,6 +270,7 @@ def test_qlora_trains_like_one_device_and_stores_the_formula(kind, wide_base):
         assert abs(per_device * (8 if stage == 3 else 1) / held - 1) < 0.01
 
 
+@pytest.mark.system  # the command line end to end
 def test_a_run_starts_from_a_peft_adapter(tmp_path):
     """--set lora.adapter=DIR: peft's adapter (rank, alpha, targets and tensors) is what
     step 1 computes with: its loss is the adapted model's on the loader's first batch."""

@@ -27,7 +27,7 @@ HERE = Path(__file__).parent
 @pytest.mark.parametrize("stage", [0, 3])
 def test_two_processes_match_one_device(stage, tmp_path):
     port, out, report = free_port(), tmp_path / "final.npz", tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = _procs.child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     env[REPORT] = str(report)
     procs = [
@@ -63,7 +63,7 @@ TINY = str(HERE.parent / "configs" / "tiny.yaml")
 
 def _env(**extra: str) -> dict[str, str]:
     """This environment without the 8 simulated devices of conftest, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = _procs.child_env()
     env.update(
         JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     )
@@ -93,7 +93,7 @@ def _two_torchrun_processes(worker: str, report: Path) -> list[tuple[str, str]]:
             env=_torchrun_env(
                 i,
                 port,
-                XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                XLA_FLAGS=_procs.xla_flags(2),
                 **{REPORT: str(report)},
             ),
             stdout=subprocess.PIPE,
@@ -312,7 +312,7 @@ def test_world_size_that_disagrees_with_the_processes_fails_within_the_timeout()
 def test_without_a_launcher_the_survivor_stops_and_names_the_lost_rank():
     """JAX's heartbeats (JAXZERO_HEARTBEAT_TIMEOUT) end a survivor blocked in a collective."""
     port = free_port()
-    env = dict(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAXZERO_HEARTBEAT_TIMEOUT="10")
+    env = dict(XLA_FLAGS=_procs.xla_flags(2), JAXZERO_HEARTBEAT_TIMEOUT="10")
     procs = [
         _procs.Child(
             [sys.executable, str(HERE / "_mp_loop_worker.py")],
@@ -385,7 +385,7 @@ def test_a_store_holding_master_port_does_not_stop_a_torchrun_job(tmp_path):
                     i,
                     port,
                     TORCHELASTIC_RUN_ID="test",
-                    XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                    XLA_FLAGS=_procs.xla_flags(2),
                     **{REPORT: str(tmp_path / "report.json")},
                 ),
                 stdout=subprocess.PIPE,

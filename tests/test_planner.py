@@ -31,10 +31,14 @@ TINY = str(Path(__file__).parent.parent / "configs" / "tiny.yaml")
 SEQ = 32
 
 
+BATCH = 8  # one row per device: one micro-batch count, so zero.auto compiles 12 candidates
+
+
 def _cfg(**model) -> C.Config:
     cfg = C.load_file(TINY)
     fields = dict(d_model=32, seq_len=SEQ, vocab_size=256, **model)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **fields))
+    train_ = dataclasses.replace(cfg.train, batch_size=BATCH)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **fields), train=train_)
 
 
 def _sample() -> dict[str, np.ndarray]:
@@ -190,7 +194,7 @@ def _train_args(root: Path, name: str, *extra: str) -> list[str]:
         "--set", f"logging.root={root}", "--set", "logging.eval_every=2",
         "--set", "logging.eval_batches=1", "--set", "logging.sample_tokens=0",
         "--set", "data.max_bytes=100000", "--set", "model.d_model=32",
-        "--set", f"model.seq_len={SEQ}", *extra,
+        "--set", f"model.seq_len={SEQ}", "--set", f"train.batch_size={BATCH}", *extra,
     ]  # fmt: skip
 
 
