@@ -62,3 +62,18 @@ def test_a_hung_child_is_killed_with_its_group_at_its_deadline(how):
             child.communicate()  # no timeout of its own: the deadline bounds it
     assert time.monotonic() - started < 30
     assert _procs.alive_with(marker) == []  # the grandchild `sleep` went with its group
+
+
+def test_a_childs_xla_flags_keep_all_but_the_simulated_device_count(monkeypatch):
+    """A child chooses its own device count and keeps the suite's other XLA flags (the
+    code-generation level conftest sets): dropping all of XLA_FLAGS lost them."""
+    monkeypatch.setenv(
+        "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    )
+    assert _procs.xla_flags() == "--xla_backend_optimization_level=0"
+    assert _procs.xla_flags(2) == (
+        "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=2"
+    )
+    assert _procs.child_env()["XLA_FLAGS"] == "--xla_backend_optimization_level=0"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert "XLA_FLAGS" not in _procs.child_env()
