@@ -75,6 +75,7 @@ MODULES = {
     "test_layout": "unit",
     "test_llama": "equivalence",
     "test_loop": "unit",
+    "test_memguard": "unit",
     "test_loss": "equivalence",
     "test_mesh": "unit",
     "test_models": "unit",

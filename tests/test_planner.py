@@ -177,12 +177,17 @@ def test_7b_llama_on_8_x_80gb_agrees_with_the_formulas(capsys):
     prec = precision_bytes("mixed", "adam")
     assert model_state_bytes(psi, 1, 0, prec).total > 80e9  # 16Ψ: not on one device
     assert rows[0]["status"] == "pruned"  # 14Ψ persistent on each of 8: 94 GB
-    assert {rows[s]["status"] for s in (1, 2, 3)} == {"fits"}
+    # a GPU target keeps 10% of 80 GB free: stage 1's 78.5 GB compiles under 80 GB but is
+    # within the headroom, so it is not offered (the margin rule, on the slides' example)
+    assert out["headroom"] == 0.1 and out["held_bytes"] == pytest.approx(72e9)
+    assert rows[1]["status"] == "over" and 72e9 < rows[1]["peak_bytes"] < 80e9
+    assert rows[2]["status"] == rows[3]["status"] == "fits"
     formula = model_state_bytes(psi, 8, 3, prec)
     assert formula.total == pytest.approx(16 * psi / 8)
     assert rows[3]["persistent_bytes"] == pytest.approx(formula.persistent, rel=0.01)
-    assert rows[3]["peak_bytes"] < rows[1]["peak_bytes"] < 80e9
-    assert sorted(rows[s]["rank"] for s in (1, 2, 3)) == [1, 2, 3] and rows[0]["rank"] is None
+    assert rows[3]["peak_bytes"] < rows[2]["peak_bytes"] < 72e9
+    ranks = {s: rows[s]["rank"] for s in range(4)}
+    assert sorted([ranks[2], ranks[3]]) == [1, 2] and ranks[0] is None and ranks[1] is None
 
 
 # --------------------------------------------------------------------------- pre-flight
@@ -228,7 +233,8 @@ def test_preflight_passes_a_run_that_fits_and_says_so(tmp_path):
     with contextlib.redirect_stdout(printed):
         assert train.main(_train_args(tmp_path, "fits", "--set", "zero.device_memory=1GB")) == 0
     out = printed.getvalue()
-    assert "fits: peak" in out and "of 1 GB per device (as given" in out
+    held = "of 850 MB per device (1 GB per device: as given; less 15% headroom, zero.headroom"
+    assert "fits: peak" in out and held in out, out
 
 
 @pytest.mark.unit
@@ -242,6 +248,31 @@ def test_more_micro_batches_than_the_fewest_that_fit_are_skipped(monkeypatch):
         (1, "over"), (2, "fits"), (4, "skipped")
     ]  # fmt: skip
     assert rows[2].why == "2 micro-batch(es) fit" and len(planner.memo) == 2
+
+
+@pytest.mark.unit
+def test_a_candidate_within_the_headroom_of_the_budget_is_not_chosen(monkeypatch):
+    """Issue 46: zero.auto chose a step at 95% of its budget, and the kernel killed it. With
+    15% kept free, the fastest candidate (90 of 100 bytes) is over; the slower one that
+    leaves room (80) is the first choice."""
+    peaks = {0: 90, 3: 80}
+    compute = {0: 1.0, 3: 2.0}  # stage 0 is faster on the roofline
+
+    def fake(built, c, hw, group):
+        return pl.Row(c, "fits", peak=peaks[c.stage], compute_s=compute[c.stage])
+
+    monkeypatch.setattr(pl, "measure", fake)
+    cands = pl.candidates(8, 8, stages=[0, 3], remats=["none"])
+    hw = pl.HARDWARE["cpu"]
+    assert pl.survey(lambda c: None, cands, 100, hw, devices=8).best().candidate.stage == 0
+    found = pl.survey(lambda c: None, cands, 100, hw, devices=8, headroom=0.15)
+    assert found.held == pytest.approx(85)
+    assert [(r.candidate.stage, r.status) for r in found.rows] == [(0, "over"), (3, "fits")]
+    assert found.rows[0].why == "peak 90 B > 85 B (100 B less 15% headroom)"
+    assert found.best().candidate.stage == 3
+    assert "a step is held to 85 B, 15% kept free (zero.headroom)" in found.table()
+    with pytest.raises(ValueError, match="headroom 1 must be in"):
+        pl.held_to(100, 1)
 
 
 # --------------------------------------------------------------------------- frozen params

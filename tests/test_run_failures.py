@@ -112,6 +112,24 @@ def test_a_disk_filled_under_a_running_run_ends_it_in_one_line(tmp_path):
     assert "once fixed, start the run again" in err  # no checkpoint was written yet
 
 
+def test_a_run_past_its_device_memory_stops_in_one_line(tmp_path):
+    """zero.device_memory held at run time (issue 46): with no pre-flight to refuse it, a
+    run whose devices outgrow 1 MB each stops at its first steps, in one line, exit 1."""
+    done = _procs.run(
+        f"{TRAIN} --name over --set logging.root={tmp_path} --steps 50 "
+        "--set zero.preflight=false --set zero.device_memory=1MB".split(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("jaxzero train: error: out of memory: the run's 2 CPU devices")
+    assert "over 2 MB (2 x 1 MB, zero.device_memory" in done.stderr
+    assert "To fit: set zero.auto=true" in done.stderr
+    assert "step 50/50" not in done.stdout
+
+
 def test_a_write_that_fails_names_its_file(tmp_path):
     """/dev/full fails every write with ENOSPC, as a full disk does."""
     if not Path("/dev/full").exists():

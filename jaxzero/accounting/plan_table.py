@@ -45,9 +45,15 @@ def format_survey(s: Survey) -> str:
     """The ranked table of what fits, then what did not and why, then the first choice."""
     hw = s.hardware
     lines = [s.title] if s.title else []
+    budget = f"budget   {format_bytes(s.budget)} per device"
+    budget += f" ({s.budget_note})" if s.budget_note else ""
+    if s.headroom:
+        budget += (
+            f"; a step is held to {format_bytes(s.held)}, {s.headroom:.0%} kept free "
+            "(zero.headroom)"
+        )
     lines += [
-        f"budget   {format_bytes(s.budget)} per device ({s.budget_note})" if s.budget_note
-        else f"budget   {format_bytes(s.budget)} per device",
+        budget,
         f"roofline {hw.name}: {hw.flops:.3g} FLOP/s per device, sends {format_bytes(hw.intra)}/s "
         f"within a group of {s.group}, {format_bytes(hw.inter)}/s across; step time = "
         "max(compute, communication)",
@@ -55,13 +61,13 @@ def format_survey(s: Survey) -> str:
     ]  # fmt: skip
     fit = s.fitting()
     if fit:
-        lines += _grid([list(_HEAD)] + [_cells(str(i + 1), r, s.budget) for i, r in enumerate(fit)])
+        lines += _grid([list(_HEAD)] + [_cells(str(i + 1), r, s.held) for i, r in enumerate(fit)])
     else:
         lines.append("nothing fits")
     over = [r for r in s.rows if r.status == "over"]
     if over:
         lines += ["", "compiled, over the budget:"]
-        lines += _grid([list(_HEAD)] + [_cells("-", r, s.budget) for r in over])
+        lines += _grid([list(_HEAD)] + [_cells("-", r, s.held) for r in over])
     pruned: dict[int, str] = {}
     for r in (r for r in s.rows if r.status == "pruned"):  # the formulas judge a stage
         pruned.setdefault(r.candidate.stage, r.why)

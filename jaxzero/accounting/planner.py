@@ -4,7 +4,10 @@ For one model and one target (devices, bytes per device, a roofline), each candi
 (ZeRO stage x activation checkpointing x micro-batches, at a global batch) is built
 with abstract shapes and compiled, allocating nothing: the compiled program's
 ``memory_analysis`` gives its peak bytes per device, its HLO the bytes each device
-sends per step. Candidates whose persistent model states alone exceed the budget by
+sends per step. A candidate fits when its peak is at most the budget less a headroom
+(``headroom``: the share kept free for what the compiled step does not count: the
+runtime, the allocator's slack, host buffers; ``zero.headroom``, measured in
+docs/planning.md). Candidates whose persistent model states alone exceed that by
 the ZeRO formulas (:func:`~jaxzero.accounting.estimate.model_state_bytes`, a lower
 bound of the real bytes: padding and replicated small leaves only add) are pruned
 before compiling. Frozen params (a LoRA run's base) count at their stored bytes, not
@@ -43,6 +46,7 @@ __all__ = [
     "Survey",
     "candidates",
     "formula_states",
+    "held_to",
     "param_split",
     "survey",
 ]
@@ -149,6 +153,12 @@ class Survey:
     group: int
     title: str = ""
     notes: list[str] = field(default_factory=list)
+    headroom: float = 0.0  # the share of ``budget`` kept free: a step is held to ``held``
+
+    @property
+    def held(self) -> float:
+        """Bytes per device a candidate's peak may reach: the budget less the headroom."""
+        return held_to(self.budget, self.headroom)
 
     def fitting(self) -> list[Row]:
         """The candidates that fit, fastest first (then the smallest peak)."""
@@ -172,6 +182,8 @@ class Survey:
             "title": self.title,
             "budget_bytes": self.budget,
             "budget": self.budget_note,
+            "headroom": self.headroom,
+            "held_bytes": self.held,
             "devices": self.devices,
             "group_size": self.group,
             "hardware": vars(self.hardware),
@@ -198,6 +210,14 @@ def _row_dict(r: Row, rank: int | None) -> dict[str, Any]:
             max_batch=r.max_batch,
         )
     return out
+
+
+def held_to(budget: float, headroom: float) -> float:
+    """The bytes a step may peak at in ``budget`` keeping ``headroom`` of it free: the one
+    rule the pre-flight, ``zero.auto`` and ``jaxzero plan`` hold candidates to."""
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom {headroom} must be in [0, 1): a share of the budget")
+    return budget * (1 - headroom)
 
 
 def shard_bytes(tree: Any) -> int:
@@ -264,6 +284,8 @@ class Planner:
       group: devices that shard the state (the rest replicate it).
       formula_states: model-state bytes per device of a stage by the formulas (for
         pruning); None: no pruning.
+      headroom: the share of ``budget`` kept free (:func:`held_to`): a peak within it of
+        the budget is over.
     """
 
     def __init__(
@@ -273,8 +295,11 @@ class Planner:
         hardware: Hardware,
         group: int,
         formula_states: Callable[[int], float] | None = None,
+        headroom: float = 0.0,
     ):
         self.build, self.budget, self.hw, self.group = build, budget, hardware, group
+        self.held = held_to(budget, headroom)
+        self.headroom = headroom
         self.formula_states = formula_states
         self.memo: dict[Candidate, Row] = {}
 
@@ -283,20 +308,28 @@ class Planner:
         if c in self.memo:
             return self.memo[c]
         states = self.formula_states(c.stage) if self.formula_states else 0.0
-        if states > self.budget:
-            why = f"model states {format_bytes(states)} > {format_bytes(self.budget)} (formulas)"
+        if states > self.held:
+            why = f"model states {format_bytes(states)} > {self._limit()} (formulas)"
             row = Row(c, "pruned", why)
         else:
             try:
                 row = measure(self.build(c), c, self.hw, self.group)
-                if row.peak > self.budget:
+                if row.peak > self.held:
                     row.status = "over"
-                    row.why = f"peak {format_bytes(row.peak)} > {format_bytes(self.budget)}"
+                    row.why = f"peak {format_bytes(row.peak)} > {self._limit()}"
             except (ValueError, RuntimeError) as e:  # a refused shape, XLA refusing the step
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 row = Row(c, "failed", f"{type(e).__name__}: {first}")
         self.memo[c] = row
         return row
+
+    def _limit(self) -> str:
+        if not self.headroom:
+            return format_bytes(self.held)
+        return (
+            f"{format_bytes(self.held)} ({format_bytes(self.budget)} less "
+            f"{self.headroom:.0%} headroom)"
+        )
 
     def fits(self, c: Candidate) -> bool:
         return self.row(c).status == "fits"
@@ -339,12 +372,12 @@ class Planner:
                 hi = probe
                 break
             slope = max(self.row(at(probe)).peak - self.row(at(lo)).peak, 1) / (probe - lo)
-            lo, left = probe, self.budget - self.row(at(probe)).peak
+            lo, left = probe, self.held - self.row(at(probe)).peak
             probe = lo + max(int(left // slope) + 1, 1)
         while hi - lo > 1:
             p_lo, p_hi = self.row(at(lo)).peak, self.row(at(hi)).peak
             slope = max(p_hi - p_lo, 1) / (hi - lo)
-            guess = min(max(lo + int((self.budget - p_lo) // slope), lo + 1), hi - 1)
+            guess = min(max(lo + int((self.held - p_lo) // slope), lo + 1), hi - 1)
             lo, hi = (guess, hi) if self.fits(at(guess)) else (lo, guess)
         return lo * granule
 
@@ -406,6 +439,7 @@ def survey(
     budget_note: str = "",
     title: str = "",
     frozen_bytes: float = 0.0,
+    headroom: float = 0.0,
 ) -> Survey:
     """Compile ``cands``, hold them to ``budget`` bytes per device, rank those that fit.
 
@@ -426,14 +460,16 @@ def survey(
       max_batch: search the largest global batch for this many of the best (0: none;
         each search compiles about three more programs).
       exhaustive: compile every micro-batch count, not only the fewest that fit.
+      headroom: the share of ``budget`` kept free (:func:`held_to`); a candidate fits
+        when its peak is at most the rest.
     """
     group = group or devices
     states = None
     if num_params is not None and precision is not None:
         states = formula_states(num_params, group, precision, frozen_bytes)
-    planner = Planner(build, budget, hardware, group, states)
+    planner = Planner(build, budget, hardware, group, states, headroom)
     rows = planner.survey(cands, exhaustive)
-    out = Survey(rows, budget, budget_note, hardware, devices, group, title)
+    out = Survey(rows, budget, budget_note, hardware, devices, group, title, headroom=headroom)
     for r in out.fitting()[:max_batch]:
         granule = devices * r.candidate.micro_batches
         r.max_batch = planner.max_batch(r.candidate, granule)

@@ -5,6 +5,9 @@ devices) and a target (``--device-memory``, ``--hardware``), compiles each candi
 (ZeRO stage x remat x micro-batches) without allocating anything, and prints those
 that fit ranked by a stated roofline, with the largest global batch that fits for
 the best few (:mod:`jaxzero.accounting.planner`, :mod:`jaxzero.train.planning`).
+
+Exit codes, so that scripts can tell: 0 a candidate fits (the first choice is printed),
+1 nothing fits (the table says why), 2 an error (bad input, one line).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from jaxzero.train.devices import setup_devices
 # train's shortcuts that name one configuration; the planner searches over these instead
 _SEARCHED = ("stage", "micro_batches")
 _UNUSED = ("steps", "name")
+FITS, NOTHING_FITS, ERROR = 0, 1, 2  # the exit codes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jaxzero plan",
         description="Compile (not run) each ZeRO stage x remat x micro-batch count for a "
         "jaxzero train config; print what fits in the device memory, ranked by a roofline.",
+        epilog=f"exit codes: {FITS} a candidate fits, {NOTHING_FITS} nothing fits, {ERROR} an "
+        "error (bad input)",
     )
     add_config_flags(p, leave_out=_SEARCHED + _UNUSED)
     g = p.add_argument_group("the target")
@@ -119,13 +125,15 @@ def plan(args: argparse.Namespace) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``jaxzero plan``: 0 with the table; 2 and one line on bad input."""
+    """``jaxzero plan``: the table, and 0 when a candidate fits, 1 when none does; 2 and
+    one line on bad input."""
 
-    def body(args: argparse.Namespace) -> None:
+    def body(args: argparse.Namespace) -> int:
         if args.device_memory is not None:
             parse_bytes(args.device_memory)  # before anything is built
         found = plan(args)
         print(json.dumps(found.to_dict(), indent=2) if args.json else found.table())
+        return FITS if found.best() is not None else NOTHING_FITS
 
     also = (ValueError, RuntimeError, OSError)  # bad sizes, XLA's refusals, unreadable data
     return cli.run("plan", _parse, body, argv, also=also)

@@ -29,12 +29,12 @@ import jax
 import numpy as np
 
 from jaxzero import cli, distributed
-from jaxzero.accounting.estimate import format_bytes
+from jaxzero.accounting.estimate import format_bytes, parse_bytes
 from jaxzero.accounting.planner import shard_bytes
 from jaxzero.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError
 from jaxzero.train import config as config_lib
 from jaxzero.train import data as data_lib
-from jaxzero.train import finetune, lora_run, planning, rundir
+from jaxzero.train import finetune, lora_run, memguard, planning, rundir
 from jaxzero.train import metrics as metrics_lib
 from jaxzero.train import resume as resume_lib
 from jaxzero.train.args import RESOLVED_CONFIG, build_parser, config_from_args
@@ -102,6 +102,15 @@ def _train(
             )
             return json.loads((run_dir / rundir.SUMMARY_FILE).read_text())
     run = _set_up(cfg, resume, init_timeout, stop, undo, watch)
+    guard = _guard(run)  # from here on the run allocates: the state, the batches, the steps
+    try:
+        return _run(run, resume, guard)
+    finally:
+        if guard is not None:
+            guard.stop()
+
+
+def _run(run: Run, resume: list[str] | None, guard: memguard.MemoryGuard | None) -> dict:
     restored = _restore(run) if resume is not None else None
     run.writer = metrics_lib.MetricsWriter(
         run.directory if run.is_main else None, run.cfg.logging.tensorboard
@@ -110,7 +119,11 @@ def _train(
     try:
         try:
             state, position = _restore_or_init(run, restored)
+            if guard is not None and guard.host_is_device:  # a checkpoint's copy, then
+                guard.allow_host(planning.unique_bytes(state))
             summary = _loop(run, state, position)
+            if guard is not None:
+                summary.update(guard.summary())
             if run.is_main:
                 rundir.write_json(run.directory / rundir.SUMMARY_FILE, summary)
             return summary
@@ -179,6 +192,26 @@ def _set_up(
         cfg, job, mesh, simulated, corpus, run_dir, ckpt, stop, watch, resume, pretrained,
         model, engine, schedule,
     )  # fmt: skip
+
+
+def _guard(run: Run) -> memguard.MemoryGuard | None:
+    """The run's memory guard (``zero.memory_guard``), started: on CPU the host's memory
+    is the devices'. A given ``zero.device_memory`` is held at run time too: on a GPU by
+    the allocator's peak; on CPU, where only the process's resident growth tells (the
+    runtime's and the compiler's own bytes with the devices'), when no pre-flight held
+    the compiled step to it (``zero.preflight=false``), with room for a checkpoint's host
+    copy of the state."""
+    cfg = run.cfg
+    if not cfg.zero.memory_guard:
+        return None
+    device = jax.local_devices()[0]
+    on_cpu = device.platform == "cpu"
+    checked = cfg.zero.preflight or cfg.zero.auto
+    limit = None
+    if cfg.zero.device_memory is not None and not (on_cpu and checked):
+        mine = [d for d in run.mesh.devices.flat if d.process_index == jax.process_index()]
+        limit = memguard.Limit(parse_bytes(cfg.zero.device_memory), len(mine))
+    return memguard.MemoryGuard(limit, host_is_device=on_cpu, device=device).start()
 
 
 def _is_main() -> bool:
@@ -371,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
             return _leave(f"jaxzero train: error: {e}", 1)
         except Diverged as e:
             return _leave(f"jaxzero train: {e}", 1)
+        except jax.errors.JaxRuntimeError as e:  # an accelerator's allocator refused
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            return _leave(memguard.out_of_memory_line(e), 1)
         distributed.shutdown()  # every process leaves together
         return 0
 

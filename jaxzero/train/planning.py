@@ -10,12 +10,19 @@ picks it trains with that engine, whose step is then already compiled.
 The budget a step is held to (:func:`budget`): ``zero.device_memory`` (``--device-memory``)
 when given, else the device's own limit (``memory_stats()["bytes_limit"]``), else on CPU
 the host's available memory (``/proc/meminfo`` MemAvailable) less a checkpoint's host
-copy of the state, shared by the simulated devices, which live in that memory.
+copy of the state, shared by the simulated devices, which live in that memory. A step
+is held to that budget less a headroom (:func:`headroom`, ``zero.headroom``): the share
+kept free for what its compiled ``memory_analysis`` does not count (the runtime's own
+buffers, the allocator's slack, host buffers while a checkpoint loads); the pre-flight,
+``zero.auto`` and ``jaxzero plan`` hold every candidate to the same rule
+(:func:`~jaxzero.accounting.planner.held_to`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +41,7 @@ from jaxzero.accounting.planner import (
     Planner,
     Survey,
     candidates,
+    held_to,
     param_split,
     shard_bytes,
     survey,
@@ -45,7 +53,7 @@ from jaxzero.models.common import cudnn_refusal
 from jaxzero.models.lora import trainable as lora_trainable
 from jaxzero.train import config as config_lib
 from jaxzero.train import data as data_lib
-from jaxzero.train import lora_run
+from jaxzero.train import lora_run, memguard
 from jaxzero.train.config import Config, ConfigError
 from jaxzero.train.optimizer import make_optimizer
 
@@ -159,6 +167,16 @@ class Candidates:
         batch = batch_like(self.sample, c.batch)
         return Built(engine, state, batch, flops)
 
+    def release(self, keep: Candidate) -> None:
+        """Drop every candidate's model and engine but ``keep``'s (with them their traced
+        and compiled programs) and give the freed memory back to the system."""
+        self.built = {c: b for c, b in self.built.items() if c == keep}
+        gc.collect()
+        try:  # glibc keeps freed pages in its arenas; the next run's buffers need them
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
     def num_params(self) -> tuple[float, float]:
         """``(Ψ, frozen bytes)``: the trainable params' count and the frozen ones' bytes
         as stored (a LoRA run's base), as the planner's formulas take them."""
@@ -167,6 +185,21 @@ class Candidates:
 
 
 # --------------------------------------------------------------------------- the target
+
+# The share of the budget kept free by default (docs/planning.md, "How far off it is"):
+# on CPU the host's resident growth over a whole run (load, init, steps, checkpoints)
+# reached 1.12x the planned bytes (experiments/plan_error.py), which 15% covers; on a
+# GPU XLA's bytes_limit is the allocator's own, less fragmentation: 10%, not yet measured.
+HEADROOM = {"cpu": 0.15, "gpu": 0.10}
+
+
+def headroom(configured: float | None, hw: Hardware) -> float:
+    """``zero.headroom`` when set, else the target's default (:data:`HEADROOM`): the
+    target is ``hw`` (``jaxzero plan --hardware h100`` on a laptop plans for a GPU)."""
+    if configured is not None:
+        return float(configured)
+    on_gpu = hw.memory is not None or jax.default_backend() != "cpu"
+    return HEADROOM["gpu" if on_gpu else "cpu"]
 
 
 def hardware(name: str | None = None, device: Any = None) -> Hardware:
@@ -237,7 +270,7 @@ def plan_run(
     exhaustive: bool = False,
 ) -> Survey:
     """Survey a run's candidates (default: every stage, remat and micro-batch count at its
-    global batch) against ``budget_bytes`` per device."""
+    global batch) against ``budget_bytes`` per device less the run's headroom."""
     n = int(cands.mesh.devices.size)
     group = n // int(dict(cands.mesh.shape).get(REPLICA, 1))
     cands_ = which or candidates(cfg.train.batch_size, n)
@@ -252,7 +285,7 @@ def plan_run(
     return survey(
         cands, cands_, budget_bytes, hw, devices=n, group=group, num_params=psi,
         frozen_bytes=frozen, precision=prec, max_batch=max_batch, exhaustive=exhaustive,
-        budget_note=note, title=title,
+        budget_note=note, title=title, headroom=headroom(cfg.zero.headroom, hw),
     )  # fmt: skip
 
 
@@ -273,8 +306,8 @@ def preflight(
     cfg: Config, mesh: Any, model: Model, engine: Any, sample: dict, pretrained=None
 ) -> Checked:
     """Compile the run's step (and evaluation) before the first step; refuse a run whose
-    peak exceeds the budget in one line naming the peak, the limit and what fits;
-    with ``zero.auto`` train the planner's first choice instead."""
+    peak exceeds the budget less its headroom in one line naming the peak, the limit and
+    what fits; with ``zero.auto`` train the planner's first choice instead."""
     began = time.perf_counter()
     cands = Candidates(cfg, mesh, sample, pretrained)
     own = candidate_of(cfg)
@@ -283,26 +316,35 @@ def preflight(
     hw = hardware()
     host = unique_bytes(built.state) if jax.default_backend() == "cpu" else 0.0
     limit, note = budget(cfg.zero.device_memory, jax.local_device_count(), host)
+    share = headroom(cfg.zero.headroom, hw)
+    held, said = held_to(limit, share), _limit_note(limit, note, share)
     if cfg.zero.auto:
         return _auto(cfg, cands, limit, note, hw, began)
-    row = Planner(cands, limit, hw, int(mesh.devices.size)).row(own)
+    row = Planner(cands, limit, hw, int(mesh.devices.size), headroom=share).row(own)
     if row.status == "failed":
         raise ConfigError(f"the step does not compile: {row.why}")
     need = max(row.peak, _eval_need(built, row.persistent))
-    if need > limit:
+    if need > held:
         found = plan_run(cfg, cands, limit, note, hw, max_batch=0)
         raise ConfigError(
             f"will not fit: the step needs {format_bytes(need)} per device at its peak "
             f"({own.describe()}, global batch {own.batch}; compiled) and the limit is "
-            f"{format_bytes(limit)} ({note}). What fits: {found.suggestions()}; set them "
+            f"{format_bytes(held)} ({said}). What fits: {found.suggestions()}; set them "
             "(--stage, --micro-batches, --set model.remat=...) or --set zero.auto=true, "
             "or a smaller train.batch_size"
         )
     line = (
-        f"fits: peak {format_bytes(need)} of {format_bytes(limit)} per device ({note}; "
+        f"fits: peak {format_bytes(need)} of {format_bytes(held)} per device ({said}; "
         f"compiled in {time.perf_counter() - began:.1f}s)"
     )
     return Checked(cfg, model, engine, line)
+
+
+def _limit_note(limit: float, note: str, share: float) -> str:
+    """Where the held bytes come from: the budget and its source, less the headroom."""
+    if not share:
+        return note
+    return f"{format_bytes(limit)} per device: {note}; less {share:.0%} headroom, zero.headroom"
 
 
 def _eval_need(built: Built, persistent: int) -> int:
@@ -312,20 +354,43 @@ def _eval_need(built: Built, persistent: int) -> int:
     return persistent - params + compiled_memory(compiled).peak
 
 
+def _resident() -> float | None:
+    now = memguard.host_memory()
+    return now.resident if now is not None else None
+
+
 def _auto(cfg: Config, cands: Candidates, limit: float, note: str, hw: Hardware, began: float):
+    """The fastest candidate whose step and evaluation fit with the headroom; the others'
+    programs are released before the run allocates anything."""
+    before = _resident()
     found = plan_run(cfg, cands, limit, note, hw, max_batch=0)
-    best = found.best()
+    held = found.held
+    best, said = None, _limit_note(limit, note, found.headroom)
+    for row in found.fitting():  # fastest first: the first whose evaluation fits too
+        need = max(row.peak, _eval_need(cands(row.candidate), row.persistent))
+        if need <= held:
+            best = row
+            break
+        row.status, row.why = "over", f"its evaluation needs {format_bytes(need)}"
     if best is None:
         raise ConfigError(
-            f"zero.auto: nothing fits in {format_bytes(limit)} per device ({note}) at global "
+            f"zero.auto: nothing fits in {format_bytes(held)} per device ({said}) at global "
             f"batch {cfg.train.batch_size}: more devices, or a smaller train.batch_size"
         )
     chosen = with_candidate(cfg, best.candidate)
     model, engine = cands.built[best.candidate]
+    planned = _resident()
+    cands.release(best.candidate)
+    after = _resident()
     compiled = sum(1 for r in found.rows if r.status in ("fits", "over"))
     line = (
         f"zero.auto: {best.candidate.describe()} (peak {format_bytes(best.peak)} of "
-        f"{format_bytes(limit)} per device, {note}; first of {len(found.fitting())} that fit, "
-        f"{compiled} compiled in {time.perf_counter() - began:.1f}s)"
+        f"{format_bytes(held)} per device, {said}; first of {len(found.fitting())} "
+        f"that fit, {compiled} compiled in {time.perf_counter() - began:.1f}s"
     )
-    return Checked(chosen, model, engine, line)
+    if before is not None and planned is not None and after is not None:
+        line += (
+            f"; the planner held {format_bytes(max(planned - before, 0))} of host memory, "
+            f"{format_bytes(max(planned - after, 0))} released"
+        )
+    return Checked(chosen, model, engine, line + ")")

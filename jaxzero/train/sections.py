@@ -89,6 +89,12 @@ class ZeroConfig:
     # (CPU: the host's MemAvailable, shared by the simulated devices)
     device_memory: str | float | None = None
     preflight: bool = True  # false: start without the check (an out-of-memory error then)
+    # the share of the budget kept free for what the compiled step does not count (the
+    # runtime, the allocator, host buffers: docs/planning.md measures it); null: the
+    # backend's default (planning.HEADROOM)
+    headroom: float | None = None
+    # stop in one line (exit 1) before the host runs out of memory, or past device_memory
+    memory_guard: bool = True
 
 
 @dataclass(frozen=True)
