@@ -300,6 +300,7 @@ class Checked:
     model: Model
     engine: Any
     line: str  # what to print
+    peak: int = 0  # bytes per device the step (or its evaluation) peaks at, compiled
 
 
 def preflight(
@@ -337,7 +338,7 @@ def preflight(
         f"fits: peak {format_bytes(need)} of {format_bytes(held)} per device ({said}; "
         f"compiled in {time.perf_counter() - began:.1f}s)"
     )
-    return Checked(cfg, model, engine, line)
+    return Checked(cfg, model, engine, line, need)
 
 
 def _limit_note(limit: float, note: str, share: float) -> str:
@@ -365,7 +366,7 @@ def _auto(cfg: Config, cands: Candidates, limit: float, note: str, hw: Hardware,
     before = _resident()
     found = plan_run(cfg, cands, limit, note, hw, max_batch=0)
     held = found.held
-    best, said = None, _limit_note(limit, note, found.headroom)
+    best, need, said = None, 0, _limit_note(limit, note, found.headroom)
     for row in found.fitting():  # fastest first: the first whose evaluation fits too
         need = max(row.peak, _eval_need(cands(row.candidate), row.persistent))
         if need <= held:
@@ -393,4 +394,4 @@ def _auto(cfg: Config, cands: Candidates, limit: float, note: str, hw: Hardware,
             f"; the planner held {format_bytes(max(planned - before, 0))} of host memory, "
             f"{format_bytes(max(planned - after, 0))} released"
         )
-    return Checked(chosen, model, engine, line + ")")
+    return Checked(chosen, model, engine, line + ")", need)

@@ -75,6 +75,7 @@ class Run:
     model: Any
     engine: Any
     schedule: Callable[[int], Any]
+    planned_peak: int | None = None  # the pre-flight's compiled peak per device
     writer: metrics_lib.MetricsWriter = dataclasses.field(init=False)
     progress: metrics_lib.Progress = dataclasses.field(init=False)
 
