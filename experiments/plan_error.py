@@ -42,7 +42,7 @@ RESULTS = Path(__file__).parent / "results" / "plan_error.csv"
 # the planned peak itself is measured here, not the margin: no headroom refuses a row
 COMMON = ["--steps", "3", "--devices", "8", "--set", "logging.sample_tokens=0",
           "--set", "logging.eval_every=3", "--set", "logging.eval_batches=1",
-          "--set", "logging.progress=none", "--set", "zero.headroom=0"]  # fmt: skip  # the planned peak itself is measured, not the margin; fmt: skip
+          "--set", "logging.progress=none", "--set", "zero.headroom=0"]  # fmt: skip
 
 # (label, stage, remat, micro-batches, extra flags)
 GPT = [
