@@ -341,7 +341,7 @@ def validate(config: Config) -> Config:
     if config.zero.headroom is not None and not 0 <= config.zero.headroom < 1:
         raise ConfigError(
             f"zero.headroom={config.zero.headroom}: a share of the budget, from 0 to below 1 "
-            "(0.15 keeps 15% free)"
+            "(0.2 keeps 20% free)"
         )
     ck = config.checkpoint
     if ck.keep_last < 1 or (ck.keep_every is not None and ck.keep_every < 1):
