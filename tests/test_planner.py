@@ -85,6 +85,18 @@ def test_a_bad_device_memory_is_one_line(capsys):
         C.validate(C.apply_overrides(C.Config(), ["zero.device_memory=much"]))
 
 
+def test_plan_exits_1_when_nothing_fits_so_scripts_can_tell(capsys):
+    """Exit codes: 0 a candidate fits, 1 nothing fits, 2 an error (above). At 1 KB per
+    device the formulas rule out every stage: nothing is compiled."""
+    argv = ["--config", TINY, "--devices", "8", "--set", "data.max_bytes=100000",
+            "--set", "model.d_model=32", "--device-memory", "1KB", "--max-batch", "0"]  # fmt: skip
+    assert plan_cmd.main(argv) == plan_cmd.NOTHING_FITS == 1
+    out = capsys.readouterr().out
+    assert "nothing fits" in out and "first choice" not in out
+    with pytest.raises(C.ConfigError, match="zero.headroom=1.5: a share of the budget"):
+        C.validate(C.apply_overrides(C.Config(), ["zero.headroom=1.5"]))
+
+
 # --------------------------------------------------------------------------- the planner
 
 
