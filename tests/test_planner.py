@@ -189,17 +189,20 @@ def test_7b_llama_on_8_x_80gb_agrees_with_the_formulas(capsys):
     prec = precision_bytes("mixed", "adam")
     assert model_state_bytes(psi, 1, 0, prec).total > 80e9  # 16Ψ: not on one device
     assert rows[0]["status"] == "pruned"  # 14Ψ persistent on each of 8: 94 GB
-    # a GPU target keeps 10% of 80 GB free: stage 1's 78.5 GB compiles under 80 GB but is
-    # within the headroom, so it is not offered (the margin rule, on the slides' example)
+    # a GPU target keeps 10% of 80 GB free: a stage whose peak compiles under 80 GB but
+    # within the headroom is not offered (stage 1 remat full: 78.5 GB on jax 0.10, under
+    # 72 GB on 0.12, whose XLA schedules it differently)
     assert out["headroom"] == 0.1 and out["held_bytes"] == pytest.approx(72e9)
-    assert rows[1]["status"] == "over" and 72e9 < rows[1]["peak_bytes"] < 80e9
+    for s in (1, 2, 3):
+        assert rows[s]["status"] == ("fits" if rows[s]["peak_bytes"] <= 72e9 else "over")
+        assert rows[s]["peak_bytes"] < 80e9
     assert rows[2]["status"] == rows[3]["status"] == "fits"
     formula = model_state_bytes(psi, 8, 3, prec)
     assert formula.total == pytest.approx(16 * psi / 8)
     assert rows[3]["persistent_bytes"] == pytest.approx(formula.persistent, rel=0.01)
     assert rows[3]["peak_bytes"] < rows[2]["peak_bytes"] < 72e9
-    ranks = {s: rows[s]["rank"] for s in range(4)}
-    assert sorted([ranks[2], ranks[3]]) == [1, 2] and ranks[0] is None and ranks[1] is None
+    ranked = sorted(rows[s]["rank"] for s in (1, 2, 3) if rows[s]["rank"] is not None)
+    assert ranked == list(range(1, len(ranked) + 1)) and rows[0]["rank"] is None
 
 
 # --------------------------------------------------------------------------- pre-flight

@@ -119,12 +119,12 @@ def _run(run: Run, resume: list[str] | None, guard: memguard.MemoryGuard | None)
     try:
         try:
             state, position = _restore_or_init(run, restored)
-            state_bytes = planning.unique_bytes(state)  # what a checkpoint copies to the host
-            if guard is not None and guard.host_is_device:
-                guard.allow_host(state_bytes)
+            if guard is not None and guard.limit is not None and guard.host_is_device:
+                # a checkpoint's host copy of the state is not the devices' memory
+                guard.allow_host(planning.unique_bytes(run.engine.state_shapes()))
             summary = _loop(run, state, position)
             summary["planned_peak_bytes_per_device"] = run.planned_peak
-            summary["state_bytes"] = state_bytes
+            summary["state_bytes"] = run.state_bytes
             if guard is not None:
                 summary.update(guard.summary())
             if run.is_main:
@@ -175,12 +175,13 @@ def _set_up(
     cfg = resolve_run(cfg, mesh.size, simulated, cfg.model.vocab_size)  # the name, said first
     cfg, corpus = _load_data(cfg, mesh.size, simulated)
     model, engine, schedule = build(cfg, mesh, pretrained)
-    planned = None
+    planned = state_bytes = None
     if cfg.zero.preflight or cfg.zero.auto:  # before anything is written: a refusal leaves none
         checked = planning.preflight(
             cfg, mesh, model, engine, planning.first_batch(cfg, corpus), pretrained
         )
-        cfg, model, engine, planned = checked.cfg, checked.model, checked.engine, checked.peak
+        cfg, model, engine = checked.cfg, checked.model, checked.engine
+        planned, state_bytes = checked.peak, checked.state_bytes
         if cfg.logging.progress != "none" and _is_main():
             print(checked.line, flush=True)
     run_dir, ckpt_dir = resume_lib.directories(cfg, resume, undo)
@@ -194,7 +195,7 @@ def _set_up(
         cfg, _ = finetune.pin_architecture(cfg, pretrained, run_dir, _is_main())
     return Run(
         cfg, job, mesh, simulated, corpus, run_dir, ckpt, stop, watch, resume, pretrained,
-        model, engine, schedule, planned,
+        model, engine, schedule, planned, state_bytes,
     )  # fmt: skip
 
 

@@ -301,6 +301,7 @@ class Checked:
     engine: Any
     line: str  # what to print
     peak: int = 0  # bytes per device the step (or its evaluation) peaks at, compiled
+    state_bytes: float = 0.0  # one copy of every leaf of the state: a checkpoint's host copy
 
 
 def preflight(
@@ -315,7 +316,8 @@ def preflight(
     cands.adopt(own, model, engine)
     built = cands(own)
     hw = hardware()
-    host = unique_bytes(built.state) if jax.default_backend() == "cpu" else 0.0
+    whole = unique_bytes(built.state)
+    host = whole if jax.default_backend() == "cpu" else 0.0
     limit, note = budget(cfg.zero.device_memory, jax.local_device_count(), host)
     share = headroom(cfg.zero.headroom, hw)
     held, said = held_to(limit, share), _limit_note(limit, note, share)
@@ -338,7 +340,7 @@ def preflight(
         f"fits: peak {format_bytes(need)} of {format_bytes(held)} per device ({said}; "
         f"compiled in {time.perf_counter() - began:.1f}s)"
     )
-    return Checked(cfg, model, engine, line, need)
+    return Checked(cfg, model, engine, line, need, whole)
 
 
 def _limit_note(limit: float, note: str, share: float) -> str:
@@ -394,4 +396,5 @@ def _auto(cfg: Config, cands: Candidates, limit: float, note: str, hw: Hardware,
             f"; the planner held {format_bytes(max(planned - before, 0))} of host memory, "
             f"{format_bytes(max(planned - after, 0))} released"
         )
-    return Checked(chosen, model, engine, line + ")", need)
+    whole = unique_bytes(cands(best.candidate).state)
+    return Checked(chosen, model, engine, line + ")", need, whole)

@@ -76,6 +76,7 @@ class Run:
     engine: Any
     schedule: Callable[[int], Any]
     planned_peak: int | None = None  # the pre-flight's compiled peak per device
+    state_bytes: float | None = None  # the pre-flight's: one copy of the state's leaves
     writer: metrics_lib.MetricsWriter = dataclasses.field(init=False)
     progress: metrics_lib.Progress = dataclasses.field(init=False)
 
