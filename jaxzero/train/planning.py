@@ -24,7 +24,6 @@ import ctypes
 import dataclasses
 import gc
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -215,14 +214,10 @@ def hardware(name: str | None = None, device: Any = None) -> Hardware:
 
 
 def mem_available() -> float | None:
-    """The host's ``MemAvailable`` in bytes (None where there is no ``/proc/meminfo``)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    """The host's available bytes (``MemAvailable``, or a cgroup v2 limit's room, as the
+    memory guard reads them; None where there is no ``/proc/meminfo``)."""
+    now = memguard.host_memory()
+    return now.available if now is not None else None
 
 
 def budget(
