@@ -111,6 +111,17 @@ class Engine:
         in the dtype it is given, replicated at stages 0–2 and sharded (gathered per
         layer with the others) at stage 3, in :attr:`TrainState.frozen`
         (:mod:`jaxzero.frozen`). The optimizer sees the trainable params only.
+      offload: ``"optimizer"`` keeps the fp32 master params and the optimizer state in
+        host memory (``pinned_host``), moved to the device for the update only
+        (ZeRO-Offload; stages 1-3; ``docs/offload.md``). None: all on the device.
+      qwz: stage 3 gathers weights as int8 with a scale per ``quant_block`` elements
+        (ZeRO++ qwZ); the fp32 master stays exact (``docs/zeropp.md``).
+      qgz: ``"int8"`` or ``"int4"``: gradients are reduce-scattered in that format with
+        a scale per block, through an all-to-all and an fp32 sum (ZeRO++ qgZ; stages 1-3).
+      hpz: on a hybrid mesh (``make_mesh(n, replicas=R)``) at stage 3, the working
+        params are sharded within each group only, while the master and optimizer
+        state are sharded over every device (ZeRO++ hpZ).
+      quant_block: elements that share one scale in qwZ and qgZ.
 
     An engine is built for one set of param shapes: its first init (:meth:`init`,
     :meth:`init_from`, :meth:`abstract_state`, a restore) makes :attr:`plan`, every
@@ -168,6 +179,11 @@ class Engine:
         seed: int = 0,
         compiler_options: dict[str, Any] | None = None,
         trainable: frozen_lib.Trainable = None,
+        offload: str | None = None,
+        qwz: bool = False,
+        qgz: str | None = None,
+        hpz: bool = False,
+        quant_block: int = 2048,
     ):
         self.loss_fn = loss_fn
         self.trainable = trainable
@@ -190,6 +206,11 @@ class Engine:
             loss_takes_rng=loss_takes_rng,
             seed=seed,
             compiler_options=compiler_options,
+            offload=offload,
+            qwz=qwz,
+            qgz=qgz,
+            hpz=hpz,
+            quant_block=quant_block,
         )
         self._plan: Plan | None = None
         self._batches = batch_lib.Intake(

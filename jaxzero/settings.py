@@ -69,6 +69,61 @@ class Settings:
         return NamedSharding(self.mesh, P(batch_axes(self.mesh)))
 
 
+OFFLOADS = ("optimizer",)  # Engine(offload=...): what lives in host memory
+QGZ_BITS = {"int8": 8, "int4": 4}  # Engine(qgz=...): the gradients' wire format
+
+
+def beyond_zero(
+    stage: int,
+    mesh: Mesh,
+    offload: str | None,
+    qwz: bool,
+    qgz: str | None,
+    hpz: bool,
+    quant_block: int,
+) -> dict[str, Any]:
+    """The :class:`StepConfig` fields of offload and ZeRO++ (qwZ, qgZ, hpZ), each
+    combination that makes no sense refused in one line naming the option."""
+    if offload not in (None, *OFFLOADS):
+        raise ValueError(f"offload={offload!r}: use None or 'optimizer'")
+    if offload and stage == 0:
+        raise ValueError(
+            "offload='optimizer' needs stage 1, 2 or 3: at stage 0 every device holds the "
+            "whole state, so offloading it saves nothing a sharded stage would not"
+        )
+    for name, flag in (("qwz", qwz), ("hpz", hpz)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if qwz and stage != 3:
+        raise ValueError(
+            f"qwz=True quantizes stage 3's weight all-gathers; stage {stage} gathers no "
+            "weights in the forward pass (use stage=3, or drop qwz)"
+        )
+    if qgz not in (None, False, *QGZ_BITS):
+        raise ValueError(f"qgz={qgz!r}: use None, 'int8' or 'int4'")
+    if qgz and stage == 0:
+        raise ValueError(
+            f"qgz={qgz!r} reduce-scatters gradients in {qgz}; stage 0 all-reduces them "
+            "whole (use stage 1, 2 or 3, or drop qgz)"
+        )
+    if hpz and len(mesh.axis_names) < 2:
+        raise ValueError(
+            "hpz=True keeps a params copy sharded within each group of a hybrid mesh; this "
+            "mesh has one group (make_mesh(n, replicas=R), or mesh.group_size in a run)"
+        )
+    if hpz and stage != 3:
+        raise ValueError(f"hpz=True is stage 3's secondary params partition; got stage {stage}")
+    if isinstance(quant_block, bool) or not isinstance(quant_block, int) or quant_block < 1:
+        raise ValueError(f"quant_block must be a positive number of elements, got {quant_block!r}")
+    return {
+        "offload": offload == "optimizer",
+        "qwz": qwz,
+        "qgz_bits": QGZ_BITS.get(qgz or "", 0),
+        "hpz": hpz,
+        "quant_block": quant_block,
+    }
+
+
 def make_settings(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -89,6 +144,11 @@ def make_settings(
     loss_takes_rng: bool,
     seed: int,
     compiler_options: dict[str, Any] | None,
+    offload: str | None = None,
+    qwz: bool = False,
+    qgz: str | None = None,
+    hpz: bool = False,
+    quant_block: int = 2048,
 ) -> tuple[optax.GradientTransformation, Settings]:
     """``(optimizer, settings)`` from :class:`~jaxzero.Engine`'s arguments (documented
     there); each bad one is refused in one line. ``optax.MultiSteps`` is unwrapped."""
@@ -111,6 +171,7 @@ def make_settings(
             f"optimizer must be an optax transformation (e.g. optax.adamw(1e-3)), got {optimizer!r}"
         )
     loss_lib.check_rng_contract(loss_fn, loss_takes_rng)
+    beyond = beyond_zero(stage, mesh, offload, qwz, qgz, hpz, quant_block)
     compute_dtype = _dtype(precision, "precision")
     bucket, whole_tree_bucket = backend.bucket_bytes(bucket_mb, mesh)
     axes = batch_axes(mesh)
@@ -129,6 +190,7 @@ def make_settings(
             whole_tree_bucket_bytes=whole_tree_bucket,
             dot_barrier=backend.dot_barrier(dot_barrier, mesh),
             rng_seed=int(seed) if loss_takes_rng else None,
+            **beyond,
         ),
         mesh=mesh,
         precision=precision,

@@ -33,6 +33,14 @@ class StepConfig:
     whole_tree_bucket_bytes: int = 0  # the same, in a per_layer=False model's stage-3 use_params
     dot_barrier: bool = False  # collectives.dot_barrier on each micro-batch's gradients
     rng_seed: int | None = None  # loss_fn(params, batch, rng) gets its key from it
+    # beyond ZeRO (docs/offload.md, docs/zeropp.md): master params and optimizer state in
+    # host memory; int8 weight gathers (qwZ); gradients reduced in int8/int4 (qgZ: the
+    # bits, 0 off); a secondary params copy sharded within the group (hpZ)
+    offload: bool = False
+    qwz: bool = False
+    qgz_bits: int = 0
+    hpz: bool = False
+    quant_block: int = 2048  # elements a quantization scale covers (qwZ, qgZ)
 
     @property
     def extra_axes(self) -> tuple[str, ...]:
