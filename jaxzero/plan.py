@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero import frozen as frozen_lib
+from jaxzero import offload
 from jaxzero import step as step_lib
 from jaxzero.partition import LeafLayout, is_layout, layouts_for, pad, path_str, unpad
 from jaxzero.settings import Settings
@@ -249,12 +250,16 @@ def make_plan(
     named = lambda tree: jax.tree.map(
         lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, P)
     )
+    state_shardings = named(specs)
+    if cfg.offload:
+        offload.check_available(mesh)
+        state_shardings = offload.host_shardings(state_shardings, cfg.mixed)
     return Plan(
         settings=settings,
         layouts=layouts,
         opt_layouts=opt_lays,
         specs=specs,
-        state_shardings=named(specs),
+        state_shardings=state_shardings,
         master_shardings=named(master_specs(cfg.stage, layouts)),
         step_fn=step_lib.make_train_step(cfg, mesh, layouts, opt_lays, specs, loss_fn, tx, fz),
         eval_fn=step_lib.make_eval(cfg, mesh, layouts, specs, loss_fn, fz),
@@ -371,7 +376,9 @@ def state_from_master(plan: Plan, master32: Params, frozen: Params = None) -> Tr
     frozen params as stored (:func:`place_frozen`; None when every param trains)."""
     # the fp32 copy becomes the master (or the stage-3 params) unless stages 1-2
     # keep none: then nothing in the state has its sharded shape to reuse it for
-    temporary = not plan.mixed and plan.stage in (1, 2)
+    # or when offload keeps the master on the host (a device buffer cannot become it)
+    on_host = plan.mixed and plan.settings.step.offload
+    temporary = (not plan.mixed and plan.stage in (1, 2)) or on_host
     if "master" not in plan.memo:
         plan.memo["master"] = jax.jit(
             lambda m: fresh_state(plan, m),

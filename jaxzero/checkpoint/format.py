@@ -84,7 +84,8 @@ def _fingerprint(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     orbax's files carry no checksum, so a flipped byte would restore silently; this
     hash is written into ``meta`` at save time and checked on restore.
     """
-    x = x[tuple(slice(0, n) for n in shape)]
+    # an offloaded leaf (jaxzero.offload) is hashed on the device, one leaf's copy at a time
+    x = jax.device_put(x, jax.memory.Space.Device)[tuple(slice(0, n) for n in shape)]
     bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
     idx = jnp.zeros(shape, jnp.uint32)
     stride = 1

@@ -74,6 +74,11 @@ def build(cfg: Config, mesh: Any, model: Model | None = None) -> tuple[Model, An
         reduce_dtype=cfg.precision.reduce_dtype,
         micro_batches=cfg.parallel.micro_batches,
         max_grad_norm=cfg.optimizer.max_grad_norm,
+        offload=cfg.zero.offload,
+        qwz=cfg.zero.qwz,
+        qgz=cfg.zero.qgz,
+        hpz=cfg.zero.hpz,
+        quant_block=cfg.zero.quant_block,
     )
     return model, engine, schedule
 

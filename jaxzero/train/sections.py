@@ -95,6 +95,15 @@ class ZeroConfig:
     headroom: float | None = None
     # stop in one line (exit 1) before the host runs out of memory, or past device_memory
     memory_guard: bool = True
+    # beyond ZeRO (docs/offload.md, docs/zeropp.md): "optimizer" keeps the fp32 master
+    # and the optimizer state in host memory (stages 1-3); qwz gathers stage 3's weights
+    # in int8, qgz reduces gradients in int8 or int4 (stages 1-3), hpz keeps a params copy
+    # sharded within each mesh.group_size group (stage 3); a scale per quant_block elements
+    offload: Literal["optimizer"] | None = None
+    qwz: bool = False
+    qgz: Literal["int8", "int4"] | None = None
+    hpz: bool = False
+    quant_block: int = 2048
 
 
 @dataclass(frozen=True)
