@@ -56,7 +56,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero import collectives
+from jaxzero import collectives, offload
 from jaxzero import frozen as frozen_lib
 from jaxzero import loss as loss_lib
 from jaxzero.gradients import clip, global_norm, reduce_gradients
@@ -424,19 +424,34 @@ def make_train_step(
         params = jax.tree.map(lambda m: m.astype(cfg.compute_dtype), master)
         return gather(params) if cfg.stage in (1, 2) else params
 
+    # offload (jaxzero.offload): the master (bf16 training) and the optimizer state come
+    # from host memory for the update and go back after it, one transfer a leaf each way
+    named = lambda tree: jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), tree, is_leaf=lambda x: isinstance(x, P)
+    )
+    held = (named(grad_specs), named(specs.opt_state)) if cfg.offload else None
+
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         loss, grads, norm, extra = grads_of(state.params, batch, state.step, state.frozen)
         master = state.master if cfg.mixed else state.params
+        opt_state = state.opt_state
+        if held is not None:
+            master = offload.to_device(master, held[0]) if cfg.mixed else master
+            opt_state = offload.to_device(opt_state, held[1])
         value_fn = value_fn_of(
             lambda logical: loss_and_grads(logical, batch, state.step, state.frozen)
         )
         master, opt_state = optimizer_update(
-            tx, layouts, opt_lays, sharded, grads, state.opt_state, master, loss, value_fn
+            tx, layouts, opt_lays, sharded, grads, opt_state, master, loss, value_fn
         )
         master = place(master)
+        params = working(master)
+        if held is not None:
+            master = offload.to_host(master, held[0]) if cfg.mixed else master
+            opt_state = offload.to_host(opt_state, held[1])
         new = TrainState(
             step=state.step + 1,
-            params=working(master),
+            params=params,
             master=master if cfg.mixed else None,
             opt_state=opt_state,
             frozen=state.frozen,
