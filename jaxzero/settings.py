@@ -75,7 +75,7 @@ QGZ_BITS = {"int8": 8, "int4": 4}  # Engine(qgz=...): the gradients' wire format
 
 def beyond_zero(
     stage: int,
-    mesh: Mesh,
+    hybrid: bool,
     offload: str | None,
     qwz: bool,
     qgz: str | None,
@@ -83,7 +83,9 @@ def beyond_zero(
     quant_block: int,
 ) -> dict[str, Any]:
     """The :class:`StepConfig` fields of offload and ZeRO++ (qwZ, qgZ, hpZ), each
-    combination that makes no sense refused in one line naming the option."""
+    combination that makes no sense refused in one line naming the option. ``hybrid``:
+    whether the mesh replicates the state over groups (a ``replica`` axis); the run's
+    config checks the same rules before any device exists (:mod:`jaxzero.train.config`)."""
     if offload not in (None, *OFFLOADS):
         raise ValueError(f"offload={offload!r}: use None or 'optimizer'")
     if offload and stage == 0:
@@ -106,7 +108,7 @@ def beyond_zero(
             f"qgz={qgz!r} reduce-scatters gradients in {qgz}; stage 0 all-reduces them "
             "whole (use stage 1, 2 or 3, or drop qgz)"
         )
-    if hpz and len(mesh.axis_names) < 2:
+    if hpz and not hybrid:
         raise ValueError(
             "hpz=True keeps a params copy sharded within each group of a hybrid mesh; this "
             "mesh has one group (make_mesh(n, replicas=R), or mesh.group_size in a run)"
@@ -171,7 +173,8 @@ def make_settings(
             f"optimizer must be an optax transformation (e.g. optax.adamw(1e-3)), got {optimizer!r}"
         )
     loss_lib.check_rng_contract(loss_fn, loss_takes_rng)
-    beyond = beyond_zero(stage, mesh, offload, qwz, qgz, hpz, quant_block)
+    hybrid = len(mesh.axis_names) > 1
+    beyond = beyond_zero(stage, hybrid, offload, qwz, qgz, hpz, quant_block)
     compute_dtype = _dtype(precision, "precision")
     bucket, whole_tree_bucket = backend.bucket_bytes(bucket_mb, mesh)
     axes = batch_axes(mesh)

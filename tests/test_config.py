@@ -126,6 +126,12 @@ def test_malformed_yaml_names_line_and_column(tmp_path):
         (["train.steps=0"], "train.steps"),
         (["data.val_fraction=1.5"], "data.val_fraction"),
         (["parallel.devices=0"], "parallel.devices"),
+        (["zero.offload=optimizer", "parallel.stage=0"], "offload='optimizer' needs stage 1"),
+        (["zero.qwz=true", "parallel.stage=2"], "qwz=True quantizes stage 3's"),
+        (["zero.qgz=int8", "parallel.stage=0"], "qgz='int8' reduce-scatters"),
+        (["zero.hpz=true"], "hpz=True keeps a params copy sharded within each group"),
+        (["zero.hpz=true", "mesh.group_size=4", "parallel.stage=1"], "hpz=True is stage 3's"),
+        (["zero.quant_block=0"], "quant_block must be a positive"),
     ],
 )
 def test_validate_rejects_inconsistent_values(assignments, match):

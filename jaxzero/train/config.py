@@ -23,6 +23,7 @@ import yaml
 
 from jaxzero.accounting.estimate import parse_bytes
 from jaxzero.errors import Error
+from jaxzero.settings import beyond_zero
 from jaxzero.models.fields import ModelConfig  # the model section's schema, defined there
 from jaxzero.train.sections import (
     CheckpointConfig,
@@ -343,6 +344,12 @@ def validate(config: Config) -> Config:
             f"zero.headroom={config.zero.headroom}: a share of the budget, from 0 to below 1 "
             "(0.2 keeps 20% free)"
         )
+    z = config.zero
+    try:  # the engine's rules, checked before any device exists
+        beyond_zero(p.stage, config.mesh.group_size is not None, z.offload, z.qwz, z.qgz,
+                    z.hpz, z.quant_block)  # fmt: skip
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"zero settings: {e}") from None
     ck = config.checkpoint
     if ck.keep_last < 1 or (ck.keep_every is not None and ck.keep_every < 1):
         raise ConfigError(

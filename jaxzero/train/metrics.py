@@ -280,10 +280,22 @@ def banner(
             f"{f' ({m.n_kv_heads} kv)' if m.n_kv_heads else ''}, "
             f"seq {m.seq_len}, {num_params:,} params, remat {m.remat}",
             f"  zero   stage {p.stage} on {dev}, {cfg.precision.compute}, micro-batches "
-            f"{p.micro_batches}, global batch {cfg.train.batch_size} x {m.seq_len} tokens",
+            f"{p.micro_batches}, global batch {cfg.train.batch_size} x {m.seq_len} tokens"
+            f"{beyond_zero(cfg.zero)}",
             *([f"  lora   {frozen}"] if frozen else []),
         ]
     )
+
+
+def beyond_zero(z: Any) -> str:
+    """The banner's words for offload and ZeRO++ (empty when none is on)."""
+    words = [
+        *([f"{z.offload} state in host memory (zero.offload)"] if z.offload else []),
+        *([f"int8 weight gathers (qwZ, blocks of {z.quant_block})"] if z.qwz else []),
+        *([f"{z.qgz} gradient reduction (qgZ)"] if z.qgz else []),
+        *(["params sharded within groups (hpZ)"] if z.hpz else []),
+    ]
+    return "".join(f", {w}" for w in words)
 
 
 # --------------------------------------------------------------------------- throughput
