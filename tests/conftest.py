@@ -81,6 +81,7 @@ MODULES = {
     "test_models": "unit",
     "test_multiprocess": "system",
     "test_nnx": "equivalence",
+    "test_offload": "equivalence",
     "test_optimizers": "equivalence",
     "test_packing": "equivalence",
     "test_partition": "unit",
@@ -93,6 +94,7 @@ MODULES = {
     "test_step": "equivalence",
     "test_store": "unit",
     "test_train_cli": "system",
+    "test_zeropp": "equivalence",
 }
 _MARK = re.compile(r"\bpytest\.mark\.(" + "|".join(TIERS) + r")\b")
 

@@ -23,8 +23,8 @@ import yaml
 
 from jaxzero.accounting.estimate import parse_bytes
 from jaxzero.errors import Error
-from jaxzero.settings import beyond_zero
 from jaxzero.models.fields import ModelConfig  # the model section's schema, defined there
+from jaxzero.settings import beyond_zero
 from jaxzero.train.sections import (
     CheckpointConfig,
     Config,
