@@ -71,11 +71,12 @@ class LeafLayout:
     def elements_per_device(self) -> int:
         return math.prod(self.shard_shape)
 
-    def spec(self) -> P:
-        """PartitionSpec of the stored (padded) array."""
+    def spec(self, axes: str | tuple[str, ...] = DATA) -> P:
+        """PartitionSpec of the stored (padded) array, its dim split over ``axes`` (hpZ's
+        master: ``(DATA, REPLICA)``, every device)."""
         if self.dim is None:
             return P()
-        return P(*([None] * self.dim), DATA)
+        return P(*([None] * self.dim), axes)
 
 
 def path_str(path: Sequence[object]) -> str:

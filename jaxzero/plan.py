@@ -233,7 +233,7 @@ def make_plan(
     cfg, mesh = settings.step, settings.mesh
     layouts = layouts_for(
         shapes,
-        settings.num_shards,
+        settings.state_shards,
         rules=settings.rules,
         stacked=settings.stacked,
         min_shard_size=settings.min_shard_size,
@@ -246,7 +246,7 @@ def make_plan(
         mask = None
     fz = None if held is None else step_lib.Frozen(held, mask)
     opt_lays = opt_layouts(tx, layouts, settings.min_shard_size)
-    specs = state_specs(cfg.stage, layouts, opt_lays, cfg.mixed, held)
+    specs = state_specs(cfg.stage, layouts, opt_lays, cfg.mixed, held, cfg.hpz)
     named = lambda tree: jax.tree.map(
         lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, P)
     )
@@ -260,7 +260,7 @@ def make_plan(
         opt_layouts=opt_lays,
         specs=specs,
         state_shardings=state_shardings,
-        master_shardings=named(master_specs(cfg.stage, layouts)),
+        master_shardings=named(master_specs(cfg.stage, layouts, cfg.hpz)),
         step_fn=step_lib.make_train_step(cfg, mesh, layouts, opt_lays, specs, loss_fn, tx, fz),
         eval_fn=step_lib.make_eval(cfg, mesh, layouts, specs, loss_fn, fz),
         tx=tx,

@@ -60,8 +60,14 @@ class Settings:
 
     @property
     def num_shards(self) -> int:
-        """N: the devices a sharded leaf is split over."""
+        """N: the devices a sharded leaf is split over (the working params' with hpZ)."""
         return num_shards(self.mesh)
+
+    @property
+    def state_shards(self) -> int:
+        """The devices the master and optimizer state are split over: N, or with hpZ every
+        device (the leaves are padded to a multiple of it)."""
+        return self.mesh.size if self.step.hpz else self.num_shards
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -183,7 +189,8 @@ def make_settings(
             stage=stage,
             compute_dtype=compute_dtype,
             reduce_dtype=_dtype(reduce_dtype or precision, "reduce_dtype"),
-            mixed=compute_dtype != jnp.float32,
+            # hpZ keeps fp32 working params apart from the master even in fp32 training
+            mixed=compute_dtype != jnp.float32 or hpz,
             micro_batches=micro_batches,
             max_grad_norm=max_grad_norm,
             per_layer=per_layer,

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jaxzero.mesh import DATA, REPLICA
 from jaxzero.partition import LeafLayout, is_layout, leaf_layout, path_str
 from jaxzero.types import Layouts, OptState, Params, Specs
 
@@ -113,24 +114,36 @@ def opt_layouts(
     return jax.tree_util.tree_map_with_path(one, shapes)
 
 
-def _specs(layouts: Layouts, sharded: bool) -> Specs:
-    return jax.tree.map(lambda lay: lay.spec() if sharded else P(), layouts, is_leaf=is_layout)
+def _specs(layouts: Layouts, sharded: bool, axes: Any = DATA) -> Specs:
+    return jax.tree.map(lambda lay: lay.spec(axes) if sharded else P(), layouts, is_leaf=is_layout)
+
+
+def master_axes(hpz: bool) -> Any:
+    """The mesh axes the master, optimizer state and reduced gradients are split over:
+    the data axis, or with hpZ every device (the working params stay within a group)."""
+    return (DATA, REPLICA) if hpz else DATA
 
 
 def state_specs(
-    stage: int, layouts: Layouts, opt_lays: OptState, mixed: bool, frozen: Layouts = None
+    stage: int,
+    layouts: Layouts,
+    opt_lays: OptState,
+    mixed: bool,
+    frozen: Layouts = None,
+    hpz: bool = False,
 ) -> TrainState:
     """PartitionSpecs of every leaf of the TrainState (same structure). Frozen params
-    (``frozen``: their layouts) lie as the working params do: sharded at stage 3 only."""
+    (``frozen``: their layouts) lie as the working params do: sharded at stage 3 only.
+    ``hpz``: the master and optimizer state over every device, the params within a group."""
     return TrainState(
         step=P(),
         params=_specs(layouts, params_sharded(stage)),
-        master=master_specs(stage, layouts) if mixed else None,
-        opt_state=_specs(opt_lays, master_sharded(stage)),
+        master=master_specs(stage, layouts, hpz) if mixed else None,
+        opt_state=_specs(opt_lays, master_sharded(stage), master_axes(hpz)),
         frozen=None if frozen is None else _specs(frozen, params_sharded(stage)),
     )
 
 
-def master_specs(stage: int, layouts: Layouts) -> Specs:
+def master_specs(stage: int, layouts: Layouts, hpz: bool = False) -> Specs:
     """fp32 master params (and reduced gradients): replicated in stage 0, then sharded."""
-    return _specs(layouts, master_sharded(stage))
+    return _specs(layouts, master_sharded(stage), master_axes(hpz))

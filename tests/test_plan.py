@@ -120,7 +120,7 @@ def test_process_rows_of_one_process_are_all_rows():
 CORE = {
     "mesh", "partition", "collectives", "hooks", "hook_check", "backend", "state", "step",
     "step_config", "gradients", "update", "readback", "frozen",
-    "plan", "settings", "batch", "engine", "loss", "nnx", "types", "errors",
+    "plan", "settings", "batch", "engine", "loss", "nnx", "types", "errors", "offload", "zeropp",
 }  # fmt: skip
 
 
