@@ -44,19 +44,28 @@ def gather(x: jax.Array, layout: LeafLayout, offset: int = 0) -> jax.Array:
 
 
 def reduce_scatter(
-    g: jax.Array, layout: LeafLayout, extra_axes: Sequence[str] = (), offset: int = 0
+    g: jax.Array,
+    layout: LeafLayout,
+    extra_axes: Sequence[str] = (),
+    offset: int = 0,
+    scatter_extra: bool = False,
 ) -> jax.Array:
     """Sum a full (logical-shape) gradient over devices; keep this device's slice.
 
     ``extra_axes`` are batch axes that replicate the state (hybrid sharding): the
-    slice is then also summed over them.
+    slice is then also summed over them, or with ``scatter_extra`` (hpZ, the state
+    split over every device) reduce-scattered over them: within the group first, then
+    across groups.
     """
     if layout.dim is None:
         return all_reduce(g, extra_axes)
-    g = jax.lax.psum_scatter(
-        pad(g, layout, offset), DATA, scatter_dimension=layout.dim - offset, tiled=True
-    )
-    return jax.lax.psum(g, tuple(extra_axes)) if extra_axes else g
+    dim = layout.dim - offset
+    g = jax.lax.psum_scatter(pad(g, layout, offset), DATA, scatter_dimension=dim, tiled=True)
+    if not extra_axes:
+        return g
+    if scatter_extra:
+        return jax.lax.psum_scatter(g, tuple(extra_axes), scatter_dimension=dim, tiled=True)
+    return jax.lax.psum(g, tuple(extra_axes))
 
 
 def all_reduce(g: jax.Array, extra_axes: Sequence[str] = ()) -> jax.Array:
@@ -187,6 +196,7 @@ def reduce_scatter_packed(
     layouts: Sequence[LeafLayout],
     offsets: Sequence[int],
     extra_axes: Sequence[str] = (),
+    scatter_extra: bool = False,
 ) -> list[jax.Array]:
     """:func:`reduce_scatter` of several full gradients with one reduce-scatter."""
     rows, shapes = [], []
@@ -197,7 +207,9 @@ def reduce_scatter_packed(
     packed = jax.lax.psum_scatter(
         jnp.concatenate(rows, axis=1), DATA, scatter_dimension=0, tiled=True
     )
-    if extra_axes:
+    if extra_axes and scatter_extra:  # the N x R rows: R to the group, then 1 to the device
+        packed = jax.lax.psum_scatter(packed, tuple(extra_axes), scatter_dimension=0, tiled=True)
+    elif extra_axes:
         packed = jax.lax.psum(packed, tuple(extra_axes))
     out, start = [], 0
     for r, shape, lay, o in zip(rows, shapes, layouts, offsets, strict=True):
@@ -285,11 +297,12 @@ def reduce_scatter_buckets(
     bucket_bytes: int,
     extra_axes: Sequence[str] = (),
     offsets: Sequence[int] | None = None,
+    scatter_extra: bool = False,
 ) -> list[jax.Array]:
     """:func:`reduce_scatter` of every leaf, one reduce-scatter per bucket of gradients."""
     return _bucketed(
-        lambda g, lay, o: reduce_scatter_packed(g, lay, o, extra_axes),
-        lambda g, lay, o: reduce_scatter(g, lay, extra_axes, o),
+        lambda g, lay, o: reduce_scatter_packed(g, lay, o, extra_axes, scatter_extra),
+        lambda g, lay, o: reduce_scatter(g, lay, extra_axes, o, scatter_extra),
         grads,
         layouts,
         offsets,

@@ -31,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Primitive
 from jax.extend.core import primitives as prim
 
-from jaxzero import collectives
+from jaxzero import collectives, zeropp
 from jaxzero.partition import LeafLayout
 from jaxzero.types import Params
 
@@ -55,6 +55,10 @@ class UseOp:
     probe: bool = False  # hook_check's trace: same shapes out, no data path from the store
     frozen: bool = False  # a frozen param (no slot): gathered outside autodiff, no gradient
     cast: str | None = None  # frozen: the compute dtype it is cast to once whole (or None)
+    qwz_block: int = 0  # gather as int8, a scale per this many elements (ZeRO++ qwZ); 0: exact
+    qgz_bits: int = 0  # reduce-scatter in int8/int4 (ZeRO++ qgZ); 0: exact
+    quant_block: int = 2048  # elements per scale of qgZ
+    scatter_extra: bool = False  # hpZ: reduce-scatter across groups too (else all-reduce)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -93,12 +97,16 @@ def _forward(ops: tuple[UseOp, ...], values: tuple[jax.Array, ...]) -> tuple[jax
     out = list(values)
     idx = [i for i, op in enumerate(ops) if op.gather]
     if idx:
-        full = collectives.gather_buckets(
+        args = (
             [values[i] for i in idx],
             [ops[i].layout for i in idx],
             ops[0].bucket_bytes,
             [ops[i].offset for i in idx],
         )
+        if ops[0].qwz_block:
+            full = zeropp.gather_buckets_quantized(*args, block=ops[0].qwz_block)
+        else:
+            full = collectives.gather_buckets(*args)
         for i, x in zip(idx, full, strict=True):
             out[i] = x
     return tuple(out)
@@ -136,9 +144,16 @@ def _use_bwd(
     if not op.reduce:  # stages 0-1: the step reduces after the backward pass
         return tuple(gs), tuple(None for _ in ops)
     gs = [g.astype(op.reduce_dtype) for g in gs]  # already each device's share
-    red = collectives.reduce_scatter_buckets(
-        gs, [o.layout for o in ops], op.bucket_bytes, op.extra_axes, [o.offset for o in ops]
-    )
+    lays, offsets = [o.layout for o in ops], [o.offset for o in ops]
+    if op.qgz_bits:
+        red = zeropp.reduce_scatter_buckets_quantized(
+            gs, lays, op.bucket_bytes, op.extra_axes, offsets, op.quant_block, op.qgz_bits,
+            op.scatter_extra,
+        )  # fmt: skip
+    else:
+        red = collectives.reduce_scatter_buckets(
+            gs, lays, op.bucket_bytes, op.extra_axes, offsets, op.scatter_extra
+        )
     return tuple(None for _ in ops), tuple(g.astype(jnp.float32) for g in red)
 
 
@@ -225,27 +240,53 @@ _REGATHER = frozenset(
         prim.convert_element_type_p,
     }
 )
+# qwZ's gather also quantizes the slice and dequantizes the gathered int8 with a multiply
+# (zeropp): with it on, those elementwise ops are redone too, or the dequantized params
+# would be saved (a whole layer's, fp32, each layer: measured 2x the GPT's temp memory).
+_REGATHER_QWZ = _REGATHER | frozenset(
+    {
+        prim.abs_p,
+        prim.bitcast_convert_type_p,
+        prim.clamp_p,
+        prim.div_p,
+        prim.gt_p,
+        prim.max_p,
+        prim.min_p,
+        prim.mul_p,
+        prim.pad_p,
+        prim.reduce_max_p,
+        prim.round_p,
+        prim.select_n_p,
+    }
+)
 _IS_GATHERED = jax.checkpoint_policies.save_only_these_names(GATHERED)  # True on it alone
 
 
-def regather_policy(base: Callable[..., bool] | None = None) -> Callable[..., bool]:
+def regather_policy(
+    base: Callable[..., bool] | None = None, quantized: bool = False
+) -> Callable[..., bool]:
     """A remat policy that never saves gathered params (and otherwise follows ``base``).
 
     ``base=None`` saves every other value, so only the gathers (and cheap views)
-    are redone in the backward pass.
+    are redone in the backward pass. ``quantized``: the gathers are qwZ's, whose
+    quantize and dequantize ops are redone as well.
     """
+    regather = _REGATHER_QWZ if quantized else _REGATHER
 
     def policy(p: Primitive, /, *args: object, **params: object) -> bool:
-        if p in _REGATHER or _IS_GATHERED(p, *args, **params):
+        if p in regather or _IS_GATHERED(p, *args, **params):
             return False
         return True if base is None else base(p, *args, **params)
 
     return policy
 
 
-def _gathers(tree: object) -> bool:
+def _gathers(tree: object, quantized: bool = False) -> bool:
+    """Whether ``tree`` holds params to gather (``quantized``: with qwZ)."""
     leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Stored))
-    return any(isinstance(x, Stored) and x.op.gather for x in leaves)
+    return any(
+        isinstance(x, Stored) and x.op.gather and (x.op.qwz_block or not quantized) for x in leaves
+    )
 
 
 def remat_layer(
@@ -262,7 +303,8 @@ def remat_layer(
     @functools.wraps(fn)
     def wrapped(*args: object) -> R:
         if _gathers(args):
-            return jax.checkpoint(fn, policy=regather_policy(policy))(*args)
+            quantized = _gathers(args, quantized=True)
+            return jax.checkpoint(fn, policy=regather_policy(policy, quantized))(*args)
         if policy is not None:
             return jax.checkpoint(fn, policy=policy)(*args)
         return fn(*args)

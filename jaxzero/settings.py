@@ -123,6 +123,10 @@ def beyond_zero(
         raise ValueError(f"hpz=True is stage 3's secondary params partition; got stage {stage}")
     if isinstance(quant_block, bool) or not isinstance(quant_block, int) or quant_block < 1:
         raise ValueError(f"quant_block must be a positive number of elements, got {quant_block!r}")
+    if qgz == "int4" and quant_block % 2:
+        raise ValueError(
+            f"qgz='int4' packs two values a byte: quant_block={quant_block} must be even"
+        )
     return {
         "offload": offload == "optimizer",
         "qwz": qwz,

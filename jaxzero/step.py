@@ -106,7 +106,8 @@ def frozen_view(cfg: StepConfig, fz: Frozen, values: Params) -> Params:
         bucket = cfg.bucket_bytes if cfg.per_layer else cfg.whole_tree_bucket_bytes
         gather = cfg.stage == 3
         op = UseOp(lay, gather, "float32", cfg.extra_axes, bucket_bytes=bucket, reduce=False)
-        op = dataclasses.replace(op, frozen=True, cast=cast(value))
+        qwz = cfg.quant_block if cfg.qwz and gather else 0  # ZeRO++ qwZ (floats only)
+        op = dataclasses.replace(op, frozen=True, cast=cast(value), qwz_block=qwz)
         return Stored(value, None, op)
 
     stored = _map(wrap, fz.layouts, values)
@@ -153,6 +154,11 @@ def model_view(
             ),
             dot_barrier=barrier,
             reduce=reduce,
+            # ZeRO++: int8 weight gathers (stage 3), int8/int4 gradient reduce-scatters
+            qwz_block=cfg.quant_block if cfg.qwz and cfg.stage == 3 else 0,
+            qgz_bits=cfg.qgz_bits if reduce else 0,
+            scatter_extra=cfg.hpz,
+            quant_block=cfg.quant_block,
         )
         return Stored(value, slot, op)
 
@@ -346,6 +352,20 @@ def gather_params(cfg: StepConfig, layouts: Layouts, params: Params) -> Params:
     return jax.tree.unflatten(treedef, collectives.gather_buckets(values, lays, cfg.bucket_bytes))
 
 
+def gather_groups(cfg: StepConfig, layouts: Layouts, params: Params) -> Params:
+    """Per device (hpZ): all-gather each sharded leaf's slice across the groups, so every
+    group holds the params sharded within it (one cross-group gather a step)."""
+    return _map(
+        lambda lay, x: (
+            x
+            if lay.dim is None
+            else jax.lax.all_gather(x, cfg.extra_axes, axis=lay.dim, tiled=True)
+        ),
+        layouts,
+        params,
+    )
+
+
 def _sharded_gradient_step(
     cfg: StepConfig,
     mesh: Mesh,
@@ -367,7 +387,7 @@ def _sharded_gradient_step(
         per_device,
         mesh=mesh,
         in_specs=(specs.params, P(cfg.batch_axes), P(), specs.frozen),
-        out_specs=(P(), master_specs(cfg.stage, layouts), P(), P()),
+        out_specs=(P(), master_specs(cfg.stage, layouts, cfg.hpz), P(), P()),
         check_vma=False,
     )
 
@@ -391,7 +411,7 @@ def make_train_step(
     new working params inside ``shard_map`` again.
     """
     sharded = master_sharded(cfg.stage)
-    grad_specs = master_specs(cfg.stage, layouts)
+    grad_specs = master_specs(cfg.stage, layouts, cfg.hpz)
     grads_of = _sharded_gradient_step(cfg, mesh, layouts, specs, loss_fn, fz)
     # check_vma=False: the new params' P() (stages 1-2) holds because an all_gather gives
     # every device the same array; check_vma=True cannot infer that and refuses to trace.
@@ -419,9 +439,21 @@ def make_train_step(
         loss, grads, _, _ = unclipped(working(master), batch, step, frozen)
         return loss, to_logical(layouts, grads)
 
+    # hpZ: the new working params, sharded over every device as the master is, gathered
+    # across the groups once a step into each group's copy (sharded within the group)
+    regroup = jax.shard_map(
+        functools.partial(gather_groups, cfg, layouts),
+        mesh=mesh,
+        in_specs=(grad_specs,),
+        out_specs=specs.params,
+        check_vma=False,
+    )
+
     def working(master: Params) -> Params:
         """The working params (compute dtype, the stage's layout) of stored master params."""
         params = jax.tree.map(lambda m: m.astype(cfg.compute_dtype), master)
+        if cfg.hpz:
+            return regroup(params)
         return gather(params) if cfg.stage in (1, 2) else params
 
     # offload (jaxzero.offload): the master (bf16 training) and the optimizer state come

@@ -72,6 +72,7 @@ MODULES = {
     "test_lora": "equivalence",
     "test_hf": "equivalence",
     "test_hook_check": "unit",
+    "test_hpz": "equivalence",
     "test_layout": "unit",
     "test_llama": "equivalence",
     "test_loop": "unit",

@@ -132,6 +132,7 @@ def test_malformed_yaml_names_line_and_column(tmp_path):
         (["zero.hpz=true"], "hpz=True keeps a params copy sharded within each group"),
         (["zero.hpz=true", "mesh.group_size=4", "parallel.stage=1"], "hpz=True is stage 3's"),
         (["zero.quant_block=0"], "quant_block must be a positive"),
+        (["zero.qgz=int4", "zero.quant_block=63"], "quant_block=63 must be even"),
     ],
 )
 def test_validate_rejects_inconsistent_values(assignments, match):

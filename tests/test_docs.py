@@ -26,7 +26,7 @@ MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh
            "jaxzero.accounting.activations",
            "jaxzero.models.llama", "jaxzero.models.llama_hf", "jaxzero.plan",
            "jaxzero.accounting.formulas", "jaxzero.frozen", "jaxzero.models.lora",
-           "jaxzero.hf.peft", "jaxzero.offload"]  # fmt: skip
+           "jaxzero.hf.peft", "jaxzero.offload", "jaxzero.zeropp"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -220,9 +220,12 @@ def traffic(
     for c in collectives:
         narrow = c.logical_buffers or c.buffers
         where = "intra" if group_size is None else scope(c.replica_groups, group_size)
+        # XLA:CPU prints an all-to-all as a tuple of its N chunks (qgZ's): one buffer's
+        # size, not each chunk's, says whether it is a scalar
+        whole = sum(b.elements for b in c.buffers) if c.kind == "all-to-all" else None
         for b, nb in zip(c.buffers, narrow, strict=True):
             sent = c.runs * c.wire_bytes(b)
-            if b.elements < scalar_elements:
+            if (b.elements if whole is None else whole) < scalar_elements:
                 small += sent
             else:
                 big += sent
