@@ -23,6 +23,8 @@ from jaxzero.types import Params
 def gather_leaf(x: jax.Array, lay: LeafLayout) -> np.ndarray:
     """One stored param, whole and unpadded, as fp32 on this host (all processes call)."""
     if jax.process_count() > 1 and not x.is_fully_replicated:
+        if x.sharding.memory_kind != "device":  # offloaded: gathered from the device
+            x = jax.device_put(x, x.sharding.with_memory_kind("device"))
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(unpad(np.asarray(jax.device_get(x)), lay), np.float32)
 

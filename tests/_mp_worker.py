@@ -5,7 +5,9 @@ import threading
 
 import jax
 
-proc, port, stage, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+proc, port, stage, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+# "3-offload": stage 3 with the optimizer state in each process's pinned host memory
+offload = "optimizer" if stage.endswith("-offload") else None
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_num_cpu_devices", 2)
 jax.distributed.initialize(
@@ -20,7 +22,9 @@ from _procs import write_report  # noqa: E402
 import jaxzero  # noqa: E402
 from jaxzero import distributed  # noqa: E402
 
-engine = jaxzero.Engine(mlp_loss, optax.adamw(1e-3), mesh=jaxzero.make_mesh(4), stage=stage)
+engine = jaxzero.Engine(
+    mlp_loss, optax.adamw(1e-3), mesh=jaxzero.make_mesh(4), stage=int(stage[0]), offload=offload
+)
 state = engine.init(mlp_params())
 losses = []
 for batch in mlp_batches(5):

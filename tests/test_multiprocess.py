@@ -24,7 +24,7 @@ pytestmark = pytest.mark.every_lane
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", ["0", "3", "3-offload"])
 def test_two_processes_match_one_device(stage, tmp_path):
     port, out, report = free_port(), tmp_path / "final.npz", tmp_path / "report.json"
     env = _procs.child_env()
