@@ -21,7 +21,7 @@ from jaxzero import backend
 from jaxzero import loss as loss_lib
 from jaxzero.mesh import batch_axes, num_shards
 from jaxzero.partition import Rule
-from jaxzero.step_config import StepConfig
+from jaxzero.step_config import QGZ_BITS, StepConfig
 
 __all__ = ["Settings"]
 
@@ -76,7 +76,6 @@ class Settings:
 
 
 OFFLOADS = ("optimizer",)  # Engine(offload=...): what lives in host memory
-QGZ_BITS = {"int8": 8, "int4": 4}  # Engine(qgz=...): the gradients' wire format
 
 
 def beyond_zero(

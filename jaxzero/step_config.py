@@ -13,6 +13,7 @@ from typing import Any
 
 from jaxzero.mesh import DATA
 
+QGZ_BITS = {"int8": 8, "int4": 4}  # Engine(qgz=...): the gradients' wire format, its bits
 LossFn = Callable[..., Any]  # (params, batch[, rng]) -> a scalar or a jaxzero.loss form
 
 

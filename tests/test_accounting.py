@@ -769,3 +769,221 @@ def test_theory_and_layouts_count_frozen_bytes_apart():
         gathered = 2 * 1040 * 2 * 7 / 8 if stage == 3 else 0.0  # the small leaf: replicated
         assert ex.comm_frozen == pytest.approx(gathered)
         assert ex.comm == pytest.approx(no.comm + gathered) and ex.comm_grad == no.comm_grad
+
+
+# ------------------------------------------------------- beyond ZeRO: offload, qwZ, qgZ
+
+
+@pytest.fixture(scope="module")
+def offloaded_reports():
+    """The bf16 MLP with AdamW, offloaded, at stages 1 and 3 on 8 devices: one compile each."""
+    return {stage: _mlp_report(stage, precision="bf16", offload="optimizer") for stage in (1, 3)}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_offload_moves_the_master_and_moments_to_host_memory_as_the_formulas_say(
+    offloaded_reports, stage
+):
+    """12Ψ/N (the fp32 master and Adam's two moments) live in pinned_host memory: the
+    device keeps its working params (2Ψ at stage 1, 2Ψ/N at stage 3), leaf by leaf exact."""
+    r = offloaded_reports[stage]
+    p, t, e = r.persistent, r.theory, r.expected
+    psi, n = r.config["num_params"], 8
+    assert r.config["offload"] == "optimizer" and r.offloaded
+    # leaf by leaf (padding included) the split is exact: host = master + optimizer state
+    assert p["host"] == e.host == p["master"] + p["optimizer"] > 0
+    assert p["device"] == p["total"] - p["host"] == p["params"] + p["other"]
+    assert p["device"] - p["other"] == e.device  # the layouts leave the step counter out
+    # the formulas: 12Ψ/N moved to the host, the device's persistent state less by as much
+    assert t.host == pytest.approx(12 * psi / n, abs=1)  # AdamW's count: 4 bytes more
+    assert t.device == pytest.approx(t.persistent - 12 * psi / n, abs=1)
+    assert t.device == pytest.approx(2 * psi / (n if stage == 3 else 1))
+    padding = r.config["padded_params"] / psi  # what the layouts add to the formulas
+    assert p["host"] / t.host == pytest.approx(padding, rel=1e-3)
+    # the compiled step: XLA:CPU counts the host-resident state as ordinary arguments and
+    # outputs; the device peak takes it out, the host's holds it (donated: counted once)
+    h, c = r.host_transfers, r.compiled
+    leaves = 4 + 9  # the master's 4 leaves; AdamW's count, mu (4) and nu (4)
+    assert (h.parameters, h.outputs) == (leaves, leaves)
+    assert h.parameter_bytes == h.output_bytes == p["host"]
+    assert c.host_peak == c.counted_host == h.resident_bytes
+    assert c.device_peak == c.peak - c.counted_host < c.peak
+    assert (h.to_device, h.to_host, h.copy_done) == (0, 0, 0)  # one memory on CPU
+    text = r.table()
+    assert "in host memory" in text and "on the device" in text
+    assert f"{leaves} entry parameters and {leaves} outputs in S(5)" in text
+    d = r.to_dict()
+    assert d["compiled"]["device_peak"] == c.device_peak and d["persistent"]["host"] == p["host"]
+
+
+def test_offload_in_fp32_moves_the_optimizer_state_alone(capsys):
+    """fp32 training has no master apart from the params: offload moves Adam's 8Ψ/N
+    (``jaxzero report --offload optimizer``)."""
+    from jaxzero.commands import report
+
+    argv = [
+        "--stage", "3", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16",
+        "--vocab", "64", "--offload", "optimizer", "--json",
+    ]  # fmt: skip
+    assert report.main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    p, t = data["persistent"], data["theory"]
+    assert p["master"] == 0 and p["host"] == p["optimizer"] > 0
+    # Adam's 8 bytes a param (its step count adds 4 bytes, replicated)
+    assert t["host"] == pytest.approx(8 * data["config"]["num_params"] / 8, abs=1)
+    # the layer norms' scales, too small to shard, keep their moments whole: 1.6% more
+    assert p["host"] == data["expected"]["host"] == pytest.approx(t["host"], rel=0.02)
+    assert data["host_transfers"]["parameters"] == data["host_transfers"]["outputs"] > 0
+    assert data["compiled"]["device_peak"] < data["compiled"]["peak"]
+
+
+# a GPU-style module by hand: two host-resident state leaves, one copied to the device for
+# an update and back (copy-start: (destination, source, context)), one donated
+HOST_HLO = """\
+HloModule jit_step, is_scheduled=true, input_output_alias={ {0}: (0, {}, may-alias), {2}: (2, {}, may-alias) }, entry_computation_layout={(f32[64]{0:S(5)}, bf16[64]{0}, /*index=2*/f32[8,8]{1,0:S(5)})->(f32[64]{0:S(5)}, bf16[64]{0}, f32[8,8]{1,0:S(5)})}, num_partitions=8
+
+%body (t: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %t = (s32[], f32[8,8]{1,0}) parameter(0)
+  %w = f32[8,8]{1,0:S(5)} get-tuple-element(%t), index=1
+  %cs = (f32[8,8]{1,0}, f32[8,8]{1,0:S(5)}, u32[]) copy-start(f32[8,8]{1,0:S(5)} %w)
+  %cd = f32[8,8]{1,0} copy-done((f32[8,8]{1,0}, f32[8,8]{1,0:S(5)}, u32[]) %cs)
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %r = (s32[], f32[8,8]{1,0}) tuple(%i, %cd)
+}
+
+%cond (t: (s32[], f32[8,8])) -> pred[] {
+  %t = (s32[], f32[8,8]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (p0: f32[64], p1: bf16[64], p2: f32[8,8]) -> (f32[64], bf16[64], f32[8,8]) {
+  %p0 = f32[64]{0:S(5)} parameter(0)
+  %p1 = bf16[64]{0} parameter(1)
+  %p2 = f32[8,8]{1,0:S(5)} parameter(2)
+  %copy-start = (f32[64]{0}, f32[64]{0:S(5)}, u32[]) copy-start(f32[64]{0:S(5)} %p0)
+  %copy-done = f32[64]{0} copy-done((f32[64]{0}, f32[64]{0:S(5)}, u32[]) %copy-start)
+  %add = f32[64]{0} add(f32[64]{0} %copy-done, f32[64]{0} %copy-done)
+  %copy-start.1 = (f32[64]{0:S(5)}, f32[64]{0}, u32[]) copy-start(f32[64]{0} %add)
+  %copy-done.1 = f32[64]{0:S(5)} copy-done((f32[64]{0:S(5)}, f32[64]{0}, u32[]) %copy-start.1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,8]{1,0}) tuple(%zero, %p2)
+  %loop = (s32[], f32[8,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %local = f32[8,8]{1,0} copy(f32[8,8]{1,0:S(5)} %p2)
+  ROOT %out = (f32[64]{0:S(5)}, bf16[64]{0}, f32[8,8]{1,0:S(5)}) tuple(%copy-done.1, %p1, %p2)
+}
+"""
+
+
+@pytest.mark.unit
+def test_host_transfers_are_read_from_the_layouts_and_the_copies():
+    h = hlo.host_transfers(HOST_HLO)
+    assert (h.parameters, h.outputs) == (2, 2)  # the bf16 working params stay on the device
+    assert h.parameter_bytes == h.output_bytes == 64 * 4 + 64 * 4
+    assert h.alias_bytes == 64 * 4 + 64 * 4 and h.resident_bytes == 512
+    # copy-start from S(5) in the loop (3 trips) and in ENTRY, and a synchronous copy: to
+    # the device; one copy-start back to S(5)
+    assert (h.to_device, h.to_host, h.copy_done) == (3, 1, 3)
+    assert h.to_device_bytes == 3 * 256 + 256 + 256 and h.to_host_bytes == 256
+    plain = HOST_HLO.replace(":S(5)", "")
+    assert hlo.host_transfers(plain) == hlo.HostTransfers()  # nothing in host memory
+
+
+def test_quantized_collectives_are_counted_at_zeropps_wire_bytes(mesh8):
+    """qwZ's int8 all-gather and qgZ's all-to-all of int8/int4 rows (payload and fp32
+    scales in one s8 buffer; XLA:CPU prints the all-to-all as a tuple of its N chunks):
+    the ring bytes of what compiles equal :mod:`jaxzero.zeropp`'s formulas."""
+    from jaxzero import zeropp
+    from jaxzero.partition import LeafLayout
+
+    lay, block = LeafLayout("w", (8 * 600, 5), 0, 8), 256
+
+    def f(w, g):
+        return (
+            zeropp.gather_quantized(w, lay, 0, block),
+            zeropp.reduce_scatter_quantized(g, lay, (), 0, block, 8),
+            zeropp.reduce_scatter_quantized(g, lay, (), 0, block, 4),
+        )
+
+    x = jnp.ones(lay.shape)
+    text = _compile_text(f, mesh8, (P("data"), P()), (P(), P("data"), P("data")), x, x)
+    cols = comm.collectives_from_hlo(text).collectives
+    assert {b.dtype for c in cols for b in c.buffers} == {"s8"}
+    assert not any(c.promoted for c in cols)  # int8 goes on the wire as int8, even on CPU
+    tr = comm.traffic(cols)
+    elements = lay.padded_size
+    gather = zeropp.gather_wire_bytes(elements, 8, block)
+    reduce = [zeropp.reduce_scatter_wire_bytes(elements, 8, block, bits) for bits in (8, 4)]
+    assert tr.by_kind["all-gather"] == pytest.approx(gather)
+    assert tr.by_kind["all-to-all"] == pytest.approx(sum(reduce))
+    assert tr.scalars == 0
+    # the formulas' side takes the same definition
+    assert est.quantized_gather_bytes(elements, 8, block) == gather
+    assert est.quantized_reduce_bytes(elements, 8, block, 4) == reduce[1]
+    assert gather < est.ring_bytes("all-gather", 2 * elements, 8)  # under bf16's
+
+
+@pytest.mark.unit
+def test_theory_and_layouts_with_offload_and_quantized_collectives():
+    from types import SimpleNamespace as Lay
+
+    from jaxzero import zeropp
+    from jaxzero.accounting.expected import layout_expectation, theory
+
+    psi, n, block = 8 * 4096, 8, 2048
+    for stage in (1, 2, 3):
+        plain = theory(psi, n, stage, 2, 2, 4, 8)
+        off = theory(psi, n, stage, 2, 2, 4, 8, offload=True)
+        assert off.host == 12 * psi / n and off.device == plain.persistent - off.host
+        assert off.comm == plain.comm  # offload sends nothing more on the wire
+        q = theory(psi, n, stage, 2, 2, 4, 8, qwz=stage == 3, qgz_bits=8, quant_block=block)
+        reduce = zeropp.reduce_scatter_wire_bytes(psi, n, block, 8)
+        assert q.comm_grad == pytest.approx(reduce)
+        if stage == 3:
+            assert q.comm_param == pytest.approx(2 * zeropp.gather_wire_bytes(psi, n, block))
+        else:
+            assert q.comm_param == plain.comm_param  # stages 1-2 gather in the working dtype
+    # two groups: qgZ's second hop all-gathers the quantized shard across them
+    hyb = theory(psi, 4, 3, 2, 2, 4, 8, replicas=2, qgz_bits=4, quant_block=block)
+    total = zeropp.reduce_scatter_wire_bytes(psi, 4, block, 4, replicas=2)
+    assert hyb.comm_inter == pytest.approx(
+        total - zeropp.reduce_scatter_wire_bytes(psi, 4, block, 4)
+    )
+    # leaf by leaf: the host holds each master leaf's shard and the optimizer's leaves
+    w = Lay(shape=(100, 64), dim=0, padded_shape=(104, 64))
+    small = Lay(shape=(7,), dim=None, padded_shape=(7,))
+    opt = [(w, 4), (w, 4), (small, 4), (small, 4)]
+    ex = layout_expectation([w, small], n, 3, 2, 2, 4, opt, offload=True)
+    assert ex.host == (104 * 64 / 8 * 4) * 3 + 7 * 4 * 3
+    assert ex.device == 104 * 64 / 8 * 2 + 7 * 2
+    exq = layout_expectation(
+        [w, small], n, 3, 2, 2, 4, opt, qwz=True, qgz_bits=8, quant_block=block
+    )
+    gathered = 2 * zeropp.gather_wire_bytes(104 * 64, n, block)
+    assert exq.comm_param == pytest.approx(gathered)
+    replicated = 2 * 7 * 2 * 7 / 8  # the small leaf's all-reduce, unquantized
+    assert exq.comm_grad == pytest.approx(
+        zeropp.reduce_scatter_wire_bytes(104 * 64, n, block, 8) + replicated
+    )
+
+
+def test_report_counts_qwz_and_qgz_at_their_wire_bytes(capsys):
+    """``jaxzero report --qwz --qgz int8``: stage 3's gathers and reduce-scatters go on the
+    wire as s8 (payload and scales), and their measured bytes meet the formulas' (short
+    by the embeddings' backward gather, as without quantization)."""
+    from jaxzero.commands import report
+
+    argv = [
+        "--stage", "3", "--precision", "bf16", "--qwz", "--qgz", "int8", "--layers", "2",
+        "--d-model", "64", "--heads", "2", "--seq-len", "16", "--vocab", "64", "--json",
+    ]  # fmt: skip
+    assert report.main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["config"]["qwz"] and data["config"]["qgz_bits"] == 8
+    big = [c for c in data["collectives"] if c["kind"] != "all-reduce"]
+    assert {c["kind"] for c in big} == {"all-gather", "all-to-all"}
+    assert all(b.startswith("s8[") for c in big for b in c["buffers"])
+    assert 0.97 <= data["ratios"]["comm"] <= 1.0
+    assert 0.97 <= data["ratios"]["comm_logical_vs_layouts"] <= 1.0
+    t, psi = data["theory"], data["config"]["num_params"]
+    assert t["comm_param"] == pytest.approx(2 * est.quantized_gather_bytes(psi, 8, 2048))
+    assert t["comm_grad"] == pytest.approx(est.quantized_reduce_bytes(psi, 8, 2048, 8))

@@ -240,3 +240,93 @@ def test_gpt_shape_counts_the_reference_gpt_closely():
     shape = est.GPTShape(layers=4, d_model=128, heads=4, vocab=256, seq_len=64)
     # GPT-2 counts a QKV bias that jaxzero's GPT leaves out: 3h per layer
     assert abs(shape.num_params() - actual) <= 3 * 128 * 4
+
+
+# ------------------------------------------------------- beyond ZeRO: offload, qwZ, qgZ
+
+
+def test_offload_moves_k_psi_over_n_from_the_device_to_the_host():
+    """Mixed-precision Adam: the fp32 master and the moments, 12Ψ/N, leave the device for
+    host memory at stages 1-3; in fp32 the params are the master and 8Ψ/N moves."""
+    psi, n = 7e9, 8
+    for stage in (1, 2, 3):
+        plain = est.model_state_bytes(psi, n, stage)
+        off = est.model_state_bytes(psi, n, stage, offload=True)
+        assert off.host == pytest.approx(12 * psi / n) and plain.host == 0
+        assert off.device == pytest.approx(plain.persistent - 12 * psi / n)
+        assert off.device_total == pytest.approx(plain.total - 12 * psi / n)
+        assert off.total == plain.total  # the paper's figure: the bytes exist, elsewhere
+        fp32 = est.model_state_bytes(psi, n, stage, est.precision_bytes("fp32"), offload=True)
+        assert fp32.host == pytest.approx(8 * psi / n) and fp32.master == 0
+    # 7B on 8 GPUs at stage 3: 14 GB of states a device, 3.5 GB with offload (10.5 GB host)
+    off3 = est.model_state_bytes(psi, n, 3, offload=True)
+    assert (off3.device_total / GB, off3.host / GB) == (3.5, 10.5)
+    assert est.formula(3, offload=True) == "4Ψ/N" and est.host_formula(3) == "12Ψ/N"
+    assert est.formula(1, offload=True) == "4Ψ" and est.formula(2, offload=True) == "2Ψ + 2Ψ/N"
+    assert est.host_formula(3, est.precision_bytes("fp32")) == "8Ψ/N"
+    left = est.max_params(80 * GB, n, 3, offload=True)  # the device's states alone
+    assert est.model_state_bytes(left, n, 3, offload=True).device_total == pytest.approx(80 * GB)
+    with pytest.raises(ValueError, match="offload needs stage 1, 2 or 3"):
+        est.model_state_bytes(psi, n, 0, offload=True)
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    return {ln.split()[0]: ln.split() for ln in out.splitlines() if ln and ln[0] in "0123"}
+
+
+def test_cli_offload_optimizer_prints_device_and_host_bytes(capsys):
+    """``jaxzero estimate --params 7B -n 8 --offload optimizer``: what offload saves for 7B
+    on 8 GPUs (GB per device)."""
+    assert command.main(["--params", "7B", "-n", "8", "--offload", "optimizer"]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    # stage  params grads optim device host +act fits comm/step host-link max-Ψ formula
+    assert rows["0"][2:8] == ["14.00", "14.00", "84.00", "112.00", "0.00", "-"]  # no offload
+    assert rows["1"][2:8] == ["14.00", "14.00", "10.50", "28.00", "10.50", "-"]
+    assert rows["2"][5:7] == ["15.75", "10.50"] and rows["3"][5:7] == ["3.50", "10.50"]
+    assert rows["3"][-3:] == ["4Ψ/N", "|", "12Ψ/N"] and rows["3"][10] == "10.50"  # host link
+    assert "offload: the fp32 master and the optimizer state (12Ψ/N) live in host memory" in out
+    assert command.main(["--params", "7B", "-n", "8", "--offload", "optimizer", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    s3 = data["stages"][3]
+    assert data["offload"] and s3["offload"] and not data["stages"][0]["offload"]
+    assert (s3["device"], s3["host"], s3["host_link"]) == (3.5e9, 10.5e9, 10.5e9)
+    assert s3["total"] == s3["device"] and s3["fits"]
+
+
+def test_quantized_collectives_count_zeropps_wire_bytes(capsys):
+    """qwZ gathers int8 weights and qgZ reduce-scatters int8/int4 gradients, each with an
+    fp32 scale per block: the formulas are :mod:`jaxzero.zeropp`'s."""
+    from jaxzero import zeropp
+
+    psi, n, block = 7e9, 8, 2048
+    plain = est.comm_bytes(psi, n, 3, 2)
+    q = est.comm_bytes(psi, n, 3, 2, qwz=True, qgz_bits=8, quant_block=block)
+    assert q.param == pytest.approx(2 * zeropp.gather_wire_bytes(int(psi), n, block))
+    assert q.grad == pytest.approx(zeropp.reduce_scatter_wire_bytes(int(psi), n, block, 8))
+    assert q.total / plain.total == pytest.approx(0.501, abs=1e-3)  # bf16 -> int8 + scales
+    q4 = est.comm_bytes(psi, n, 1, 2, qgz_bits=4)
+    assert q4.grad / est.comm_bytes(psi, n, 1, 2).grad == pytest.approx(0.2505, abs=1e-3)
+    for bad in (dict(qwz=True), dict(qgz_bits=3)):
+        with pytest.raises(ValueError, match="qwz|qgz"):
+            est.comm_bytes(psi, n, 1, 2, **bad)
+    argv = ["--params", "7B", "-n", "8", "--qwz", "--qgz", "int8"]
+    assert command.main(argv) == 0
+    rows = _rows(capsys.readouterr().out)
+    # stage  params grads optim device +act fits comm/step unquantized max-Ψ formula
+    assert rows["3"][8:10] == ["18.41", "36.75"] and rows["1"][8:10] == ["18.39", "24.50"]
+    assert rows["0"][8:10] == ["24.50", "24.50"]  # stage 0 all-reduces: nothing quantized
+
+
+BEYOND_NONSENSE = [
+    ["--params", "7B", "--qgz", "int3"],
+    ["--params", "7B", "--offload", "gpu"],
+    ["--params", "7B", "--qwz", "--quant-block", "0"],
+]
+
+
+@pytest.mark.parametrize("argv", BEYOND_NONSENSE)
+def test_beyond_zero_nonsense_exits_nonzero_with_one_line(argv, capsys):
+    assert command.main(argv) != 0
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err

@@ -184,7 +184,7 @@ def test_7b_llama_on_8_x_80gb_agrees_with_the_formulas(capsys):
     ]  # fmt: skip
     assert plan_cmd.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    rows = {r["stage"]: r for r in out["rows"]}
+    rows = {r["stage"]: r for r in out["rows"] if not r["offload"]}  # offload: below
     psi = 6.74e9  # this shape's count (32 layers of 4096, vocab 32000, untied)
     prec = precision_bytes("mixed", "adam")
     assert model_state_bytes(psi, 1, 0, prec).total > 80e9  # 16Ψ: not on one device
@@ -354,3 +354,154 @@ def test_the_prune_is_a_lower_bound_of_a_frozen_base_state(precision):
         actual = pl.shard_bytes(engine.abstract_state(shapes))
         assert states(stage) <= actual <= 1.05 * states(stage), (stage, states(stage), actual)
         assert (engine.num_params, engine.num_frozen) == (psi, held / 2)
+
+
+# --------------------------------------------------------------------------- offload
+
+
+@pytest.mark.unit
+def test_an_offloaded_candidate_is_compiled_where_it_alone_fits(monkeypatch):
+    """Offload is offered where the same candidate without it does not fit (with it, the
+    same step and a host transfer more: never faster). Its device peak is held to the
+    device budget and its host bytes to the host's; where the host is the devices' own
+    memory (simulated CPU devices: no host budget) both count against the device's."""
+    peaks = {(1, False): 80, (1, True): 50, (3, False): 90, (3, True): 60}
+    hw = dataclasses.replace(pl.HARDWARE["cpu"], host_link=10.0)
+
+    def fake(built, c, hw, group):
+        host = 40 if c.offload else 0
+        return pl.Row(c, "fits", peak=peaks[c.stage, c.offload], host=host, host_moved=host,
+                      host_s=host / hw.host_link, compute_s=1.0)  # fmt: skip
+
+    monkeypatch.setattr(pl, "measure", fake)
+    cands = pl.candidates(8, 8, stages=[1, 3], remats=["none"], offload=True)
+    assert [(c.stage, c.offload) for c in cands] == list(peaks)
+    found = pl.survey(lambda c: None, cands, 100, hw, devices=8, headroom=0.15, host_budget=100)
+    status = {(r.candidate.stage, r.candidate.offload): (r.status, r.why) for r in found.rows}
+    assert status == {
+        (1, False): ("fits", ""),
+        (1, True): ("skipped", "fits without offload"),  # not compiled
+        (3, False): ("over", "peak 90 B > 85 B (100 B less 15% headroom)"),
+        (3, True): ("fits", ""),
+    }
+    best = found.best()
+    assert best.candidate.stage == 1 and [r.candidate.stage for r in found.fitting()] == [1, 3]
+    assert found.fitting()[1].predicted_s == 4.0  # 40 B each way at 10 B/s: the host's bound
+    text = found.table()
+    assert "offload" in text and "host/dev" in text and "40 B x2, 4 s" in text
+    assert "1 offloaded candidate(s) not compiled: they fit without offload" in text
+    c = pl.Candidate(3, "none", 1, 8, offload=True)
+    assert c.flags().endswith("--set zero.offload=optimizer") and c.describe().endswith("offload")
+    # the host's budget holds the host bytes ...
+    small = pl.survey(lambda c: None, cands, 100, hw, devices=8, headroom=0.15, host_budget=40)
+    over = {r.candidate: r for r in small.rows}[c]
+    assert (
+        over.status == "over"
+        and over.why == "host memory 40 B > 34 B of host memory (40 B less 15% headroom)"
+    )
+    # ... and where the host is the devices' memory, 60 + 40 > 85 on the device budget
+    shared = pl.survey(lambda c: None, cands, 100, hw, devices=8, headroom=0.15)
+    over = {r.candidate: r for r in shared.rows}[c]
+    assert over.status == "over" and "+ 40 B in host memory > 85 B" in over.why
+
+
+@pytest.mark.system
+def test_a_model_too_big_for_stage_3_is_offered_offload():
+    """The 7B Llama on 8 GPUs of 16 GB (an H100 host: 256 GB per GPU, a 55 GB/s PCIe link):
+    stage 3 keeps 14Ψ/8 = 11.8 GB of state and peaks at 19 GB, over the 14.4 GB a step
+    may take; with its 12Ψ/8 = 10.1 GB of master and moments in host memory, the device
+    peak drops by as much and fits: ``jaxzero plan`` prints it, with the host transfers."""
+    argv = [
+        "--set", "model.arch=llama", "--set", "model.d_model=4096", "--set", "model.n_layers=32",
+        "--set", "model.n_heads=32", "--set", "model.d_ff=11008", "--set", "model.vocab_size=32000",
+        "--set", "model.seq_len=512", "--set", "model.tie_embeddings=false",
+        "--set", "data.max_bytes=200000", "--precision", "bf16", "--devices", "8",
+        "--batch", "8", "--device-memory", "16GB", "--hardware", "h100", "--stages", "3",
+        "--remats", "full", "--micro-batch-counts", "1", "--max-batch", "0",
+    ]  # fmt: skip
+    found = plan_cmd.plan(plan_cmd._parse(argv))
+    rows = {r.candidate.offload: r for r in found.rows}
+    psi, n = 6.74e9, 8
+    assert rows[False].status == "over" and rows[True].status == "fits"
+    host = 12 * psi / n  # the fp32 master and Adam's moments of one device's shard
+    assert rows[True].host == pytest.approx(host, rel=0.01)
+    assert rows[True].host_moved == pytest.approx(host, rel=0.01)
+    assert rows[False].peak - rows[True].peak == pytest.approx(host, rel=0.01)
+    assert rows[True].persistent == pytest.approx(2 * psi / n, rel=0.01)  # bf16 params
+    assert rows[True].host_s == pytest.approx(rows[True].host_moved / 55e9)
+    assert found.host_budget == 256e9 and found.best().candidate.offload
+    text = found.table()
+    assert "host     256 GB per device for offloaded state (H100 SXM's host" in text
+    assert "--set zero.offload=optimizer" in text.splitlines()[-1]
+    assert "55 GB/s host link" in text
+
+
+def test_preflight_holds_offloaded_state_to_the_host_not_the_device(monkeypatch):
+    """XLA:CPU's ``memory_analysis`` counts a host-resident argument as any other (its
+    host figures are 0): the pre-flight takes the offloaded state out of the device peak
+    and holds it to ``zero.host_memory``; without one (the simulated devices are the
+    host's memory) it counts on the device budget, as without offload."""
+    cfg = _cfg()
+    cfg = C.apply_overrides(cfg, ["precision.compute=bf16", "zero.offload=optimizer",
+                                  "zero.device_memory=1GB", "zero.host_memory=1GB"])  # fmt: skip
+    mesh = make_mesh(8)
+    model, engine, _ = planning.build(cfg, mesh)
+    checked = planning.preflight(cfg, mesh, model, engine, _sample())
+    state = planning.Candidates(cfg, mesh, _sample()).shapes(model)
+    abstract = engine.abstract_state(state)
+    host = pl.shard_bytes(abstract, "host")  # master + AdamW state, one device's shard
+    assert host == pl.shard_bytes(abstract.master) + pl.shard_bytes(abstract.opt_state) > 0
+    compiled = engine.compile(abstract, planning.batch_like(_sample(), cfg.train.batch_size))
+    mem = compiled_memory(compiled)
+    assert mem.host_argument == mem.host_output == mem.host_alias == host  # donated: once
+    assert checked.peak == mem.peak - host == mem.device_peak  # the step's, not the eval's
+    assert f"offload: {format_bytes(host)} of host memory per device" in checked.line
+    shared = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, host_memory=None))
+    assert planning.preflight(shared, mesh, model, engine, _sample()).peak == mem.peak
+    # over the host's budget: refused in one line (what fits is the planner's: not surveyed)
+    survey = lambda *a, **k: pl.Survey([], 0, "", pl.HARDWARE["cpu"], 8, 8)  # noqa: E731
+    monkeypatch.setattr(planning, "plan_run", survey)
+    tight = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, host_memory="1KB"))
+    with pytest.raises(C.ConfigError, match="of host memory per device \\(offload\\)"):
+        planning.preflight(tight, mesh, model, engine, _sample())
+    with pytest.raises(C.ConfigError, match="zero.host_memory"):
+        C.validate(C.apply_overrides(C.Config(), ["zero.host_memory=lots"]))
+
+
+@pytest.mark.unit
+def test_quantized_candidates_are_offered_where_the_mesh_has_a_slow_axis():
+    """On a hybrid mesh (groups across nodes) stages 1-3 are also compiled with qgZ int8,
+    stage 3 with qwZ too; offload only where a host budget apart from the devices' is known."""
+    cands = pl.candidates(8, 8, stages=[0, 1, 3], remats=["none"], quantized=True)
+    beyond = [(c.stage, c.qwz, c.qgz) for c in cands]
+    assert beyond == [(0, False, None), (1, False, None), (1, False, "int8"),
+                      (3, False, None), (3, True, "int8")]  # fmt: skip
+    assert cands[-1].flags().endswith("--set zero.qwz=true --set zero.qgz=int8")
+    assert cands[-1].describe().endswith(", qwZ + qgZ int8")
+    hybrid, flat = make_mesh(8, replicas=2), make_mesh(8)
+    assert planning.beyond_options(hybrid, None) == {"offload": False, "quantized": True}
+    assert planning.beyond_options(flat, 256e9) == {"offload": True, "quantized": False}
+    assert planning.host_budget(None, 8) == (None, planning.host_budget(None, 8)[1])  # CPU
+    assert planning.host_budget("1GB", 8)[0] == 1e9
+    assert planning.host_budget(None, 8, hw=pl.HARDWARE["gh200"])[0] == 480e9
+    cfg = planning.with_candidate(_cfg(), cands[-1])
+    assert (cfg.zero.qwz, cfg.zero.qgz, cfg.zero.offload) == (True, "int8", None)
+    assert planning.candidate_of(cfg) == cands[-1]
+
+
+@pytest.mark.parametrize(
+    "settings, lowest",
+    [(["zero.qgz=int8"], 1), (["zero.offload=optimizer"], 1), (["zero.qwz=true"], 3)],
+)
+def test_the_planner_keeps_the_runs_own_offload_and_zeropp_choices(settings, lowest):
+    """zero.auto and jaxzero plan choose stage, remat and micro-batches; a user's offload or
+    ZeRO++ setting stays on every candidate, and stages that cannot take it are left out."""
+    cfg = C.validate(C.apply_overrides(C.Config(), ["parallel.stage=3", *settings]))
+    kept = planning.keep_choices(cfg, pl.candidates(32, 8, offload=True, quantized=True))
+    assert kept and {c.stage for c in kept} == set(range(lowest, 4))
+    z = cfg.zero
+    for c in kept:
+        assert (c.offload or not z.offload) and (c.qwz or not z.qwz)
+        assert c.qgz == (z.qgz or c.qgz)
+    assert len(kept) == len(set(kept))
+    assert planning.keep_choices(C.Config(), kept[:3]) == kept[:3]  # nothing set: as given

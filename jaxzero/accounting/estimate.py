@@ -34,20 +34,26 @@ from jaxzero.accounting.formulas import (  # re-exported: est.model_state_bytes,
     Precision,
     _check,
     _check_frozen,
+    check_quantized,
     comm_bytes,
     formula,
     frozen_state_bytes,
+    host_formula,
     max_params,
     model_state_bytes,
     precision_bytes,
+    quantized_gather_bytes,
+    quantized_reduce_bytes,
     ring_bytes,
 )
+from jaxzero.step_config import QGZ_BITS
 
 __all__ = [
     "FROZEN_DTYPES", "GB", "OPTIMIZER_BYTES", "PRECISIONS", "STAGES", "STAGE_NAMES",
-    "Communication", "Estimate", "ModelStates", "Precision", "StageEstimate", "comm_bytes",
-    "estimate", "format_bytes", "format_count", "formula", "frozen_state_bytes", "max_params",
-    "model_state_bytes", "parse_bytes", "precision_bytes", "ring_bytes",
+    "Communication", "Estimate", "ModelStates", "Precision", "QGZ_BITS", "StageEstimate",
+    "check_quantized", "comm_bytes", "estimate", "format_bytes", "format_count", "formula",
+    "frozen_state_bytes", "host_formula", "max_params", "model_state_bytes", "parse_bytes",
+    "precision_bytes", "quantized_gather_bytes", "quantized_reduce_bytes", "ring_bytes",
 ]  # fmt: skip
 
 
@@ -73,6 +79,15 @@ class StageEstimate:
     frozen: float = 0.0  # the frozen params' bytes (in ``persistent``)
     comm_frozen: float = 0.0  # their stage-3 gathers (in ``comm_param``)
     formula: str = ""  # the stage's memory formula, as text (:func:`formula`)
+    # offload (stages 1-3): what stays on the device (``total`` counts only it), what the
+    # host holds for this device, its formula, and the bytes moved over the host link per
+    # step each way (the master and the moments to the device and back)
+    offload: bool = False
+    device: float = 0.0  # persistent + gradients on the device (the paper's figure, less host)
+    host: float = 0.0
+    host_formula: str = "0"
+    host_link: float = 0.0
+    comm_plain: float = 0.0  # comm_total without qwZ/qgZ (in the working/reduce dtype)
 
 
 @dataclass
@@ -93,12 +108,18 @@ class Estimate:
     stages: list[StageEstimate] = field(default_factory=list)
     frozen_params: float = 0.0
     frozen_bytes_per_param: float = 2.0
+    offload: bool = False  # ZeRO-Offload asked for (stages 1-3)
+    qwz: bool = False  # stage 3 gathers int8 weights
+    qgz_bits: int = 0  # gradients reduced in int8/int4 (stages 1-3)
+    quant_block: int = 2048
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def table(self) -> str:
         """Human-readable table, GB = 1e9 bytes."""
+        if self.offload or self.qwz or self.qgz_bits:
+            return self._beyond_table()
         if self.frozen_params:
             return self._frozen_table()
         lines = [
@@ -131,6 +152,68 @@ class Estimate:
             f"activations per device: {act.per_layer / GB:.3f} GB per layer, "
             f"{act.total / GB:.3f} GB in all (output layer {act.output / GB:.3f} GB)"
         ]
+
+    def _beyond_table(self) -> str:
+        """The table with offload and/or qwZ/qgZ: device and host bytes apart, each with its
+        formula; the bytes on the wire beside those without quantization."""
+        lines = [
+            f"Ψ = {self.num_params:.4g} parameters"
+            + (f" + Ψf = {self.frozen_params:.4g} frozen" if self.frozen_params else "")
+            + f", N = {self.devices} devices of {self.device_memory / GB:g} GB, "
+            f"{self.precision} precision, {self.optimizer} (K = {self.k:g}), "
+            f"{self.micro_batches} micro-batch(es) per step",
+        ]
+        lines += self._activation_line()
+        if self.offload:
+            lines.append(
+                f"offload: the fp32 master and the optimizer state ({self.k:g}Ψ/N) live in "
+                "host memory at stages 1-3 and cross the host link each step, to the device "
+                "and back; 'fits' holds the device's bytes to its memory"
+            )
+        quant = []
+        if self.qwz:
+            quant.append("stage 3 gathers the weights as int8")
+        if self.qgz_bits:
+            quant.append(f"stages 1-3 reduce-scatter the gradients as int{self.qgz_bits}")
+        if quant:
+            lines.append(
+                "; ".join(quant) + f", a fp32 scale per {self.quant_block} elements "
+                "(jaxzero.zeropp's wire bytes); 'unquantized': the same step without"
+            )
+        off = self.offload
+        head = (
+            f"{'stage':<14}{'params':>9}{'grads':>9}{'optim':>9}"
+            + (f"{'frozen':>9}" if self.frozen_params else "")
+            + f"{'device':>9}"
+            + (f"{'host':>9}" if off else "")
+            + f"{'+act':>9}  fits  {'comm/step':>10}"
+            + (f"{'unquant.':>10}" if quant else "")
+            + (f"{'host link':>11}" if off else "")
+            + f"  {'max Ψ':>7}  formula"
+            + (": device | host" if off else "")
+        )
+        title = "GB per device" + (" (host: the host memory held for each device)" if off else "")
+        lines += ["", title, head, "-" * len(head)]
+        for r in self.stages:
+            with_act = "-" if r.activations is None else f"{r.total / GB:.2f}"
+            lines.append(
+                f"{r.stage} ({r.name})".ljust(14)
+                + f"{r.params / GB:>9.2f}{r.grads / GB:>9.2f}{(r.master + r.optimizer) / GB:>9.2f}"
+                + (f"{r.frozen / GB:>9.2f}" if self.frozen_params else "")
+                + f"{r.device / GB:>9.2f}"
+                + (f"{r.host / GB:>9.2f}" if off else "")
+                + f"{with_act:>9}  {'yes ' if r.fits else 'NO  '}  {r.comm_total / GB:>10.2f}"
+                + (f"{r.comm_plain / GB:>10.2f}" if quant else "")
+                + (f"{r.host_link / GB:>11.2f}" if off else "")
+                + f"  {format_count(r.max_params):>7}  {r.formula}"
+                + (f" | {r.host_formula}" if off else "")
+            )
+        if off:
+            lines.append(
+                "stage 0 has no offload (every device holds the whole state); 'host link': "
+                "bytes each way per step; 'max Ψ': the device's states only"
+            )
+        return "\n".join(lines)
 
     def _frozen_table(self) -> str:
         """The table with frozen params: trainable and frozen apart, each stage's formula."""
@@ -195,6 +278,10 @@ def estimate(
     fused_attention: bool = False,
     frozen_params: float = 0.0,
     frozen_bytes_per_param: float = 2.0,
+    offload: bool = False,
+    qwz: bool = False,
+    qgz: str | None = None,
+    quant_block: int = 2048,
 ) -> Estimate:
     """Memory, fit and communication for every ZeRO stage.
 
@@ -211,10 +298,19 @@ def estimate(
       fused_attention: no stored attention scores.
       frozen_params: Ψf, params that do not train (a LoRA run's base): stored once at
         ``frozen_bytes_per_param`` (2: bf16), sharded at stage 3 only, never reduced.
+      offload: ZeRO-Offload at stages 1-3 (stage 0's row is without): the master and the
+        moments in host memory; ``fits`` then holds the device's part alone.
+      qwz: stage 3's weight gathers in int8 (its row alone).
+      qgz: ``"int8"``/``"int4"``: the gradients' reduce-scatter quantized (stages 1-3).
+      quant_block: elements a quantization scale covers.
     """
     prec = precision_bytes(precision, optimizer)
     _check(num_params, devices, 0)
     _check_frozen(frozen_params, frozen_bytes_per_param)
+    if qgz not in (None, *QGZ_BITS):
+        raise ValueError(f"qgz={qgz!r}: one of {sorted(QGZ_BITS)}")
+    bits = QGZ_BITS.get(qgz or "", 0)
+    check_quantized(3, qwz, bits, quant_block)
     if not device_memory > 0:
         raise ValueError(f"device memory must be positive, got {device_memory!r}")
     act = None
@@ -231,14 +327,21 @@ def estimate(
         activations=act,
         frozen_params=float(frozen_params),
         frozen_bytes_per_param=float(frozen_bytes_per_param),
+        offload=offload,
+        qwz=qwz,
+        qgz_bits=bits,
+        quant_block=quant_block,
     )
     held = (frozen_params, frozen_bytes_per_param)
     for stage in STAGES:
-        ms = model_state_bytes(num_params, devices, stage, prec, *held)
+        off = offload and stage >= 1
+        ms = model_state_bytes(num_params, devices, stage, prec, *held, offload=off)
+        args = (num_params, devices, stage, prec.grad, prec.param, micro_batches, 2, *held)
+        plain = comm_bytes(*args)
         comm = comm_bytes(
-            num_params, devices, stage, prec.grad, prec.param, micro_batches, 2, *held
+            *args, qwz=qwz and stage == 3, qgz_bits=bits if stage else 0, quant_block=quant_block
         )
-        total = ms.total + (act.total if act else 0.0)
+        total = ms.device_total + (act.total if act else 0.0)
         out.stages.append(
             StageEstimate(
                 stage=stage,
@@ -255,10 +358,16 @@ def estimate(
                 comm_grad=comm.grad,
                 comm_param=comm.param,
                 comm_total=comm.total,
-                max_params=max_params(device_memory, devices, stage, prec, *held),
+                max_params=max_params(device_memory, devices, stage, prec, *held, offload=off),
                 frozen=ms.frozen,
                 comm_frozen=comm.frozen,
-                formula=formula(stage, prec, frozen_bytes_per_param if frozen_params else 0.0),
+                formula=formula(stage, prec, frozen_bytes_per_param if frozen_params else 0.0, off),
+                offload=off,
+                device=ms.device_total,
+                host=ms.host,
+                host_formula=host_formula(stage, prec, off),
+                host_link=ms.host,  # each way: to the device for the update, and back
+                comm_plain=plain.total,
             )
         )
     return out

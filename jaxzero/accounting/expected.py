@@ -9,6 +9,10 @@ leaves). :mod:`jaxzero.accounting.measure` puts both beside what it measures.
 Both count frozen params (``Engine(trainable=...)``) apart from the trainable Ψ: their
 stored bytes once (no gradient, master or optimizer state), divided by N at stage 3,
 where they are all-gathered as the params are and never reduced.
+
+Beyond ZeRO: with offload both say what of the persistent bytes the host holds (the
+master and the optimizer state: ``host``; ``device`` the rest); with qwZ/qgZ the
+gathers and reductions count :mod:`jaxzero.zeropp`'s quantized wire bytes.
 """
 
 from __future__ import annotations
@@ -39,10 +43,23 @@ class Theory:
     comm_inter: float = 0.0  # ... across the R groups (the all-reduce of gradient shards)
     frozen: float = 0.0  # the frozen params' bytes (in ``persistent`` and ``model_states``)
     comm_frozen: float = 0.0  # their stage-3 all-gathers (in ``comm_param`` and ``comm``)
+    host: float = 0.0  # offload: the master + optimizer state, in host memory (in ``persistent``)
+
+    @property
+    def device(self) -> float:
+        """The persistent bytes on the device: ``persistent`` less ``host``."""
+        return self.persistent - self.host
 
 
 def inter_group_bytes(
-    psi: float, n: int, replicas: int, stage: int, grad_bytes: float, micro_batches: int = 1
+    psi: float,
+    n: int,
+    replicas: int,
+    stage: int,
+    grad_bytes: float,
+    micro_batches: int = 1,
+    qgz_bits: int = 0,
+    quant_block: int = 2048,
 ) -> float:
     """Hybrid sharding's traffic across groups, per device per step.
 
@@ -50,10 +67,15 @@ def inter_group_bytes(
     devices at its position in the other R − 1 groups: 2 (Ψ b / N)(R − 1)/R, once
     per step in stage 1 and once per micro-batch in stages 2–3 (they reduce per
     micro-batch). Stage 0 has no shards: its one all-reduce spans every device.
+    With qgZ (``qgz_bits``) the second hop all-gathers the quantized shard across the
+    groups instead (:func:`jaxzero.zeropp.reduce_scatter_wire_bytes`'s second term).
     """
     if stage == 0 or replicas <= 1:
         return 0.0
     times = micro_batches if stage >= 2 else 1
+    if qgz_bits:
+        hop = est.quantized_reduce_bytes(psi, n, quant_block, qgz_bits, replicas)
+        return times * (hop - est.quantized_reduce_bytes(psi, n, quant_block, qgz_bits))
     return times * est.ring_bytes("all-reduce", psi * grad_bytes / n, replicas)
 
 
@@ -69,6 +91,10 @@ def theory(
     param_gathers: int = 2,
     replicas: int = 1,
     frozen_bytes: float = 0.0,
+    offload: bool = False,
+    qwz: bool = False,
+    qgz_bits: int = 0,
+    quant_block: int = 2048,
 ) -> Theory:
     """Model-state memory and communication from :mod:`jaxzero.accounting.estimate`'s formulas.
 
@@ -86,6 +112,9 @@ def theory(
       frozen_bytes: the frozen params' bytes, Σ elements × their stored dtype's size
         (2Ψf for a bf16 base): held once, / N at stage 3; gathered there
         ``param_gathers`` times a micro-batch as the params are; never reduced.
+      offload: the master and the optimizer state in host memory (``Theory.host``).
+      qwz, qgz_bits, quant_block: ZeRO++'s quantized gathers and reductions
+        (:func:`jaxzero.accounting.formulas.comm_bytes`).
     """
     prec = est.Precision(
         param=param_bytes,
@@ -94,12 +123,15 @@ def theory(
         optimizer=optimizer_per_param,
     )
     held = (frozen_bytes, 1.0)  # (count, bytes each) as the estimate takes them
-    ms = est.model_state_bytes(psi, n, stage, prec, *held)
+    ms = est.model_state_bytes(psi, n, stage, prec, *held, offload=offload)
     n_ring = n * replicas if stage == 0 else n  # stage 0 all-reduces over every device
     cm = est.comm_bytes(
-        psi, n_ring, stage, grad_bytes, param_bytes, micro_batches, param_gathers, *held
+        psi, n_ring, stage, grad_bytes, param_bytes, micro_batches, param_gathers, *held,
+        qwz=qwz, qgz_bits=qgz_bits, quant_block=quant_block,
+    )  # fmt: skip
+    inter = inter_group_bytes(
+        psi, n, replicas, stage, grad_bytes, micro_batches, qgz_bits, quant_block
     )
-    inter = inter_group_bytes(psi, n, replicas, stage, grad_bytes, micro_batches)
     intra = 0.0 if stage == 0 and replicas > 1 else cm.total
     return Theory(
         params=ms.params,
@@ -116,6 +148,7 @@ def theory(
         comm_inter=inter,
         frozen=ms.frozen,
         comm_frozen=cm.frozen,
+        host=ms.host,
     )
 
 
@@ -140,11 +173,17 @@ class LayoutExpectation:
     comm_frozen: float = 0.0  # their stage-3 gathers (in ``comm_param``)
     frozen_params: int = 0  # their logical elements ...
     padded_frozen: int = 0  # ... and as stored (padded where sharded at stage 3)
+    host: float = 0.0  # offload: the master + optimizer state's bytes (in ``persistent``)
 
     @property
     def comm_grad(self) -> float:
         """The part of ``comm`` that reduces gradients (the trainable params' alone)."""
         return self.comm - self.comm_param
+
+    @property
+    def device(self) -> float:
+        """The persistent bytes on the device: ``persistent`` less ``host``."""
+        return self.persistent - self.host
 
 
 def _stored_per_device(lay: Any, n: int, sharded: bool) -> float:
@@ -166,6 +205,10 @@ def layout_expectation(
     param_gathers: int = 2,
     replicas: int = 1,
     frozen: Sequence[tuple[Any, float]] = (),
+    offload: bool = False,
+    qwz: bool = False,
+    qgz_bits: int = 0,
+    quant_block: int = 2048,
 ) -> LayoutExpectation:
     """Leaf-by-leaf persistent bytes and traffic for the engine's layouts.
 
@@ -179,12 +222,17 @@ def layout_expectation(
       frozen: ``(layout, itemsize)`` of every frozen param (its stored dtype): stored
         as the working params are (sharded, padded, at stage 3 only), gathered there
         ``param_gathers`` times a micro-batch, never reduced.
+      offload: the master and the optimizer-state leaves are in host memory (``host``).
+      qwz, qgz_bits, quant_block: each sharded leaf's stage-3 gathers and its gradient's
+        reduce-scatter count :mod:`jaxzero.zeropp`'s wire bytes, a leaf a collective
+        (unbucketed; a bucket shares its scale blocks across leaves: a few bytes fewer).
     """
     frac = (n - 1) / n if n > 1 else 0.0
     every = n * replicas  # replicated leaves (and stage 0) all-reduce over every device
     frac_all = (every - 1) / every if every > 1 else 0.0
     k = micro_batches
     persistent = sum(_stored_per_device(lay, n, stage >= 1) * size for lay, size in optimizer)
+    host = persistent if offload else 0.0
     comm = inter = gather = 0.0
     padded_total = replicated = 0
     held = held_comm = 0.0
@@ -199,10 +247,9 @@ def layout_expectation(
     persistent += held
     for lay in layouts:
         size = math.prod(lay.shape)
-        persistent += (
-            _stored_per_device(lay, n, stage == 3) * param_bytes
-            + _stored_per_device(lay, n, stage >= 1) * master_bytes
-        )
+        master = _stored_per_device(lay, n, stage >= 1) * master_bytes
+        persistent += _stored_per_device(lay, n, stage == 3) * param_bytes + master
+        host += master if offload else 0.0
         if lay.dim is None:
             replicated += size
             padded_total += size
@@ -211,17 +258,23 @@ def layout_expectation(
             continue
         padded = math.prod(lay.padded_shape)
         padded_total += padded
+        times = k if stage >= 2 else 1  # reductions a step: stage 1 once, 2-3 per micro-batch
         if stage >= 1 and replicas > 1:
-            inter += (k if stage >= 2 else 1) * est.ring_bytes(
-                "all-reduce", padded / n * grad_bytes, replicas
+            inter += times * inter_group_bytes(
+                padded, n, replicas, stage, grad_bytes, 1, qgz_bits, quant_block
             )
         if stage == 0:
             comm += 2 * size * grad_bytes * frac_all
-        elif stage in (1, 2):
-            comm += padded * (1 if stage == 1 else k) * grad_bytes * frac
-            gather += padded * param_bytes * frac
+            continue
+        if qgz_bits:
+            comm += times * est.quantized_reduce_bytes(padded, n, quant_block, qgz_bits)
         else:
-            comm += k * padded * grad_bytes * frac
+            comm += times * padded * grad_bytes * frac
+        if stage in (1, 2):
+            gather += padded * param_bytes * frac
+        elif qwz:
+            gather += k * param_gathers * est.quantized_gather_bytes(padded, n, quant_block)
+        else:
             gather += k * padded * param_gathers * param_bytes * frac
     gather += held_comm
     return LayoutExpectation(
@@ -235,4 +288,5 @@ def layout_expectation(
         comm_frozen=held_comm,
         frozen_params=held_size,
         padded_frozen=held_padded,
+        host=host,
     )

@@ -13,11 +13,23 @@ trainable Ψ: a frozen param gets no gradient, no fp32 master and no optimizer s
 it costs only its stored bytes (2Ψf for a bf16 base), replicated at stages 0-2 and
 sharded at stage 3 (2Ψf/N), where it is all-gathered with the params and never reduced.
 
+Beyond ZeRO (issue 47): ``offload`` (ZeRO-Offload, stages 1-3) keeps the fp32 master
+and the optimizer state in host memory, sharded as before: the device's persistent state
+drops by KΨ/N (12Ψ/N in mixed precision with Adam; 8Ψ/N in fp32, whose params are the
+master) and the host holds it (:attr:`ModelStates.host`), each step moving it to the
+device and back over the host link. ``qwz`` (stage 3's weight all-gathers in int8) and
+``qgz_bits`` (gradients reduce-scattered in int8/int4 through an all-to-all) change the
+bytes on the wire to :mod:`jaxzero.zeropp`'s formulas (payload and fp32 scales, one per
+``quant_block`` elements): that module defines the wire format, so it defines its bytes.
+
 Example:
   >>> round(model_state_bytes(7.5e9, 64, 1).total / 1e9, 1)
   31.4
   >>> model_state_bytes(1e6, 8, 3, frozen=7e9).frozen / 1e9  # 2 bytes each, / N
   1.75
+  >>> off = model_state_bytes(7e9, 8, 3, offload=True)  # 12Ψ/N to the host
+  >>> round(off.device / 1e9, 2), round(off.host / 1e9, 2)
+  (1.75, 10.5)
 """
 
 from __future__ import annotations
@@ -140,6 +152,8 @@ class ModelStates:
       master: fp32 master parameters (0 in fp32 training).
       optimizer: optimizer moments.
       frozen: frozen parameters (no gradient, master or optimizer state), 0 when all train.
+      offload: the master and the optimizer moments live in host memory (ZeRO-Offload):
+        :attr:`host` holds them, :attr:`device` and :attr:`device_total` leave them out.
     """
 
     params: float
@@ -147,6 +161,7 @@ class ModelStates:
     master: float
     optimizer: float
     frozen: float = 0.0
+    offload: bool = False
 
     @property
     def trainable(self) -> float:
@@ -164,6 +179,21 @@ class ModelStates:
         """The paper's figure: persistent state plus gradients."""
         return self.persistent + self.grads
 
+    @property
+    def host(self) -> float:
+        """Bytes held in host memory for this device: master + moments with offload, else 0."""
+        return self.master + self.optimizer if self.offload else 0.0
+
+    @property
+    def device(self) -> float:
+        """The persistent bytes on the device itself: :attr:`persistent` less :attr:`host`."""
+        return self.persistent - self.host
+
+    @property
+    def device_total(self) -> float:
+        """The device's share of the paper's figure: :attr:`total` less :attr:`host`."""
+        return self.total - self.host
+
 
 def model_state_bytes(
     psi: float,
@@ -172,6 +202,7 @@ def model_state_bytes(
     prec: Precision | None = None,
     frozen: float = 0.0,
     frozen_bytes_per_param: float = 2.0,
+    offload: bool = False,
 ) -> ModelStates:
     """Per-device model-state bytes: docs/zero.md's memory table.
 
@@ -185,8 +216,13 @@ def model_state_bytes(
       prec: byte counts; default mixed precision with Adam (K = 12).
       frozen: frozen parameter count Ψf (:func:`frozen_state_bytes`): stored once at
         ``frozen_bytes_per_param`` (2: a bf16 base), divided by ``n`` at stage 3 only.
+      offload: ZeRO-Offload (stages 1-3): the master and the moments in host memory.
+
+    Raises:
+      ValueError: offload at stage 0 (the engine refuses it: nothing is sharded).
     """
     _check(psi, n, stage)
+    _check_offload(offload, stage)
     prec = prec or precision_bytes()
     os_div = n if stage >= 1 else 1
     g_div = n if stage >= 2 else 1
@@ -197,26 +233,52 @@ def model_state_bytes(
         master=prec.master * psi / os_div,
         optimizer=prec.optimizer * psi / os_div,
         frozen=frozen_state_bytes(frozen, n, stage, frozen_bytes_per_param),
+        offload=offload,
     )
 
 
-def formula(stage: int, prec: Precision | None = None, frozen_bytes_per_param: float = 0.0) -> str:
+def _check_offload(offload: bool, stage: int) -> None:
+    if offload and stage == 0:
+        raise ValueError(
+            "offload needs stage 1, 2 or 3: at stage 0 every device holds the whole state"
+        )
+
+
+def formula(
+    stage: int,
+    prec: Precision | None = None,
+    frozen_bytes_per_param: float = 0.0,
+    offload: bool = False,
+) -> str:
     """docs/zero.md's memory formula of a stage as text, Ψ trainable and Ψf frozen:
     ``'2Ψ + 14Ψ/N'`` (stage 2, mixed-precision Adam), ``'16Ψ/N + 2Ψf/N'`` (stage 3 with
-    a bf16 frozen base). ``frozen_bytes_per_param`` 0: no frozen term."""
+    a bf16 frozen base). ``frozen_bytes_per_param`` 0: no frozen term. ``offload``: the
+    device's part alone (``'4Ψ/N'`` at stage 3); :func:`host_formula` gives the host's."""
     prec = prec or precision_bytes()
     _check_devices(1, stage)
+    _check_offload(offload, stage)
+    k = 0.0 if offload else prec.k
     whole, sharded = {
-        0: (prec.param + prec.grad + prec.k, 0.0),
-        1: (prec.param + prec.grad, prec.k),
-        2: (prec.param, prec.grad + prec.k),
-        3: (0.0, prec.param + prec.grad + prec.k),
+        0: (prec.param + prec.grad + k, 0.0),
+        1: (prec.param + prec.grad, k),
+        2: (prec.param, prec.grad + k),
+        3: (0.0, prec.param + prec.grad + k),
     }[stage]
     terms = [f"{whole:g}Ψ"] if whole else []
     terms += [f"{sharded:g}Ψ/N"] if sharded else []
     if frozen_bytes_per_param:
         terms.append(f"{frozen_bytes_per_param:g}Ψf" + ("/N" if stage >= 3 else ""))
-    return " + ".join(terms)
+    return " + ".join(terms) or "0"
+
+
+def host_formula(stage: int, prec: Precision | None = None, offload: bool = True) -> str:
+    """The host memory's formula per device with offload: ``'12Ψ/N'`` (mixed-precision
+    Adam: the fp32 master and the moments), ``'8Ψ/N'`` in fp32 (the moments alone);
+    ``'0'`` without offload."""
+    prec = prec or precision_bytes()
+    _check_devices(1, stage)
+    _check_offload(offload, stage)
+    return f"{prec.k:g}Ψ/N" if offload and prec.k else "0"
 
 
 def max_params(
@@ -226,17 +288,19 @@ def max_params(
     prec: Precision | None = None,
     frozen: float = 0.0,
     frozen_bytes_per_param: float = 2.0,
+    offload: bool = False,
 ) -> float:
     """Largest Ψ whose model states (with gradients) fit in ``device_bytes`` per device.
 
     The inverse of :func:`model_state_bytes`, ignoring activations and buffers, as the
     ZeRO paper's section 5 does (N = 64, 32 GB: about 7.6B / 14.4B / 128B for stages 1-3).
     With ``frozen`` params (Ψf at ``frozen_bytes_per_param``): the largest trainable Ψ
-    beside them (0 when they alone fill the device).
+    beside them (0 when they alone fill the device). With ``offload`` the device holds
+    only its part (:attr:`ModelStates.device_total`): the host's memory is not checked.
     """
     if not device_bytes > 0:
         raise ValueError(f"device memory must be positive, got {device_bytes!r}")
-    per_param = model_state_bytes(1.0, n, stage, prec).total
+    per_param = model_state_bytes(1.0, n, stage, prec, offload=offload).device_total
     left = device_bytes - frozen_state_bytes(frozen, n, stage, frozen_bytes_per_param)
     return max(left, 0.0) / per_param
 
@@ -258,6 +322,29 @@ class Communication:
     @property
     def total(self) -> float:
         return self.grad + self.param
+
+
+def quantized_gather_bytes(elements: float, n: int, block: int) -> float:
+    """Bytes one device sends for a qwZ all-gather of ``elements`` (the whole padded
+    buffer): int8 payload and a float32 scale per ``block`` elements of each device's
+    slice, on a ring (:func:`jaxzero.zeropp.gather_wire_bytes`, the wire format's own)."""
+    from jaxzero.zeropp import gather_wire_bytes  # the wire format's module defines its bytes
+
+    return 0.0 if n <= 1 else float(gather_wire_bytes(int(elements), n, block))
+
+
+def quantized_reduce_bytes(
+    elements: float, n: int, block: int, bits: int, replicas: int = 1
+) -> float:
+    """Bytes one device sends for a qgZ reduce-scatter of ``elements`` (the padded
+    gradient) over ``n`` devices: an all-to-all of its quantized rows, and with
+    ``replicas`` groups an all-gather of its quantized slice across them
+    (:func:`jaxzero.zeropp.reduce_scatter_wire_bytes`)."""
+    from jaxzero.zeropp import reduce_scatter_wire_bytes
+
+    if n <= 1 and replicas <= 1:
+        return 0.0
+    return float(reduce_scatter_wire_bytes(int(elements), n, block, bits, replicas))
 
 
 def ring_bytes(kind: str, full_bytes: float, n: int) -> float:
@@ -289,6 +376,9 @@ def comm_bytes(
     param_gathers: int = 2,
     frozen: float = 0.0,
     frozen_bytes_per_param: float = 2.0,
+    qwz: bool = False,
+    qgz_bits: int = 0,
+    quant_block: int = 2048,
 ) -> Communication:
     """Per-device bytes on the wire per optimizer step (docs/zero.md's communication table).
 
@@ -313,29 +403,47 @@ def comm_bytes(
       frozen: frozen parameter count Ψf, stored at ``frozen_bytes_per_param``: no
         gradient to reduce; at stage 3 gathered as the params are (``param_gathers``
         per micro-batch, in their stored dtype), replicated (nothing sent) below.
+      qwz: stage 3 gathers the params as int8 + scales (:func:`quantized_gather_bytes`);
+        the frozen params' gathers are counted in their stored dtype.
+      qgz_bits: 8 or 4: stages 1-3 reduce-scatter the gradients quantized
+        (:func:`quantized_reduce_bytes`); 0: in ``grad_bytes``.
+      quant_block: elements a quantization scale covers.
     """
     _check(psi, n, stage)
     _check_frozen(frozen, frozen_bytes_per_param)
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    check_quantized(stage, qwz, qgz_bits, quant_block)
     pb = grad_bytes if param_bytes is None else param_bytes
     k = micro_batches
     g_full, p_full = psi * grad_bytes, psi * pb
     if stage == 0:
         return Communication(grad=ring_bytes("all-reduce", g_full, n), param=0.0)
+    if qgz_bits:
+        reduce = quantized_reduce_bytes(psi, n, quant_block, qgz_bits)
+    else:
+        reduce = ring_bytes("reduce-scatter", g_full, n)
     if stage == 1:
-        return Communication(
-            grad=ring_bytes("reduce-scatter", g_full, n), param=ring_bytes("all-gather", p_full, n)
-        )
+        return Communication(grad=reduce, param=ring_bytes("all-gather", p_full, n))
     if stage == 2:
-        return Communication(
-            grad=k * ring_bytes("reduce-scatter", g_full, n),
-            param=ring_bytes("all-gather", p_full, n),
-        )
+        return Communication(grad=k * reduce, param=ring_bytes("all-gather", p_full, n))
     gathers = param_gathers * k
     held = gathers * ring_bytes("all-gather", frozen * frozen_bytes_per_param, n)
-    return Communication(
-        grad=k * ring_bytes("reduce-scatter", g_full, n),
-        param=gathers * ring_bytes("all-gather", p_full, n) + held,
-        frozen=held,
-    )
+    if qwz:
+        gather = quantized_gather_bytes(psi, n, quant_block)
+    else:
+        gather = ring_bytes("all-gather", p_full, n)
+    return Communication(grad=k * reduce, param=gathers * gather + held, frozen=held)
+
+
+def check_quantized(stage: int, qwz: bool, qgz_bits: int, quant_block: int) -> None:
+    """The engine's rules for qwZ and qgZ (:func:`jaxzero.settings.beyond_zero`), for the
+    formulas: qwz at stage 3 only, qgz at stages 1-3, in 8 or 4 bits."""
+    if qwz and stage != 3:
+        raise ValueError(f"qwz quantizes stage 3's weight all-gathers; got stage {stage}")
+    if qgz_bits not in (0, 4, 8):
+        raise ValueError(f"qgz bits must be 8 (int8), 4 (int4) or 0 (off), got {qgz_bits!r}")
+    if qgz_bits and stage == 0:
+        raise ValueError("qgz reduce-scatters the gradients: stages 1-3 (stage 0 all-reduces)")
+    if isinstance(quant_block, bool) or not isinstance(quant_block, int) or quant_block < 1:
+        raise ValueError(f"quant_block must be a positive number of elements, got {quant_block!r}")

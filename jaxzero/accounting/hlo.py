@@ -4,7 +4,9 @@
 ``while`` body (scanned layers, micro-batches) appears once in
 ``compiled.as_text()`` but runs ``known_trip_count`` times, so the computations are
 parsed into a call graph and every path from ENTRY is counted.
-:mod:`jaxzero.accounting.comm` finds the collectives in it.
+:mod:`jaxzero.accounting.comm` finds the collectives in it. :func:`host_transfers` reads
+what the program keeps in host memory (``S(5)`` layouts: ZeRO-Offload's state) and the
+copies that move it between host and device.
 """
 
 from __future__ import annotations
@@ -316,3 +318,182 @@ def multiplicities(module: HloModule, edges: list[CallEdge] | None = None) -> di
         return total
 
     return {c: runs(c, frozenset()) for c in module.computations}
+
+
+# ----------------------------------------------------------------------------- host memory
+
+HOST_MEMORY_SPACE = 5  # XLA's Layout::kHostMemorySpace: S(5) in a layout, pinned_host in JAX
+_HOST_RE = re.compile(r"\bS\(" + str(HOST_MEMORY_SPACE) + r"\)")
+_ARRAY_LAYOUT_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](?:\{([^{}]*)\})?")
+
+
+@dataclass(frozen=True)
+class HostTransfers:
+    """What a compiled program keeps in host memory, and how it moves it.
+
+    Attributes:
+      parameters: entry parameters (arrays) whose layout is in host memory (``S(5)``).
+      outputs: outputs in host memory.
+      parameter_bytes: their bytes (per device: an SPMD program's shapes are shards) ...
+      output_bytes: ... the outputs' ...
+      alias_bytes: ... and of host outputs that alias a host parameter (a donated state:
+        one buffer, counted once).
+      to_device: ``copy-start`` (async) or ``copy`` instructions from host memory to the
+        device's, each counted once (a ``copy-done`` completes its start).
+      to_host: the same, device to host.
+      copy_done: ``copy-done`` instructions that complete a host transfer.
+      to_device_bytes: bytes the transfers to the device move per step (runs counted:
+        a transfer in a loop body moves once per trip) ...
+      to_host_bytes: ... and those back to host memory.
+    """
+
+    parameters: int = 0
+    outputs: int = 0
+    parameter_bytes: float = 0.0
+    output_bytes: float = 0.0
+    alias_bytes: float = 0.0
+    to_device: int = 0
+    to_host: int = 0
+    copy_done: int = 0
+    to_device_bytes: float = 0.0
+    to_host_bytes: float = 0.0
+
+    @property
+    def resident_bytes(self) -> float:
+        """Host bytes the program's arguments and outputs occupy at once: parameters +
+        outputs − aliased (a donated host state is one buffer)."""
+        return self.parameter_bytes + self.output_bytes - self.alias_bytes
+
+
+def _top_level(text: str) -> list[str]:
+    """The top-level comma-separated items of a tuple type ``(a, (b, c), d)`` (or the type
+    itself when it is no tuple), layouts and comments kept."""
+    s = re.sub(r"/\*.*?\*/", "", text).strip()
+    if not s.startswith("("):
+        return [s]
+    items, depth, start = [], 0, 1
+    for i, c in enumerate(s):
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                items.append(s[start:i])
+                break
+        elif c == "," and depth == 1:
+            items.append(s[start:i])
+            start = i + 1
+    return [it.strip() for it in items if it.strip()]
+
+
+def _arrays(text: str) -> list[tuple[Buffer, bool]]:
+    """Every array of a type with layouts, and whether its layout is in host memory."""
+    out = []
+    for m in _ARRAY_LAYOUT_RE.finditer(re.sub(r"/\*.*?\*/", "", text)):
+        if m.group(1) in ("token", "opaque"):
+            continue
+        dims = tuple(int(d) for d in re.findall(r"\d+", m.group(2) or ""))
+        out.append((Buffer(m.group(1), dims), bool(_HOST_RE.search(m.group(3) or ""))))
+    return out
+
+
+def _host_bytes(text: str) -> tuple[int, float]:
+    arrays = [b for b, host in _arrays(text) if host]
+    return len(arrays), float(sum(b.nbytes for b in arrays))
+
+
+def _entry_layout(header: str) -> tuple[list[str], list[str]]:
+    """``entry_computation_layout={(params)->result}``: each parameter's type, and each
+    output's (the result's top-level items)."""
+    at = header.find("entry_computation_layout={")
+    if at < 0:
+        return [], []
+    start = header.index("{", at)
+    body = header[start + 1 : _match_paren(header, start) - 1]
+    params_end = _match_paren(body, 0)
+    params, result = body[:params_end], body[params_end:].lstrip()
+    result = result[2:].strip() if result.startswith("->") else result
+    return _top_level(params), _top_level(result)
+
+
+_ALIAS_RE = re.compile(r"\{(\d*)\}\s*:\s*\((\d+)\s*,\s*\{[^}]*\}")
+
+
+def _aliases(header: str) -> list[tuple[int, int]]:
+    """``input_output_alias={ {0}: (0, {}, may-alias), ... }``: (output index, parameter)."""
+    at = header.find("input_output_alias={")
+    if at < 0:
+        return []
+    start = header.index("{", at)
+    body = header[start + 1 : _match_paren(header, start) - 1]
+    return [(int(o or 0), int(p)) for o, p in _ALIAS_RE.findall(body)]
+
+
+def host_transfers(text: str) -> HostTransfers:
+    """Host memory in compiled HLO text: which entry parameters and outputs live there
+    (``S(5)`` in ``entry_computation_layout``), and the instructions that move data
+    between it and the device (``copy-start``/``copy-done`` on GPU, or a ``copy``
+    whose operand and result are in different memories).
+
+    On CPU, XLA keeps the host layouts of the entry but moves nothing (host and device
+    are one memory): an offloaded leaf is one host parameter and one host output, and
+    there are no transfers. On GPU each offloaded leaf is copied to the device for the
+    update and back: a ``copy-start`` from ``S(5)`` and one to it.
+    """
+    if not _HOST_RE.search(text):
+        return HostTransfers()  # nothing in host memory: no need to parse the module
+    header = next((ln for ln in text.splitlines() if ln.startswith("HloModule")), "")
+    params, outputs = _entry_layout(header)
+    p_host = [_host_bytes(p) for p in params]
+    o_host = [_host_bytes(o) for o in outputs]
+    alias = sum(
+        (
+            o_host[o][1]
+            for o, p in _aliases(header)
+            if o < len(o_host) and p < len(p_host) and o_host[o][0] and p_host[p][0]
+        ),
+        0.0,
+    )
+    module = parse_hlo(text)
+    runs = multiplicities(module)
+    to_dev = to_host = done = 0
+    to_dev_bytes = to_host_bytes = 0.0
+    starts: dict[str, bool] = {}  # copy-start name -> its copy moves to host memory
+    for comp, instrs in module.computations.items():
+        for ins in instrs:
+            if ins.opcode not in ("copy-start", "copy"):
+                continue
+            if ins.opcode == "copy-start":  # (destination, source, context)
+                items = _top_level(ins.type_text)
+                dest, src = items[0], items[1] if len(items) > 1 else ins.operand_text
+            else:
+                dest, src = ins.type_text, ins.operand_text
+            d_host, s_host = _host_bytes(dest)[0] > 0, _host_bytes(src)[0] > 0
+            if d_host == s_host or not src:
+                continue
+            moved = runs.get(comp, 1) * sum(b.nbytes for b, _ in _arrays(dest))
+            if d_host:
+                to_host += 1
+                to_host_bytes += moved
+            else:
+                to_dev += 1
+                to_dev_bytes += moved
+            starts[ins.name] = d_host
+    for instrs in module.computations.values():
+        done += sum(
+            1
+            for ins in instrs
+            if ins.opcode == "copy-done" and any(op in starts for op in ins.operands)
+        )
+    return HostTransfers(
+        parameters=sum(c for c, _ in p_host),
+        outputs=sum(c for c, _ in o_host),
+        parameter_bytes=sum(b for _, b in p_host),
+        output_bytes=sum(b for _, b in o_host),
+        alias_bytes=alias,
+        to_device=to_dev,
+        to_host=to_host,
+        copy_done=done,
+        to_device_bytes=to_dev_bytes,
+        to_host_bytes=to_host_bytes,
+    )

@@ -4,8 +4,13 @@ The point of ZeRO is a claim about bytes: how much each device holds and how
 much it sends. This module measures both from what JAX actually built instead of
 trusting the code that asked for it:
 
-* persistent memory per device, read from device 0's shards of the train state;
-* the compiled step's memory (``compiled.memory_analysis()``);
+* persistent memory per device, read from device 0's shards of the train state, split
+  into the device's own memory and host memory by each array's ``sharding.memory_kind``
+  (``pinned_host``/``unpinned_host``: ZeRO-Offload's master and optimizer state);
+* the compiled step's memory (``compiled.memory_analysis()``), its device peak without
+  the host-resident state (:func:`compiled_memory`), and the entry parameters and
+  outputs the compiled program keeps in host memory, with the transfers that move them
+  (:func:`jaxzero.accounting.hlo.host_transfers`);
 * every collective in the compiled HLO (``compiled.as_text()``), with its buffer
   sizes, replica groups and the number of times it runs per step. A collective
   inside a ``while`` body (scanned layers, micro-batches) appears once in the text
@@ -25,6 +30,7 @@ ties everything to an Engine.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +51,9 @@ from jaxzero.accounting.expected import (
     theory,
 )
 from jaxzero.accounting.expected import inter_group_bytes as inter_group_bytes
+from jaxzero.accounting.hlo import HostTransfers, host_transfers
 from jaxzero.accounting.table import CompiledMemory, Report
+from jaxzero.offload import is_host
 from jaxzero.partition import is_layout
 
 __all__ = ["report"]
@@ -58,30 +66,69 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------------------- memory
 
 
-def compiled_memory(compiled: Any) -> CompiledMemory:
-    """Read a compiled executable's memory analysis."""
+def compiled_memory(compiled: Any, host: HostTransfers | None = None) -> CompiledMemory:
+    """Read a compiled executable's memory analysis.
+
+    ``host``: the program's host-resident arguments and outputs
+    (:func:`~jaxzero.accounting.hlo.host_transfers` of its text; None: read from it).
+    A backend that places buffers by memory space (GPU) reports their bytes apart
+    (``host_argument_size_in_bytes``, ...) and leaves them out of the device figures; the
+    CPU backend reports none and counts them as ordinary arguments and outputs: then the
+    host-resident bytes the text declares are taken out of the device peak
+    (:attr:`CompiledMemory.device_peak`) and reported as the host's.
+    """
     m = compiled.memory_analysis()
-    return CompiledMemory(
-        argument=int(m.argument_size_in_bytes),
-        output=int(m.output_size_in_bytes),
-        temp=int(m.temp_size_in_bytes),
-        alias=int(m.alias_size_in_bytes),
-        generated_code=int(getattr(m, "generated_code_size_in_bytes", 0)),
+    get = lambda name: int(getattr(m, name, 0) or 0)  # noqa: E731
+    mem = CompiledMemory(
+        argument=get("argument_size_in_bytes"),
+        output=get("output_size_in_bytes"),
+        temp=get("temp_size_in_bytes"),
+        alias=get("alias_size_in_bytes"),
+        generated_code=get("generated_code_size_in_bytes"),
+        host_argument=get("host_argument_size_in_bytes"),
+        host_output=get("host_output_size_in_bytes"),
+        host_temp=get("host_temp_size_in_bytes"),
+        host_alias=get("host_alias_size_in_bytes"),
+    )
+    if mem.host_argument or mem.host_output:
+        return mem  # the backend split them: the device figures hold no host bytes
+    if host is None:
+        if not _in_host_memory(compiled):
+            return mem  # nothing in host memory: no need to read the text
+        host = host_transfers(compiled.as_text())
+    if not host.parameter_bytes and not host.output_bytes:
+        return mem
+    return dataclasses.replace(
+        mem,
+        host_argument=int(host.parameter_bytes),
+        host_output=int(host.output_bytes),
+        host_alias=int(host.alias_bytes),
+        counted_host=int(host.resident_bytes),
     )
 
 
-def device0_bytes(tree: Any, device: Any = None) -> int:
+def _in_host_memory(compiled: Any) -> bool:
+    """Whether a compiled program takes or returns an array in host memory."""
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    return any(is_host(s) for s in shardings)
+
+
+def device0_bytes(tree: Any, device: Any = None, memory: str | None = None) -> int:
     """Bytes that one device holds of a pytree of jax.Arrays (its addressable shard).
 
     Args:
       tree: arrays (None leaves and Python scalars count 0).
       device: the device to read; default the first shard of each array (device 0 of a
         mesh whose first device is addressable).
+      memory: ``"host"``: only the arrays in host memory (``pinned_host``,
+        ``unpinned_host``: offload); ``"device"``: only the others; None: all.
     """
     total = 0
     for leaf in jax.tree.leaves(tree):
         shards = getattr(leaf, "addressable_shards", None)
         if not shards:
+            continue
+        if memory is not None and (memory == "host") != is_host(leaf.sharding):
             continue
         shard = shards[0]
         if device is not None:
@@ -137,7 +184,8 @@ def _itemsize(dtype: Any) -> int:
 
 def _persistent(state: TrainState, device: Any) -> dict[str, int]:
     """Device 0's bytes of the state: params, master, optimizer, frozen (the params that
-    do not train, 0 when all do), other and total."""
+    do not train, 0 when all do), other and total; and of the total, what lives in the
+    device's own memory (``device``) and in host memory (``host``: offload)."""
     persistent = {
         "params": device0_bytes(state.params, device),
         "master": device0_bytes(state.master, device),
@@ -147,6 +195,8 @@ def _persistent(state: TrainState, device: Any) -> dict[str, int]:
     whole = device0_bytes(state, device)
     persistent["other"] = whole - sum(persistent.values())
     persistent["total"] = whole
+    persistent["host"] = device0_bytes(state, device, memory="host")
+    persistent["device"] = whole - persistent["host"]
     return persistent
 
 
@@ -175,6 +225,10 @@ def _predictions(plan: Plan, state: TrainState, replicas: int) -> tuple[Theory, 
         param_gathers=gathers,
         replicas=replicas,
         frozen_bytes=sum(math.prod(lay.shape) * size for lay, size in frozen),
+        offload=cfg.offload,
+        qwz=cfg.qwz,
+        qgz_bits=cfg.qgz_bits,
+        quant_block=cfg.quant_block,
     )
     layouts = plan.leaves()
     ex = layout_expectation(
@@ -189,6 +243,10 @@ def _predictions(plan: Plan, state: TrainState, replicas: int) -> tuple[Theory, 
         param_gathers=gathers,
         replicas=replicas,
         frozen=frozen,
+        offload=cfg.offload,
+        qwz=cfg.qwz,
+        qgz_bits=cfg.qgz_bits,
+        quant_block=cfg.quant_block,
     )
     return th, ex
 
@@ -254,6 +312,11 @@ def _config(
         "num_frozen": ex.frozen_params,  # params that do not train (Engine(trainable=...))
         "padded_frozen": ex.padded_frozen,
         "scalar_elements": scalar_elements,
+        # beyond ZeRO (issue 47): what lives in host memory, and the wire formats
+        "offload": "optimizer" if cfg.offload else None,
+        "qwz": cfg.qwz,
+        "qgz_bits": cfg.qgz_bits,
+        "quant_block": cfg.quant_block,
     }
 
 
@@ -281,7 +344,9 @@ def report(
     plan = engine.plan
     persistent = _persistent(state, plan.mesh.devices.flat[0])
     compiled = compiled if compiled is not None else engine.compile(state, batch)
-    hlo = collectives_from_hlo(compiled.as_text())
+    text = compiled.as_text()
+    hlo = collectives_from_hlo(text)
+    host = host_transfers(text)
     n = plan.num_shards
     replicas = int(plan.mesh.devices.size) // n
     tr = traffic(hlo.collectives, scalar_elements, group_size=n)
@@ -292,4 +357,7 @@ def report(
     )
     notes += _stage3_notes(plan, hlo.collectives, scalar_elements, held)
     config = _config(plan, ex, replicas, scalar_elements)
-    return Report(config, persistent, th, ex, compiled_memory(compiled), tr, hlo.collectives, notes)
+    memory = compiled_memory(compiled, host)
+    return Report(
+        config, persistent, th, ex, memory, tr, hlo.collectives, notes, host_transfers=host
+    )

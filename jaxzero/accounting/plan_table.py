@@ -19,9 +19,12 @@ def _time(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
-def _cells(rank: str, r: Row, budget: float) -> list[str]:
+_BEYOND = ("beyond ZeRO", "host/dev", "host link")  # columns when a candidate goes beyond
+
+
+def _cells(rank: str, r: Row, budget: float, beyond: bool = False) -> list[str]:
     c = r.candidate
-    return [
+    cells = [
         rank,
         str(c.stage),
         c.remat,
@@ -34,6 +37,14 @@ def _cells(rank: str, r: Row, budget: float) -> list[str]:
         _time(r.predicted_s),
         "" if r.max_batch is None else f"{r.max_batch:,}",
     ]
+    if beyond:
+        link = f"{format_bytes(r.host_moved)} x2, {_time(r.host_s)}" if r.host_moved else "-"
+        cells += [c.beyond() or "-", format_bytes(r.host) if r.host else "-", link]
+    return cells
+
+
+def _head(beyond: bool) -> list[str]:
+    return list(_HEAD) + (list(_BEYOND) if beyond else [])
 
 
 def _grid(rows: list[list[str]]) -> list[str]:
@@ -52,34 +63,59 @@ def format_survey(s: Survey) -> str:
             f"; a step is held to {format_bytes(s.held)}, {s.headroom:.0%} kept free "
             "(zero.headroom)"
         )
+    lines.append(budget)
+    offload = any(r.candidate.offload for r in s.rows)
+    if offload or s.host_budget is not None:
+        host = (
+            f"host     {format_bytes(s.host_budget)} per device for offloaded state ({s.host_note})"
+            if s.host_budget is not None
+            else f"host     the devices' own memory ({s.host_note})"
+        )
+        if s.host_budget is not None and s.headroom:
+            host += f"; held to {format_bytes(s.host_held or 0)}"
+        lines.append(host)
+    link = (
+        f", moves offloaded state over a {format_bytes(hw.host_link)}/s host link each way"
+        if offload and hw.host_link
+        else ""
+    )
     lines += [
-        budget,
         f"roofline {hw.name}: {hw.flops:.3g} FLOP/s per device, sends {format_bytes(hw.intra)}/s "
-        f"within a group of {s.group}, {format_bytes(hw.inter)}/s across; step time = "
-        "max(compute, communication)",
+        f"within a group of {s.group}, {format_bytes(hw.inter)}/s across{link}; step time = "
+        "max(compute, communication" + (", host transfers)" if link else ")"),
         "",
     ]  # fmt: skip
     fit = s.fitting()
+    beyond = any(r.candidate.beyond() for r in s.rows if r.status in ("fits", "over"))
+    head = _head(beyond)
     if fit:
-        lines += _grid([list(_HEAD)] + [_cells(str(i + 1), r, s.held) for i, r in enumerate(fit)])
+        lines += _grid([head] + [_cells(str(i + 1), r, s.held, beyond) for i, r in enumerate(fit)])
     else:
         lines.append("nothing fits")
     over = [r for r in s.rows if r.status == "over"]
     if over:
         lines += ["", "compiled, over the budget:"]
-        lines += _grid([list(_HEAD)] + [_cells("-", r, s.held) for r in over])
-    pruned: dict[int, str] = {}
+        lines += _grid([head] + [_cells("-", r, s.held, beyond) for r in over])
+        lines += [f"  {r.candidate.describe()}: {r.why}" for r in over if "host" in r.why]
+    pruned: dict[tuple[int, str], str] = {}
     for r in (r for r in s.rows if r.status == "pruned"):  # the formulas judge a stage
-        pruned.setdefault(r.candidate.stage, r.why)
-    for stage, why in pruned.items():
-        lines.append(f"not compiled: stage {stage}, any remat and micro-batches: {why}")
+        pruned.setdefault((r.candidate.stage, r.candidate.beyond()), r.why)
+    for (stage, extra), why in pruned.items():
+        with_ = f" with {extra}" if extra else ""
+        lines.append(f"not compiled: stage {stage}{with_}, any remat and micro-batches: {why}")
     for r in (r for r in s.rows if r.status == "failed"):
         lines.append(f"failed to compile: {r.candidate.describe()}: {r.why}")
     skipped = [r for r in s.rows if r.status == "skipped"]
-    if skipped:
+    more = [r for r in skipped if not r.why.endswith("without offload")]
+    if more:
         lines.append(
-            f"{len(skipped)} candidate(s) with more micro-batches than needed not compiled "
+            f"{len(more)} candidate(s) with more micro-batches than needed not compiled "
             "(--all compiles them)"
+        )
+    if len(more) < len(skipped):
+        lines.append(
+            f"{len(skipped) - len(more)} offloaded candidate(s) not compiled: they fit without "
+            "offload, which moves nothing over the host link (--all compiles them)"
         )
     lines += s.notes
     best = s.best()

@@ -15,23 +15,45 @@ from typing import Any
 
 from jaxzero.accounting.comm import Collective, Traffic
 from jaxzero.accounting.expected import LayoutExpectation, Theory
-from jaxzero.accounting.hlo import Buffer
+from jaxzero.accounting.hlo import Buffer, HostTransfers
 
 
 @dataclass
 class CompiledMemory:
-    """``compiled.memory_analysis()`` per device, in bytes."""
+    """``compiled.memory_analysis()`` per device, in bytes.
+
+    ``host_*``: the arguments, outputs, temporaries and aliases in host memory (offload),
+    as the backend reports them or, where it reports none (CPU), as the compiled text
+    declares them (``S(5)`` layouts). ``counted_host``: of the device figures, the bytes
+    that are really the host's (the CPU backend counts host arguments and outputs as
+    ordinary ones), taken out of :attr:`device_peak`.
+    """
 
     argument: int
     output: int
     temp: int
     alias: int
     generated_code: int
+    host_argument: int = 0
+    host_output: int = 0
+    host_temp: int = 0
+    host_alias: int = 0
+    counted_host: int = 0
 
     @property
     def peak(self) -> int:
-        """Argument + output + temp − alias: what the step needs at once."""
+        """Argument + output + temp − alias: what the step needs at once (as reported)."""
         return self.argument + self.output + self.temp - self.alias
+
+    @property
+    def device_peak(self) -> int:
+        """:attr:`peak` without host-resident buffers: what the device itself needs."""
+        return self.peak - self.counted_host
+
+    @property
+    def host_peak(self) -> int:
+        """Host memory the step's host-resident buffers take at once (0 without offload)."""
+        return self.host_argument + self.host_output + self.host_temp - self.host_alias
 
 
 @dataclass
@@ -49,6 +71,8 @@ class Report:
       traffic: measured bytes on the wire.
       collectives: every collective found, with runs per step.
       notes: anything counted with less certainty, and how padding explains excess.
+      host_transfers: the compiled program's host-resident parameters and outputs and
+        the transfers between host and device memory (offload).
     """
 
     config: dict[str, Any]
@@ -59,6 +83,12 @@ class Report:
     traffic: Traffic
     collectives: list[Collective]
     notes: list[str] = field(default_factory=list)
+    host_transfers: HostTransfers = field(default_factory=HostTransfers)
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether some of the state lives in host memory (``Engine(offload=...)``)."""
+        return bool(self.config.get("offload")) or bool(self.persistent.get("host", 0))
 
     @property
     def persistent_ratio(self) -> float:
@@ -83,6 +113,8 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["compiled"]["peak"] = self.compiled.peak
+        d["compiled"]["device_peak"] = self.compiled.device_peak
+        d["compiled"]["host_peak"] = self.compiled.host_peak
         nan_none = lambda x: None if math.isnan(x) else x
         d["ratios"] = {
             "persistent": self.persistent_ratio,
@@ -141,6 +173,47 @@ class Report:
             "their dtype: no gradient, master or optimizer state"
         )
 
+    def _memory_split_rows(self, mb, ratio) -> list[str]:
+        """Offload: the persistent total split into the device's memory and host memory, each
+        beside its formula (the host: the master and the optimizer state, KΨ/N)."""
+        if not self.offloaded:
+            return []
+        p, t, e = self.persistent, self.theory, self.expected
+        return [
+            f"{'  on the device':<30}{mb(p['device'])}{mb(t.device)}{ratio(p['device'], t.device)}"
+            f"{mb(e.device)}{ratio(p['device'], e.device)}",
+            f"{'  in host memory':<30}{mb(p['host'])}{mb(t.host)}{ratio(p['host'], t.host)}"
+            f"{mb(e.host)}{ratio(p['host'], e.host)}",
+        ]
+
+    def _compiled_host_rows(self, mb) -> list[str]:
+        """Offload: the compiled step's device peak without the host-resident state, the host's
+        peak, and the host parameters, outputs and transfers its HLO declares."""
+        h, c = self.host_transfers, self.compiled
+        if not (self.offloaded or h.parameters or h.outputs or h.to_device or h.to_host):
+            return []
+        split = "reported apart by the backend" if not c.counted_host else (
+            "the backend counts them as arguments and outputs (CPU): taken out"
+        )  # fmt: skip
+        return [
+            f"{'  device peak':<30}{'':>48}{mb(c.device_peak)}",
+            f"{'  host peak':<30}{'':>48}{mb(c.host_peak)}  ({split})",
+            f"host memory in the compiled step: {h.parameters} entry parameters and {h.outputs} "
+            f"outputs in S(5) ({mb(h.parameter_bytes).strip()} / {mb(h.output_bytes).strip()} MB, "
+            f"{mb(h.alias_bytes).strip()} MB aliased); {h.to_device} copies to the device "
+            f"({mb(h.to_device_bytes).strip()} MB a step), {h.to_host} back "
+            f"({mb(h.to_host_bytes).strip()} MB), {h.copy_done} copy-done"
+            + self._no_transfers_why(),
+        ]
+
+    def _no_transfers_why(self) -> str:
+        h = self.host_transfers
+        if h.to_device or h.to_host:
+            return ""
+        if self.compiled.counted_host:
+            return " (XLA:CPU moves nothing: its host and device memory are one)"
+        return " (none found in the compiled text)"
+
     def table(self) -> str:
         """Measured vs. theory, MB = 1e6 bytes."""
         c, t, p, e = self.config, self.theory, self.persistent, self.expected
@@ -181,12 +254,14 @@ class Report:
             f"{'other (step, counters)':<30}{mb(p['other'])}",
             f"{'total':<30}{mb(p['total'])}{mb(t.persistent)}{ratio(p['total'], t.persistent)}"
             f"{mb(e.persistent)}{ratio(p['total'], e.persistent)}",
+            *self._memory_split_rows(mb, ratio),
             f"{'+ gradients (formula)':<30}{'':>12}{mb(t.model_states)}",
             "",
             "compiled step per device (MB)",
             f"{'':<30}{'argument':>12}{'output':>12}{'temp':>12}{'alias':>12}{'peak':>12}",
             f"{'':<30}{mb(self.compiled.argument)}{mb(self.compiled.output)}"
             f"{mb(self.compiled.temp)}{mb(self.compiled.alias)}{mb(self.compiled.peak)}",
+            *self._compiled_host_rows(mb),
             "",
             "communication per device per step (MB on the wire, ring)",
             head,

@@ -6,6 +6,10 @@ ZeRO stages 0-3. No devices needed. ``--frozen-params`` adds params that do not 
 (a LoRA run's base): stored once in ``--frozen-dtype``, no gradient, master or
 optimizer state; the table then shows trainable and frozen bytes apart, with each
 stage's formula (``16Ψ + 2Ψf`` at stage 0 with mixed-precision Adam and a bf16 base).
+``--offload optimizer`` keeps the fp32 master and the optimizer state in host memory at
+stages 1-3 (device and host bytes apart, each with its formula, and the bytes each step
+moves over the host link); ``--qwz`` and ``--qgz int8|int4`` count ZeRO++'s quantized
+weight gathers and gradient reduce-scatters (payload and scales) beside the bytes without.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import math
 import re
 import sys
 from dataclasses import asdict
+from typing import Any
 
 import jax
 
@@ -85,8 +90,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--remat", default="none", choices=["none", "full"])
     p.add_argument("--fused-attention", action="store_true")
+    b = p.add_argument_group("beyond ZeRO (docs/offload.md, docs/zeropp.md)")
+    b.add_argument(
+        "--offload",
+        choices=["optimizer"],
+        default=None,
+        help="the fp32 master and the optimizer state in host memory (stages 1-3)",
+    )
+    b.add_argument("--qwz", action="store_true", help="stage 3 gathers the weights as int8")
+    b.add_argument(
+        "--qgz", choices=["int8", "int4"], default=None, help="gradients reduce-scattered so"
+    )
+    b.add_argument("--quant-block", type=int, default=2048, help="elements per quantization scale")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
+
+
+def _beyond(args: argparse.Namespace, zero: object = None) -> dict[str, Any]:
+    """``estimate``'s offload/qwZ/qgZ keywords: the flags, else a config's ``zero`` section."""
+    return {
+        "offload": (args.offload or getattr(zero, "offload", None)) == "optimizer",
+        "qwz": bool(args.qwz or getattr(zero, "qwz", False)),
+        "qgz": args.qgz or getattr(zero, "qgz", None),
+        "quant_block": args.quant_block,
+    }
 
 
 def _from_config(args: argparse.Namespace) -> Estimate:
@@ -119,10 +146,11 @@ def _from_config(args: argparse.Namespace) -> Estimate:
         cfg.parallel.micro_batches,
         "full" if m.remat == "full" else "none",
         args.fused_attention,
+        **_beyond(args, cfg.zero),
     )
 
 
-def _frozen(args: argparse.Namespace) -> dict[str, float]:
+def _frozen(args: argparse.Namespace) -> dict[str, Any]:
     """``estimate``'s frozen keywords from ``--frozen-params`` and ``--frozen-dtype``."""
     if args.frozen_params is None:
         return {}
@@ -174,6 +202,7 @@ def _from_args(args: argparse.Namespace) -> Estimate:
         args.remat,
         args.fused_attention,
         **frozen,
+        **_beyond(args),
     )
 
 

@@ -4,7 +4,11 @@ Takes what ``jaxzero train`` takes (a config, ``--set``, ``--init-from hf:DIR``,
 devices) and a target (``--device-memory``, ``--hardware``), compiles each candidate
 (ZeRO stage x remat x micro-batches) without allocating anything, and prints those
 that fit ranked by a stated roofline, with the largest global batch that fits for
-the best few (:mod:`jaxzero.accounting.planner`, :mod:`jaxzero.train.planning`).
+the best few (:mod:`jaxzero.accounting.planner`, :mod:`jaxzero.train.planning`). Where a
+host memory apart from the devices' is known (``--hardware``, ``--host-memory``, a GPU
+machine's host), candidates that keep the optimizer state in host memory (offload) are
+compiled where the same candidate without does not fit; on a hybrid mesh, candidates with
+ZeRO++'s quantized collectives too.
 
 Exit codes, so that scripts can tell: 0 a candidate fits (the first choice is printed),
 1 nothing fits (the table says why), 2 an error (bad input, one line).
@@ -50,11 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "--hardware's; on CPU the host's share)")  # fmt: skip
     g.add_argument("--hardware", choices=list(HARDWARE), help="the roofline (and memory) of a "
                    "known device (default: this machine's, if known; else cpu)")  # fmt: skip
+    g.add_argument("--host-memory", metavar="BYTES",
+                   help="host memory per device for offloaded state (default: --hardware's; "
+                   "a GPU host's share; on CPU none apart from the devices')")  # fmt: skip
     g.add_argument("--device-flops", type=float, metavar="FLOP/S", help="override the roofline's")
     g.add_argument("--link-bandwidth", type=float, metavar="BYTES/S",
                    help="bytes/s a device sends within its group (NVLink)")  # fmt: skip
     g.add_argument("--cross-bandwidth", type=float, metavar="BYTES/S",
                    help="bytes/s a device sends across groups (InfiniBand)")  # fmt: skip
+    g.add_argument("--host-link-bandwidth", type=float, metavar="BYTES/S",
+                   help="bytes/s between a device and host memory, each way (PCIe)")  # fmt: skip
     c = p.add_argument_group("the candidates")
     c.add_argument("--stages", type=int, nargs="+", choices=[0, 1, 2, 3], default=[0, 1, 2, 3])
     c.add_argument("--remats", nargs="+", choices=list(REMATS), default=list(REMATS))
@@ -81,7 +90,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _hardware(args: argparse.Namespace) -> Any:
     hw = planning.hardware(args.hardware)
     for name, field in (("device_flops", "flops"), ("link_bandwidth", "intra"),
-                        ("cross_bandwidth", "inter")):  # fmt: skip
+                        ("cross_bandwidth", "inter"),
+                        ("host_link_bandwidth", "host_link")):  # fmt: skip
         value = getattr(args, name)
         if value is not None:
             if not value > 0:
@@ -107,15 +117,19 @@ def plan(args: argparse.Namespace) -> Any:
     cands = planning.Candidates(cfg, mesh, planning.first_batch(cfg, corpus), pretrained)
     hw = _hardware(args)
     n = int(mesh.devices.size)
-    which: list[Candidate] = candidates(
-        cfg.train.batch_size, n, args.stages, args.remats, args.micro_batch_counts
-    )
     configured = args.device_memory or cfg.zero.device_memory
     host = planning.unique_bytes(cands(planning.candidate_of(cfg)).state)
-    limit, note = planning.budget(configured, n, host, hw if args.hardware else None)
+    target = hw if args.hardware else None
+    limit, note = planning.budget(configured, n, host, target)
+    hosted = planning.host_budget(args.host_memory or cfg.zero.host_memory, n, host, target)
+    which: list[Candidate] = candidates(
+        cfg.train.batch_size, n, args.stages, args.remats, args.micro_batch_counts,
+        **planning.beyond_options(mesh, hosted[0]),
+    )  # fmt: skip
     found = planning.plan_run(
-        cfg, cands, limit, note, hw, which=which, max_batch=args.max_batch, exhaustive=args.all
-    )
+        cfg, cands, limit, note, hw, which=which, max_batch=args.max_batch, exhaustive=args.all,
+        host=hosted,
+    )  # fmt: skip
     compiled = len({r.candidate for r in found.rows if r.status in ("fits", "over")})
     found.notes.append(
         f"planned in {time.perf_counter() - began:.1f}s ({compiled} candidates compiled at the "
@@ -129,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     one line on bad input."""
 
     def body(args: argparse.Namespace) -> int:
-        if args.device_memory is not None:
-            parse_bytes(args.device_memory)  # before anything is built
+        for given in (args.device_memory, args.host_memory):
+            if given is not None:
+                parse_bytes(given)  # before anything is built
         found = plan(args)
         print(json.dumps(found.to_dict(), indent=2) if args.json else found.table())
         return FITS if found.best() is not None else NOTHING_FITS

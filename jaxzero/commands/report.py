@@ -7,6 +7,10 @@ an accelerator it simulates CPU devices (default 8), so the sharding is real eve
 on a laptop: the collectives and per-device bytes are those a cluster would see.
 ``--lora-rank`` reports a LoRA step of the Llama: its base frozen in ``--base-dtype``,
 counted apart from the adapters that train (the report's "frozen params" row).
+``--offload optimizer`` keeps the fp32 master and the optimizer state in host memory: the
+report splits the state into device and host bytes, each beside its formula, and says
+which of the compiled step's parameters and outputs live in host memory and what moves
+them; ``--qwz``/``--qgz`` report ZeRO++'s quantized collectives beside their formulas.
 """
 
 from __future__ import annotations
@@ -88,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
         "fine-tune loads it); int8/nf4: QLoRA, the targets' weights quantized (codes and "
         "block scales), the rest of the base bf16",
     )
+    b = p.add_argument_group("beyond ZeRO (docs/offload.md, docs/zeropp.md)")
+    b.add_argument(
+        "--offload",
+        choices=["optimizer"],
+        default=None,
+        help="the fp32 master and the optimizer state in host memory (stages 1-3)",
+    )
+    b.add_argument("--qwz", action="store_true", help="stage 3 gathers the weights as int8")
+    b.add_argument("--qgz", choices=["int8", "int4"], default=None, help="quantized gradients")
+    b.add_argument("--quant-block", type=int, default=2048, help="elements per scale")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -167,6 +181,10 @@ def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any]:
         reduce_dtype=args.reduce_dtype,
         micro_batches=args.micro_batches,
         donate=True,  # as on accelerators, whatever this machine's default
+        offload=args.offload,
+        qwz=args.qwz,
+        qgz=args.qgz,
+        quant_block=args.quant_block,
     )
 
     def init(key: jax.Array) -> Any:

@@ -334,11 +334,12 @@ def validate(config: Config) -> Config:
         )
     if lg.sample_tokens < 0 or config.checkpoint.every < 0:
         raise ConfigError("logging.sample_tokens and checkpoint.every must be >= 0")
-    if config.zero.device_memory is not None:
-        try:
-            parse_bytes(config.zero.device_memory)
-        except ValueError as e:
-            raise ConfigError(f"zero.device_memory: {e}") from None
+    for name in ("device_memory", "host_memory"):
+        if getattr(config.zero, name) is not None:
+            try:
+                parse_bytes(getattr(config.zero, name))
+            except ValueError as e:
+                raise ConfigError(f"zero.{name}: {e}") from None
     if config.zero.headroom is not None and not 0 <= config.zero.headroom < 1:
         raise ConfigError(
             f"zero.headroom={config.zero.headroom}: a share of the budget, from 0 to below 1 "

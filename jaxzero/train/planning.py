@@ -16,6 +16,17 @@ kept free for what its compiled ``memory_analysis`` does not count (the runtime'
 buffers, the allocator's slack, host buffers while a checkpoint loads); the pre-flight,
 ``zero.auto`` and ``jaxzero plan`` hold every candidate to the same rule
 (:func:`~jaxzero.accounting.planner.held_to`).
+
+Offload (``zero.offload``, and offloaded candidates): the master and the optimizer state
+live in host memory, held to a host budget per device (:func:`host_budget`:
+``zero.host_memory`` when given, else ``--hardware``'s host, else on a GPU machine the
+host's available memory shared by its devices). On CPU the simulated devices *are* the
+host's memory: there is no separate host budget, offload moves nothing out of the
+devices' memory, and an offloaded step's host bytes count against the device budget
+beside its device peak (so no offloaded candidate is offered there unless a host budget
+is given). The compiled ``memory_analysis`` on CPU counts host-resident arguments and
+outputs as the device's; the pre-flight takes them out of the device peak and holds them
+to the host budget instead (:func:`jaxzero.accounting.measure.compiled_memory`).
 """
 
 from __future__ import annotations
@@ -84,17 +95,23 @@ def build(cfg: Config, mesh: Any, model: Model | None = None) -> tuple[Model, An
 
 
 def with_candidate(cfg: Config, c: Candidate) -> Config:
-    """``cfg`` trained as candidate ``c``."""
+    """``cfg`` trained as candidate ``c`` (its offload and quantization too)."""
     cfg = config_lib.override(cfg, "parallel.stage", c.stage)  # each value checked
     cfg = config_lib.override(cfg, "parallel.micro_batches", c.micro_batches)
     cfg = config_lib.override(cfg, "model.remat", c.remat)
+    cfg = config_lib.override(cfg, "zero.offload", "optimizer" if c.offload else None)
+    cfg = config_lib.override(cfg, "zero.qwz", c.qwz)
+    cfg = config_lib.override(cfg, "zero.qgz", c.qgz)
     return config_lib.override(cfg, "train.batch_size", c.batch)
 
 
 def candidate_of(cfg: Config) -> Candidate:
     """The candidate ``cfg`` trains as."""
-    p = cfg.parallel
-    return Candidate(p.stage, cfg.model.remat, p.micro_batches, cfg.train.batch_size)
+    p, z = cfg.parallel, cfg.zero
+    return Candidate(
+        p.stage, cfg.model.remat, p.micro_batches, cfg.train.batch_size,
+        offload=z.offload == "optimizer", qwz=z.qwz, qgz=z.qgz,
+    )  # fmt: skip
 
 
 def first_batch(cfg: Config, corpus: Any) -> dict[str, np.ndarray]:
@@ -253,6 +270,64 @@ def budget(
     )
 
 
+def host_budget(
+    configured: str | float | None,
+    local_devices: int,
+    host_copy: float = 0.0,
+    hw: Hardware | None = None,
+) -> tuple[float | None, str]:
+    """Host bytes per device that offloaded state may use, and where the figure comes
+    from; None when the devices' memory is the host's (simulated CPU devices, or a
+    machine that reports no memory): then host bytes count against the device budget.
+
+    ``configured``: ``zero.host_memory`` (``jaxzero plan --host-memory``); ``hw``: a target
+    whose data sheet gives its host memory (``--hardware``); ``host_copy``: a checkpoint's
+    host copy of the state, which shares the host's memory on any machine."""
+    if configured is not None:
+        return parse_bytes(configured), "as given"
+    if hw is not None and hw.host_memory is not None:
+        return hw.host_memory, f"{hw.name}'s host, per device: data sheet"
+    if jax.default_backend() == "cpu":
+        return None, "simulated CPU devices live in it: offload moves nothing out of it"
+    avail = mem_available()
+    if avail is None:
+        return None, "this machine reports no host memory: counted with the device's"
+    share = (avail - host_copy) / local_devices
+    return share, (
+        f"the host's MemAvailable {format_bytes(avail)}, less {format_bytes(host_copy)} for a "
+        f"checkpoint's host copy, shared by {local_devices} devices"
+    )
+
+
+def beyond_options(mesh: Any, host: float | None) -> dict[str, Any]:
+    """Which of issue 47's options the candidates include (:func:`~jaxzero.accounting.
+    planner.candidates`' keywords): offload where a host budget apart from the devices'
+    is known; quantized collectives where the mesh has a slow axis (a hybrid mesh,
+    replicas across groups: its groups span nodes)."""
+    return {"offload": host is not None, "quantized": int(dict(mesh.shape).get(REPLICA, 1)) > 1}
+
+
+def keep_choices(cfg: Config, cands: list[Candidate]) -> list[Candidate]:
+    """``cands`` with the run's own offload and ZeRO++ settings kept: the planner chooses
+    the stage, remat and micro-batches, never drops what the user asked for. A stage that
+    cannot take them is left out (offload and qgZ need 1-3; qwZ and hpZ need 3)."""
+    z = cfg.zero
+    if not (z.offload or z.qwz or z.qgz or z.hpz):
+        return cands
+    lowest = 3 if (z.qwz or z.hpz) else 1
+    kept = [
+        dataclasses.replace(
+            c,
+            offload=c.offload or z.offload == "optimizer",
+            qwz=c.qwz or z.qwz,
+            qgz=z.qgz or c.qgz,
+        )
+        for c in cands
+        if c.stage >= lowest
+    ]
+    return list(dict.fromkeys(kept))
+
+
 def unique_bytes(state: Any) -> float:
     """Bytes of one copy of every leaf of an abstract state (what a checkpoint saves)."""
     return float(sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state)))
@@ -268,12 +343,20 @@ def plan_run(
     which: list[Candidate] | None = None,
     max_batch: int = 1,
     exhaustive: bool = False,
+    host: tuple[float | None, str] | None = None,
 ) -> Survey:
     """Survey a run's candidates (default: every stage, remat and micro-batch count at its
-    global batch) against ``budget_bytes`` per device less the run's headroom."""
+    global batch, with offload and quantization where :func:`beyond_options` offers them)
+    against ``budget_bytes`` per device less the run's headroom.
+
+    ``host``: the host budget per device and its note (:func:`host_budget`; default:
+    ``zero.host_memory``, else the machine's)."""
     n = int(cands.mesh.devices.size)
     group = n // int(dict(cands.mesh.shape).get(REPLICA, 1))
-    cands_ = which or candidates(cfg.train.batch_size, n)
+    if host is None:
+        host = host_budget(cfg.zero.host_memory, jax.local_device_count())
+    cands_ = which or candidates(cfg.train.batch_size, n, **beyond_options(cands.mesh, host[0]))
+    cands_ = keep_choices(cfg, cands_)
     prec = precision_bytes("mixed" if cfg.precision.compute == "bf16" else "fp32", "adamw")
     psi, frozen = cands.num_params()
     held = f" (+{format_bytes(frozen)} frozen)" if frozen else ""
@@ -286,6 +369,7 @@ def plan_run(
         cands, cands_, budget_bytes, hw, devices=n, group=group, num_params=psi,
         frozen_bytes=frozen, precision=prec, max_batch=max_batch, exhaustive=exhaustive,
         budget_note=note, title=title, headroom=headroom(cfg.zero.headroom, hw),
+        host_budget=host[0], host_note=host[1],
     )  # fmt: skip
 
 
@@ -319,20 +403,39 @@ def preflight(
     whole = unique_bytes(built.state)
     host = whole if jax.default_backend() == "cpu" else 0.0
     limit, note = budget(cfg.zero.device_memory, jax.local_device_count(), host)
+    hosted = host_budget(cfg.zero.host_memory, jax.local_device_count(), whole - host)
     share = headroom(cfg.zero.headroom, hw)
     held, said = held_to(limit, share), _limit_note(limit, note, share)
     if cfg.zero.auto:
-        return _auto(cfg, cands, limit, note, hw, began)
-    row = Planner(cands, limit, hw, int(mesh.devices.size), headroom=share).row(own)
+        return _auto(cfg, cands, limit, note, hw, began, hosted)
+    planner = Planner(
+        cands, limit, hw, int(mesh.devices.size), headroom=share, host_budget=hosted[0]
+    )
+    row = planner.row(own)
     if row.status == "failed":
         raise ConfigError(f"the step does not compile: {row.why}")
-    need = max(row.peak, _eval_need(built, row.persistent))
-    if need > held:
-        found = plan_run(cfg, cands, limit, note, hw, max_batch=0)
+    # offload: the device peak leaves the host-resident state out; where the host is the
+    # devices' own memory (CPU) that state counts here too, else against the host budget
+    shared = row.host if hosted[0] is None else 0
+    need = max(row.peak, _eval_need(built, row.persistent)) + shared
+    hosting = planner.host_held is not None and row.host > planner.host_held
+    if need > held or hosting:
+        found = plan_run(cfg, cands, limit, note, hw, max_batch=0, host=hosted)
+        what = (
+            f"the step holds {format_bytes(row.host)} of host memory per device (offload) and "
+            f"the host's limit is {format_bytes(planner.host_held or 0)} ({hosted[1]})"
+            if hosting
+            else f"the step needs {format_bytes(need)} per device at its peak"
+            + (
+                f" ({format_bytes(shared)} of it offloaded to the host, its memory)"
+                if shared
+                else ""
+            )
+            + f" ({own.describe()}, global batch {own.batch}; compiled) and the limit is "
+            f"{format_bytes(held)} ({said})"
+        )
         raise ConfigError(
-            f"will not fit: the step needs {format_bytes(need)} per device at its peak "
-            f"({own.describe()}, global batch {own.batch}; compiled) and the limit is "
-            f"{format_bytes(held)} ({said}). What fits: {found.suggestions()}; set them "
+            f"will not fit: {what}. What fits: {found.suggestions()}; set them "
             "(--stage, --micro-batches, --set model.remat=...) or --set zero.auto=true, "
             "or a smaller train.batch_size"
         )
@@ -340,6 +443,11 @@ def preflight(
         f"fits: peak {format_bytes(need)} of {format_bytes(held)} per device ({said}; "
         f"compiled in {time.perf_counter() - began:.1f}s)"
     )
+    if row.host and not shared:
+        line += (
+            f"; offload: {format_bytes(row.host)} of host memory per device, of "
+            f"{format_bytes(planner.host_held or 0)} ({hosted[1]})"
+        )
     return Checked(cfg, model, engine, line, need, whole)
 
 
@@ -351,10 +459,11 @@ def _limit_note(limit: float, note: str, share: float) -> str:
 
 
 def _eval_need(built: Built, persistent: int) -> int:
-    """Bytes an evaluation needs: the whole state stays while it runs."""
+    """Bytes an evaluation needs on the device: the state's device part (``persistent``)
+    stays while it runs (an offloaded part stays in host memory)."""
     compiled = built.engine.compile_eval(built.state, built.batch)
     params = shard_bytes(built.state.params)
-    return persistent - params + compiled_memory(compiled).peak
+    return persistent - params + compiled_memory(compiled).device_peak
 
 
 def _resident() -> float | None:
@@ -362,15 +471,24 @@ def _resident() -> float | None:
     return now.resident if now is not None else None
 
 
-def _auto(cfg: Config, cands: Candidates, limit: float, note: str, hw: Hardware, began: float):
+def _auto(
+    cfg: Config,
+    cands: Candidates,
+    limit: float,
+    note: str,
+    hw: Hardware,
+    began: float,
+    host: tuple[float | None, str] | None = None,
+):
     """The fastest candidate whose step and evaluation fit with the headroom; the others'
     programs are released before the run allocates anything."""
     before = _resident()
-    found = plan_run(cfg, cands, limit, note, hw, max_batch=0)
+    found = plan_run(cfg, cands, limit, note, hw, max_batch=0, host=host)
     held = found.held
     best, need, said = None, 0, _limit_note(limit, note, found.headroom)
     for row in found.fitting():  # fastest first: the first whose evaluation fits too
-        need = max(row.peak, _eval_need(cands(row.candidate), row.persistent))
+        shared = row.host if found.host_budget is None else 0  # the host is the devices'
+        need = max(row.peak, _eval_need(cands(row.candidate), row.persistent)) + shared
         if need <= held:
             best = row
             break

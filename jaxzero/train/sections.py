@@ -95,6 +95,9 @@ class ZeroConfig:
     headroom: float | None = None
     # stop in one line (exit 1) before the host runs out of memory, or past device_memory
     memory_guard: bool = True
+    # host bytes per device that offloaded state may use ("256GB"); null: the host's
+    # MemAvailable shared by its devices (on CPU none apart: the devices are host memory)
+    host_memory: str | float | None = None
     # beyond ZeRO (docs/offload.md, docs/zeropp.md): "optimizer" keeps the fp32 master
     # and the optimizer state in host memory (stages 1-3); qwz gathers stage 3's weights
     # in int8, qgz reduces gradients in int8 or int4 (stages 1-3), hpz keeps a params copy
