@@ -591,6 +591,39 @@ def test_hybrid_2x4_stage3_intra_and_inter_group_bytes_match_the_formulas():
     assert r.to_dict()["ratios"]["comm_inter"] == pytest.approx(1.0, abs=0.02)
 
 
+@pytest.mark.parametrize("qgz", [None, "int8"])
+def test_hpz_2x4_state_over_every_device_and_traffic_across_groups_match_the_formulas(qgz):
+    """hpZ: the master and Adam's moments over all 8 devices (12 bytes / 8 a param), the
+    fp32 working params over the group's 4 (fp32: XLA:CPU widens bf16 collectives); across the groups a reduce-scatter of the gradient shard
+    and one all-gather of the new params (with qgZ: a quantized all-to-all), measured
+    in the compiled step beside the formulas."""
+    import optax
+
+    import jaxzero
+    from jaxzero.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=64, n_layers=2, n_heads=4)
+    model = GPT(cfg)
+    engine = model.engine(
+        optax.adamw(1e-3), mesh=jaxzero.make_mesh(8, replicas=2), stage=3, hpz=True,
+        qgz=qgz, quant_block=256,
+    )  # fmt: skip
+    state = engine.init_from(model.init, jax.random.key(0))
+    tokens = jnp.zeros((16, cfg.seq_len), jnp.int32)
+    r = acc.report(engine, state, {"inputs": tokens, "targets": tokens})
+    psi = r.config["num_params"]
+    assert r.theory.params == pytest.approx(4 * psi / 4)
+    # + Adam's count, a few bytes
+    assert r.theory.master + r.theory.optimizer == pytest.approx(12 * psi / 8, rel=1e-4)
+    ratios = r.to_dict()["ratios"]
+    assert ratios["persistent"] == pytest.approx(1.0, abs=0.01), r.table()
+    if qgz is None:  # a reduce-scatter of the shard + an all-gather of it, R = 2
+        assert r.theory.comm_inter == pytest.approx(2 * (psi * 4 / 4) / 2)
+    assert r.traffic.by_scope["inter"] == pytest.approx(r.theory.comm_inter, rel=0.02), r.table()
+    assert r.traffic.by_scope["intra"] == pytest.approx(r.theory.comm_intra, rel=0.03), r.table()
+    assert "the master and optimizer state over every device (hpZ)" in r.table()
+
+
 # ------------------------------------------------------- frozen params (a LoRA-like model)
 
 LORA_L, LORA_D, LORA_R = 4, 64, 4  # layers, width, adapter rank

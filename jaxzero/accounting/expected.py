@@ -60,6 +60,8 @@ def inter_group_bytes(
     micro_batches: int = 1,
     qgz_bits: int = 0,
     quant_block: int = 2048,
+    hpz: bool = False,
+    param_bytes: float = 2.0,
 ) -> float:
     """Hybrid sharding's traffic across groups, per device per step.
 
@@ -69,10 +71,20 @@ def inter_group_bytes(
     micro-batch). Stage 0 has no shards: its one all-reduce spans every device.
     With qgZ (``qgz_bits``) the second hop all-gathers the quantized shard across the
     groups instead (:func:`jaxzero.zeropp.reduce_scatter_wire_bytes`'s second term).
+    With hpZ (``hpz``, stage 3) the shard is reduce-scattered across the groups instead
+    (a quantized all-to-all with qgZ), and the new params shard (``param_bytes`` an
+    element) all-gathered across them once a step: in equal dtypes the all-reduce's bytes.
     """
     if stage == 0 or replicas <= 1:
         return 0.0
     times = micro_batches if stage >= 2 else 1
+    if hpz:
+        gather = est.ring_bytes("all-gather", psi * param_bytes / n, replicas)
+        if qgz_bits:  # the second all-to-all sends R - 1 of a device's quantized slices
+            every = n * replicas
+            row = est.quantized_reduce_bytes(psi, every, quant_block, qgz_bits) / (every - 1)
+            return times * (replicas - 1) * row + gather
+        return times * est.ring_bytes("reduce-scatter", psi * grad_bytes / n, replicas) + gather
     if qgz_bits:
         hop = est.quantized_reduce_bytes(psi, n, quant_block, qgz_bits, replicas)
         return times * (hop - est.quantized_reduce_bytes(psi, n, quant_block, qgz_bits))
@@ -95,6 +107,7 @@ def theory(
     qwz: bool = False,
     qgz_bits: int = 0,
     quant_block: int = 2048,
+    hpz: bool = False,
 ) -> Theory:
     """Model-state memory and communication from :mod:`jaxzero.accounting.estimate`'s formulas.
 
@@ -115,6 +128,9 @@ def theory(
       offload: the master and the optimizer state in host memory (``Theory.host``).
       qwz, qgz_bits, quant_block: ZeRO++'s quantized gathers and reductions
         (:func:`jaxzero.accounting.formulas.comm_bytes`).
+      hpz: ZeRO++ hpZ: the master and optimizer state over all ``n x replicas`` devices,
+        the shard reduce-scattered across groups and the params gathered back
+        (:func:`inter_group_bytes`).
     """
     prec = est.Precision(
         param=param_bytes,
@@ -123,15 +139,17 @@ def theory(
         optimizer=optimizer_per_param,
     )
     held = (frozen_bytes, 1.0)  # (count, bytes each) as the estimate takes them
-    ms = est.model_state_bytes(psi, n, stage, prec, *held, offload=offload)
+    groups = replicas if hpz else 1
+    ms = est.model_state_bytes(psi, n, stage, prec, *held, offload=offload, hpz_replicas=groups)
     n_ring = n * replicas if stage == 0 else n  # stage 0 all-reduces over every device
     cm = est.comm_bytes(
         psi, n_ring, stage, grad_bytes, param_bytes, micro_batches, param_gathers, *held,
         qwz=qwz, qgz_bits=qgz_bits, quant_block=quant_block,
     )  # fmt: skip
     inter = inter_group_bytes(
-        psi, n, replicas, stage, grad_bytes, micro_batches, qgz_bits, quant_block
-    )
+        psi, n, replicas, stage, grad_bytes, micro_batches, qgz_bits, quant_block, hpz,
+        param_bytes,
+    )  # fmt: skip
     intra = 0.0 if stage == 0 and replicas > 1 else cm.total
     return Theory(
         params=ms.params,
@@ -209,6 +227,7 @@ def layout_expectation(
     qwz: bool = False,
     qgz_bits: int = 0,
     quant_block: int = 2048,
+    hpz: bool = False,
 ) -> LayoutExpectation:
     """Leaf-by-leaf persistent bytes and traffic for the engine's layouts.
 
@@ -226,12 +245,14 @@ def layout_expectation(
       qwz, qgz_bits, quant_block: each sharded leaf's stage-3 gathers and its gradient's
         reduce-scatter count :mod:`jaxzero.zeropp`'s wire bytes, a leaf a collective
         (unbucketed; a bucket shares its scale blocks across leaves: a few bytes fewer).
+      hpz: the master and optimizer-state leaves split over all ``n x replicas`` devices.
     """
     frac = (n - 1) / n if n > 1 else 0.0
     every = n * replicas  # replicated leaves (and stage 0) all-reduce over every device
     frac_all = (every - 1) / every if every > 1 else 0.0
     k = micro_batches
-    persistent = sum(_stored_per_device(lay, n, stage >= 1) * size for lay, size in optimizer)
+    n_state = n * replicas if hpz else n  # the master's and optimizer state's shards
+    persistent = sum(_stored_per_device(lay, n_state, stage >= 1) * size for lay, size in optimizer)
     host = persistent if offload else 0.0
     comm = inter = gather = 0.0
     padded_total = replicated = 0
@@ -247,7 +268,7 @@ def layout_expectation(
     persistent += held
     for lay in layouts:
         size = math.prod(lay.shape)
-        master = _stored_per_device(lay, n, stage >= 1) * master_bytes
+        master = _stored_per_device(lay, n_state, stage >= 1) * master_bytes
         persistent += _stored_per_device(lay, n, stage == 3) * param_bytes + master
         host += master if offload else 0.0
         if lay.dim is None:
@@ -260,9 +281,10 @@ def layout_expectation(
         padded_total += padded
         times = k if stage >= 2 else 1  # reductions a step: stage 1 once, 2-3 per micro-batch
         if stage >= 1 and replicas > 1:
-            inter += times * inter_group_bytes(
-                padded, n, replicas, stage, grad_bytes, 1, qgz_bits, quant_block
-            )
+            inter += inter_group_bytes(
+                padded, n, replicas, stage, grad_bytes, k, qgz_bits, quant_block, hpz,
+                param_bytes,
+            )  # fmt: skip
         if stage == 0:
             comm += 2 * size * grad_bytes * frac_all
             continue

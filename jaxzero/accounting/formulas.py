@@ -203,6 +203,7 @@ def model_state_bytes(
     frozen: float = 0.0,
     frozen_bytes_per_param: float = 2.0,
     offload: bool = False,
+    hpz_replicas: int = 1,
 ) -> ModelStates:
     """Per-device model-state bytes: docs/zero.md's memory table.
 
@@ -217,6 +218,8 @@ def model_state_bytes(
       frozen: frozen parameter count Ψf (:func:`frozen_state_bytes`): stored once at
         ``frozen_bytes_per_param`` (2: a bf16 base), divided by ``n`` at stage 3 only.
       offload: ZeRO-Offload (stages 1-3): the master and the moments in host memory.
+      hpz_replicas: ZeRO++ hpZ on a hybrid mesh of this many groups of ``n``: the master
+        and the moments are split over all ``n x hpz_replicas`` devices.
 
     Raises:
       ValueError: offload at stage 0 (the engine refuses it: nothing is sharded).
@@ -224,7 +227,7 @@ def model_state_bytes(
     _check(psi, n, stage)
     _check_offload(offload, stage)
     prec = prec or precision_bytes()
-    os_div = n if stage >= 1 else 1
+    os_div = n * hpz_replicas if stage >= 1 else 1
     g_div = n if stage >= 2 else 1
     p_div = n if stage >= 3 else 1
     return ModelStates(

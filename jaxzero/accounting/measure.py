@@ -229,6 +229,7 @@ def _predictions(plan: Plan, state: TrainState, replicas: int) -> tuple[Theory, 
         qwz=cfg.qwz,
         qgz_bits=cfg.qgz_bits,
         quant_block=cfg.quant_block,
+        hpz=cfg.hpz,
     )
     layouts = plan.leaves()
     ex = layout_expectation(
@@ -247,6 +248,7 @@ def _predictions(plan: Plan, state: TrainState, replicas: int) -> tuple[Theory, 
         qwz=cfg.qwz,
         qgz_bits=cfg.qgz_bits,
         quant_block=cfg.quant_block,
+        hpz=cfg.hpz,
     )
     return th, ex
 
@@ -316,6 +318,7 @@ def _config(
         "offload": "optimizer" if cfg.offload else None,
         "qwz": cfg.qwz,
         "qgz_bits": cfg.qgz_bits,
+        "hpz": cfg.hpz,
         "quant_block": cfg.quant_block,
     }
 

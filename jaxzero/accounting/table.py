@@ -234,8 +234,13 @@ class Report:
             f"(compute {c['compute_dtype']}, gradient reduce {c['reduce_dtype']}), "
             f"{c['micro_batches']} micro-batch(es)"
             + (
-                f"; hybrid: {c['replicas']} groups of {c['num_shards']} devices, the state "
-                "replicated across groups"
+                f"; hybrid: {c['replicas']} groups of {c['num_shards']} devices, "
+                + (
+                    "the params within a group, the master and optimizer state over every "
+                    "device (hpZ)"
+                    if c.get("hpz")
+                    else "the state replicated across groups"
+                )
                 if c.get("replicas", 1) > 1
                 else ""
             ),

@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--qwz", action="store_true", help="stage 3 gathers the weights as int8")
     b.add_argument("--qgz", choices=["int8", "int4"], default=None, help="quantized gradients")
     b.add_argument("--quant-block", type=int, default=2048, help="elements per scale")
+    b.add_argument(
+        "--hpz",
+        action="store_true",
+        help="with --group-size, stage 3: the params sharded within each group, the master "
+        "and optimizer state over every device",
+    )
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -185,6 +191,7 @@ def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any]:
         qwz=args.qwz,
         qgz=args.qgz,
         quant_block=args.quant_block,
+        hpz=args.hpz,
     )
 
     def init(key: jax.Array) -> Any:
