@@ -2,13 +2,14 @@
 
 The default ``jaxzero train`` (a byte-level GPT, 4 layers x 128, on Python's standard
 library, stage 3 on 8 simulated CPU devices, fp32, AdamW) trained ``--steps`` steps
-three ways, each in a fresh process with the same seed and data: exact collectives,
-qwZ + qgZ int8 (``--set zero.qwz=true --set zero.qgz=int8``) and qwZ + qgZ int4. Printed
+four ways, each in a fresh process with the same seed and data: exact collectives,
+qwZ + qgZ int8 (``--set zero.qwz=true --set zero.qgz=int8``), qwZ + qgZ int4 at the
+default block of 2048 and at 256 (``--set zero.quant_block=256``). Printed
 and written (``experiments/results/zeropp_loss.csv`` row by row, ``zeropp_loss.md``): the
 final train and validation loss of each, the validation loss's gap to the exact run's,
 and the training time (the machine is shared: a ratio, not a speed claim).
 
-    python -m experiments.zeropp_loss                # 300 steps each: ~3 minutes, 2 cores
+    python -m experiments.zeropp_loss                # 300 steps each: ~4 minutes, 2 cores
     python -m experiments.zeropp_loss --steps 20 --out /tmp/z   # a quick look
 """
 
@@ -29,16 +30,20 @@ from experiments.results_io import write_csv  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
-VARIANTS = {
-    "exact": [],
-    "qwZ + qgZ int8": ["zero.qwz=true", "zero.qgz=int8"],
-    "qwZ + qgZ int4": ["zero.qwz=true", "zero.qgz=int4"],
+VARIANTS = {  # name: (run directory, settings)
+    "exact": ("exact", []),
+    "qwZ + qgZ int8": ("q8", ["zero.qwz=true", "zero.qgz=int8"]),
+    "qwZ + qgZ int4": ("q4", ["zero.qwz=true", "zero.qgz=int4"]),
+    "qwZ + qgZ int4, blocks of 256": (
+        "q4b256",
+        ["zero.qwz=true", "zero.qgz=int4", "zero.quant_block=256"],
+    ),
 }
 
 
 def run(name: str, settings: list[str], steps: int, root: Path) -> dict:
     """One ``jaxzero train`` in a fresh process; its summary.json."""
-    label = name.split()[0] if name == "exact" else name.replace(" + ", "_").replace(" ", "")
+    label = VARIANTS[name][0]
     cmd = [sys.executable, "-m", "jaxzero.train", "--steps", str(steps)]
     cmd += ["--set", f"logging.root={root}", "--set", f"logging.name={label}"]
     cmd += ["--set", "logging.sample_tokens=0", "--set", "logging.progress=none"]
@@ -62,7 +67,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.variants:
-            s = run(name, VARIANTS[name], args.steps, Path(tmp))
+            s = run(name, VARIANTS[name][1], args.steps, Path(tmp))
             exact = rows[0]["val_loss"] if rows else s["final_val_loss"]
             row = {
                 "variant": name,

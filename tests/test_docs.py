@@ -136,6 +136,18 @@ def _md_rows(text: str) -> list[list[str]]:
 
 
 @pytest.mark.unit
+def test_beyond_zero_pages_quote_the_experiment_results():
+    """docs/zeropp.md's and docs/offload.md's measured rows are copied from what
+    experiments/zero_beyond.py and zeropp_loss.py wrote, not typed."""
+    results = ROOT / "experiments" / "results"
+    written = (results / "zero_beyond.md").read_text() + (results / "zeropp_loss.md").read_text()
+    rows = {"|".join(c.strip() for c in r) for r in _md_rows(written)}
+    quoted = _md_rows(PAGES["zeropp.md"][PAGES["zeropp.md"].index("## Measured") :])
+    assert len(quoted) >= 16
+    for r in quoted:
+        assert "|".join(c.strip() for c in r) in rows, r
+
+
 def test_accounting_tables_quote_the_experiment_results():
     """README's and the accounting page's stage tables are copied from what
     experiments/zero_*.py wrote, not typed."""
