@@ -34,6 +34,30 @@ class Parser(argparse.ArgumentParser):
         raise ArgError(message)
 
 
+def beyond_zero_options(p: argparse.ArgumentParser, hpz: bool = False) -> None:
+    """``--offload``, ``--qwz``, ``--qgz``, ``--quant-block`` (and ``--hpz``): the flags of
+    offload and ZeRO++ that ``jaxzero estimate`` and ``jaxzero report`` share."""
+    b = p.add_argument_group("beyond ZeRO (docs/offload.md, docs/zeropp.md)")
+    b.add_argument(
+        "--offload",
+        choices=["optimizer"],
+        default=None,
+        help="the fp32 master and the optimizer state in host memory (stages 1-3)",
+    )
+    b.add_argument("--qwz", action="store_true", help="stage 3 gathers the weights as int8")
+    b.add_argument(
+        "--qgz", choices=["int8", "int4"], default=None, help="gradients reduce-scattered so"
+    )
+    b.add_argument("--quant-block", type=int, default=2048, help="elements per quantization scale")
+    if hpz:
+        b.add_argument(
+            "--hpz",
+            action="store_true",
+            help="with --group-size, stage 3: the params sharded within each group, the "
+            "master and optimizer state over every device",
+        )
+
+
 def os_reason(e: OSError) -> str:
     """``"Read-only file system: 'runs/x'"``: the OS's reason and the path it concerns."""
     if e.filename is None:

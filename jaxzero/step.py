@@ -415,8 +415,10 @@ def make_train_step(
     grads_of = _sharded_gradient_step(cfg, mesh, layouts, specs, loss_fn, fz)
     # check_vma=False: the new params' P() (stages 1-2) holds because an all_gather gives
     # every device the same array; check_vma=True cannot infer that and refuses to trace.
+    # hpZ: the new params, split over every device as the master is, are gathered across
+    # the groups once a step into each group's copy (split within the group)
     gather = jax.shard_map(
-        functools.partial(gather_params, cfg, layouts),
+        functools.partial(gather_groups if cfg.hpz else gather_params, cfg, layouts),
         mesh=mesh,
         in_specs=(grad_specs,),
         out_specs=specs.params,
@@ -439,22 +441,10 @@ def make_train_step(
         loss, grads, _, _ = unclipped(working(master), batch, step, frozen)
         return loss, to_logical(layouts, grads)
 
-    # hpZ: the new working params, sharded over every device as the master is, gathered
-    # across the groups once a step into each group's copy (sharded within the group)
-    regroup = jax.shard_map(
-        functools.partial(gather_groups, cfg, layouts),
-        mesh=mesh,
-        in_specs=(grad_specs,),
-        out_specs=specs.params,
-        check_vma=False,
-    )
-
     def working(master: Params) -> Params:
         """The working params (compute dtype, the stage's layout) of stored master params."""
         params = jax.tree.map(lambda m: m.astype(cfg.compute_dtype), master)
-        if cfg.hpz:
-            return regroup(params)
-        return gather(params) if cfg.stage in (1, 2) else params
+        return gather(params) if cfg.stage in (1, 2) or cfg.hpz else params
 
     # offload (jaxzero.offload): the master (bf16 training) and the optimizer state come
     # from host memory for the update and go back after it, one transfer a leaf each way

@@ -34,7 +34,7 @@ from jaxzero.accounting.estimate import (
     Estimate,
     estimate,
 )
-from jaxzero.cli import Parser
+from jaxzero.cli import Parser, beyond_zero_options
 from jaxzero.models import from_fields
 from jaxzero.train import config as config_lib
 
@@ -90,18 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--remat", default="none", choices=["none", "full"])
     p.add_argument("--fused-attention", action="store_true")
-    b = p.add_argument_group("beyond ZeRO (docs/offload.md, docs/zeropp.md)")
-    b.add_argument(
-        "--offload",
-        choices=["optimizer"],
-        default=None,
-        help="the fp32 master and the optimizer state in host memory (stages 1-3)",
-    )
-    b.add_argument("--qwz", action="store_true", help="stage 3 gathers the weights as int8")
-    b.add_argument(
-        "--qgz", choices=["int8", "int4"], default=None, help="gradients reduce-scattered so"
-    )
-    b.add_argument("--quant-block", type=int, default=2048, help="elements per quantization scale")
+    beyond_zero_options(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 

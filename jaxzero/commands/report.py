@@ -27,7 +27,7 @@ import optax
 
 import jaxzero
 from jaxzero import cli
-from jaxzero.cli import Parser, output_problem
+from jaxzero.cli import Parser, beyond_zero_options, output_problem
 from jaxzero.mesh import accelerator_expected, replicas_for, simulate_devices
 from jaxzero.models import from_fields
 
@@ -92,22 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         "fine-tune loads it); int8/nf4: QLoRA, the targets' weights quantized (codes and "
         "block scales), the rest of the base bf16",
     )
-    b = p.add_argument_group("beyond ZeRO (docs/offload.md, docs/zeropp.md)")
-    b.add_argument(
-        "--offload",
-        choices=["optimizer"],
-        default=None,
-        help="the fp32 master and the optimizer state in host memory (stages 1-3)",
-    )
-    b.add_argument("--qwz", action="store_true", help="stage 3 gathers the weights as int8")
-    b.add_argument("--qgz", choices=["int8", "int4"], default=None, help="quantized gradients")
-    b.add_argument("--quant-block", type=int, default=2048, help="elements per scale")
-    b.add_argument(
-        "--hpz",
-        action="store_true",
-        help="with --group-size, stage 3: the params sharded within each group, the master "
-        "and optimizer state over every device",
-    )
+    beyond_zero_options(p, hpz=True)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
