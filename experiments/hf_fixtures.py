@@ -10,15 +10,22 @@ CI has no torch, so jaxzero's Llama-family implementation is checked against log
 Models (vocab 64, hidden 32, intermediate 48, 2 layers): llama_gqa (bf16, GQA 4/2),
 qwen2_tied (fp16, q/k/v biases, tied embeddings; its sharded copy also ships a stray
 lm_head.weight), llama3_rope (fp32, llama3 rope scaling, head_dim 16 != hidden/heads,
-attention biases; single only) and mistral (bf16, single only). Every weight
-is redrawn at a scale that makes attention non-uniform (biases and norm gains included),
-so rope, biases and norms all move the logits. reference.npz holds `tokens` (int32, 2x24)
-and `logits` (float32, 2x24xV) from the directory loaded back in float32, eager attention.
+attention biases; single only), mistral (bf16, single only), qwen3 (bf16, q/k norms,
+GQA 4/2, head_dim 16, single only), mistral_window (fp32, a sliding window of 8 tokens on
+every layer, single only) and qwen3_window (bf16, 3 layers of types sliding/full/sliding
+with a window of 8, head_dim 8, GQA 4/1, biases on q/k/v/o, tied embeddings, single
+only). Every weight is redrawn at a scale that makes attention non-uniform (biases and
+norm gains included; q/k norm gains wider), so rope, biases and norms all move the
+logits, and a window shorter than the 24 reference tokens moves them too.
+reference.npz holds `tokens` (int32, 2x24) and `logits` (float32, 2x24xV) from the
+directory loaded back in float32, eager attention.
 
-Needs torch, transformers and safetensors (not jaxzero). Regenerate, or check that
-transformers loads a directory that jaxzero saved to the same logits:
+Needs torch, transformers and safetensors (not jaxzero). Regenerate (all, or only the
+models named: the others' files are left as they are), or check that transformers
+loads a directory that jaxzero saved to the same logits:
 
-    /path/to/venv-with-torch/bin/python -m experiments.hf_fixtures [--out tests/fixtures/hf]
+    /path/to/venv-with-torch/bin/python -m experiments.hf_fixtures [--out tests/fixtures/hf] \\
+        [--only NAME ...]
     /path/to/venv-with-torch/bin/python -m experiments.hf_fixtures check SAVED_DIR \\
         REFERENCE_NPZ [--atol 1e-4]
 """
@@ -46,6 +53,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 OUT = pathlib.Path(__file__).parent.parent / "tests" / "fixtures" / "hf"
@@ -53,6 +62,8 @@ VOCAB = 64
 TOKENS_SHAPE = (2, 24)
 WEIGHT_STD = 0.2  # ~1/sqrt(hidden): attention scores of order 1, so rope matters
 NORM_STD = 0.1  # norm gains 1 + N(0, NORM_STD^2)
+QK_NORM_STD = 0.5  # Qwen3's q/k norm gains: wide, so applying them after rope would show
+WINDOW = 8  # the window fixtures' sliding window: a third of the reference tokens
 # vocab 64 (not 96), intermediate 48 (not 64) and no llama3_rope/sharded: under 400 KB in all
 SIZES = dict(
     vocab_size=VOCAB,
@@ -117,12 +128,53 @@ def mistral() -> PreTrainedModel:
     return MistralForCausalLM(config)
 
 
+def qwen3() -> PreTrainedModel:
+    config = Qwen3Config(
+        **SIZES,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def mistral_window() -> PreTrainedModel:
+    config = MistralConfig(
+        **SIZES,
+        num_key_value_heads=2,
+        sliding_window=WINDOW,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    return MistralForCausalLM(config)
+
+
+def qwen3_window() -> PreTrainedModel:
+    config = Qwen3Config(
+        **{**SIZES, "num_hidden_layers": 3},
+        num_key_value_heads=1,
+        head_dim=8,
+        attention_bias=True,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    return Qwen3ForCausalLM(config)
+
+
 # name: (builder, seed, saved dtype, layouts)
 MODELS = {
     "llama_gqa": (llama_gqa, 0, torch.bfloat16, ("single", "sharded")),
     "qwen2_tied": (qwen2_tied, 1, torch.float16, ("single", "sharded")),
     "llama3_rope": (llama3_rope, 2, torch.float32, ("single",)),
     "mistral": (mistral, 3, torch.bfloat16, ("single",)),
+    "qwen3": (qwen3, 4, torch.bfloat16, ("single",)),
+    "mistral_window": (mistral_window, 5, torch.float32, ("single",)),
+    "qwen3_window": (qwen3_window, 6, torch.bfloat16, ("single",)),
 }
 
 
@@ -134,7 +186,9 @@ def randomize(model: PreTrainedModel) -> None:
     """Redraw every parameter (norm gains around 1, the rest around 0) from the torch seed."""
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied weights come once
-            if "norm" in name:
+            if "q_norm" in name or "k_norm" in name:
+                p.copy_(1.0 + QK_NORM_STD * torch.randn_like(p))
+            elif "norm" in name:
                 p.copy_(1.0 + NORM_STD * torch.randn_like(p))
             else:
                 p.copy_(WEIGHT_STD * torch.randn_like(p))
@@ -253,6 +307,26 @@ def describe_head(directory: pathlib.Path, shipped: torch.Tensor) -> str:
     )
 
 
+def check_window(directory: pathlib.Path, logits: np.ndarray) -> None:
+    """The reference logits with the window and without it (the same weights): they
+    must differ, or the window would not be tested."""
+    config = json.loads((directory / "config.json").read_text())
+    if config.get("sliding_window") is None:
+        return
+    types = config.get("layer_types") if config["model_type"] != "mistral" else None
+    unwindowed: dict[str, object] = {"sliding_window": None}
+    if types is not None:
+        unwindowed["layer_types"] = ["full_attention"] * len(types)
+    full = load(directory, attn_implementation="eager", **unwindowed)
+    diff = float(np.abs(logits - logits_of(full, reference_tokens(VOCAB))).max())
+    print(
+        f"  sliding_window {config['sliding_window']}, layer_types {types}: "
+        f"max |logits - logits without the window| = {diff:.4g}"
+    )
+    if diff < 1e-2:
+        raise RuntimeError("the window leaves the logits unchanged")
+
+
 def check_rope(model: PreTrainedModel) -> None:
     cfg = model.config
     inv = model.model.rotary_emb.inv_freq.float()
@@ -297,6 +371,7 @@ def generate_one(name: str, out: pathlib.Path) -> None:
         print(f"  max |single - sharded| = {diff:.6g}")
     if stray is not None:
         print(f"  {name}/sharded: {describe_head(out / name / 'sharded', stray)}")
+    check_window(out / name / "single", logits["single"])
     config = json.loads((out / name / "single" / "config.json").read_text())
     rope = {k: v for k, v in config.items() if "rope" in k or "theta" in k}
     print(f"  config.json rope keys: {rope}")
@@ -316,13 +391,18 @@ vocab {VOCAB}, hidden {SIZES["hidden_size"]}, intermediate {SIZES["intermediate_
   `qwen2_tied/` (Qwen2, q/k/v biases, tied embeddings, fp16; `sharded/` also ships a stray
   `lm_head.weight` that differs from `embed_tokens`), `llama3_rope/` (Llama, llama3 rope
   scaling, head_dim 16, attention biases, fp32, `single/` only), `mistral/` (bf16,
-  `single/` only).
+  `single/` only), `qwen3/` (Qwen3, q/k norms with gains 1 + N(0, {QK_NORM_STD}^2), GQA
+  4/2, head_dim 16, bf16, `single/` only), `mistral_window/` (Mistral, sliding window
+  {WINDOW} on every layer, fp32, `single/` only), `qwen3_window/` (Qwen3, 3 layers of
+  `layer_types` sliding/full/sliding, window {WINDOW}, head_dim 8, GQA 4/1, biases on
+  q/k/v/o, tied embeddings, bf16, `single/` only).
 - `single/` is one `model.safetensors`; `sharded/` is 2-4 shards plus
   `model.safetensors.index.json`.
 - `reference.npz` in each directory: `tokens` (int32, 2x24) and the float32 `logits`
   (2x24xV) transformers computes from that directory loaded in float32 (eager attention).
 
-Regenerate (needs torch + transformers, not jaxzero):
+Regenerate (needs torch + transformers, not jaxzero; `--only NAME`, repeatable, writes
+those models alone and leaves this file as it is):
 
     /path/to/venv-with-torch/bin/python -m experiments.hf_fixtures --out tests/fixtures/hf
 
@@ -332,12 +412,16 @@ Check that transformers loads a directory jaxzero saved to the same logits:
 """)
 
 
-def generate(out: pathlib.Path) -> None:
+def generate(out: pathlib.Path, only: list[str] | None = None) -> None:
+    """Every model and the README, or only the models named (the rest left as they are)."""
     transformers.utils.logging.disable_progress_bar()
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
-    for name in MODELS:
+    for name in only or MODELS:
         generate_one(name, out)
-    write_readme(out)
+    if only:
+        print(f"{out / 'README.md'} left as it is: update it by hand if the list changed")
+    else:
+        write_readme(out)
     total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"wrote {out}: {total / 1024:.1f} KiB in files")
 
@@ -363,7 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("mode", nargs="?", choices=["generate"], default="generate")
     p.add_argument("--out", type=pathlib.Path, default=OUT)
-    generate(p.parse_args(argv).out)
+    p.add_argument(
+        "--only", action="append", choices=list(MODELS), help="write this model only (repeatable)"
+    )
+    a = p.parse_args(argv)
+    generate(a.out, a.only)
     return 0
 
 

@@ -23,6 +23,7 @@ import jaxzero
 from jaxzero import hf
 from jaxzero.hf import safetensors
 from jaxzero.models import GPT, GPTConfig, Llama
+from jaxzero.models.common import FULL
 from jaxzero.models.llama_hf import HFError, llama_config
 from tests._models import rel_diff, train_reference
 
@@ -34,7 +35,11 @@ DIRS = [
     "qwen2_tied/sharded",
     "llama3_rope/single",
     "mistral/single",
+    "qwen3/single",
+    "mistral_window/single",
+    "qwen3_window/single",
 ]
+WINDOWED = ["mistral_window/single", "qwen3_window/single"]  # sliding window 8 < 24 tokens
 MIB = 2**20
 
 
@@ -85,6 +90,38 @@ def test_config_fields_read_as_transformers_means_them():
         "rope_scaling": {"type": params.pop("rope_type"), **params},
     }
     assert llama_config(legacy) == rope
+
+
+@pytest.mark.unit
+def test_qwen3_and_sliding_windows_read_as_transformers_means_them():
+    """q/k norms (Qwen3), biases by attention_bias; Mistral's window on every layer;
+    Qwen2/Qwen3's by layer_types, or max_window_layers before transformers 5 wrote
+    layer_types, and none unless use_sliding_window."""
+    qwen3 = hf.model(FIXTURES / "qwen3/single").config
+    assert (qwen3.qk_norm, qwen3.qkv_bias, qwen3.o_bias, qwen3.head_size) == (
+        True,
+        False,
+        False,
+        16,
+    )
+    assert qwen3.windows is None and qwen3.kv_heads == 2
+    mistral = hf.model(FIXTURES / "mistral_window/single").config
+    assert (mistral.sliding_window, mistral.layer_types, mistral.windows) == (8, None, (8, 8))
+    assert not mistral.qk_norm
+    window = hf.model(FIXTURES / "qwen3_window/single").config
+    assert window.windows == (8, FULL, 8) and (window.qkv_bias, window.o_bias) == (True, True)
+    assert window.tie_word_embeddings and window.qk_norm
+
+    raw = json.loads((FIXTURES / "qwen3_window/single/config.json").read_text())
+    older = {k: v for k, v in raw.items() if k != "layer_types"}
+    assert llama_config({**older, "max_window_layers": 1}).windows == (FULL, 8, 8)
+    assert llama_config({**older, "max_window_layers": 3}).windows is None
+    assert llama_config({**older, "use_sliding_window": False}).windows is None  # ignored then
+    qwen2 = {**raw, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    assert llama_config(qwen2).windows == (8, FULL, 8) and not llama_config(qwen2).qk_norm
+    assert llama_config({**raw, "layer_types": ["sliding_attention"] * 3}).layer_types is None
+    # no architectures: the model_type's
+    assert llama_config({k: v for k, v in raw.items() if k != "architectures"}) == window
 
 
 # --------------------------------------------------------------------------- round trip
@@ -156,6 +193,165 @@ def test_saved_directory_is_what_transformers_reads(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
     assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_a_window_shorter_than_the_sequence_changes_the_logits(name):
+    """The same weights without the window are far from transformers' logits (the
+    window is not ignored), with it within 1e-4; q/k norms at unit gains are far too."""
+    path = FIXTURES / name
+    ref = np.load(path / "reference.npz")
+    model = hf.model(path, seq_len=24)
+    params = hf.read_params(path, model)
+    full = Llama(dataclasses.replace(model.config, sliding_window=None, layer_types=None))
+    early = ref["logits"][:, :8]  # within the window: the same
+    np.testing.assert_allclose(full.apply(params, ref["tokens"])[:, :8], early, atol=1e-4)
+    assert np.abs(full.apply(params, ref["tokens"]) - ref["logits"]).max() > 0.5
+    np.testing.assert_allclose(model.apply(params, ref["tokens"]), ref["logits"], atol=1e-4)
+    if model.config.qk_norm:
+        attn = params["layers"]["self_attn"]
+        unit = {**attn, "q_norm": {"weight": np.ones_like(attn["q_norm"]["weight"])}}
+        moved = model.apply(
+            {**params, "layers": {**params["layers"], "self_attn": unit}}, ref["tokens"]
+        )
+        assert np.abs(moved - ref["logits"]).max() > 0.5
+
+
+def test_cudnn_runs_each_layers_window_as_its_kernel_constant(monkeypatch):
+    """cuDNN takes a window as a compile-time constant: with layers of two windows each
+    runs its own (lax.switch). Run here by JAX's XLA attention given the same static
+    ``local_window_size`` cuDNN gets (CPU has no cuDNN): transformers' logits."""
+    path = FIXTURES / "qwen3_window/single"
+    ref = np.load(path / "reference.npz")
+    model = hf.model(path, seq_len=24, attention="cudnn")
+    real, seen = jax.nn.dot_product_attention, []
+
+    def as_cudnn_would(*args, implementation=None, local_window_size=None, **kwargs):
+        assert implementation == "cudnn" and kwargs.get("mask") is None
+        seen.append(local_window_size)
+        return real(*args, implementation="xla", local_window_size=local_window_size, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", as_cudnn_would)
+    logits = jax.jit(model.apply)(hf.read_params(path, model), ref["tokens"])
+    np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=0)
+    assert sorted(seen, key=str) == [(7, 0), None]  # one branch a window, traced once
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_cached_decoding_respects_the_window(name):
+    """A prefill of 8 reference tokens, then one at a time up to 24 (past the window of
+    8): every position's logits are transformers', as the full forward's are."""
+    path = FIXTURES / name
+    ref = np.load(path / "reference.npz")
+    model = hf.model(path, seq_len=24)
+    params = hf.read_params(path, model)
+    decode = jax.jit(model.decode)
+    tokens = ref["tokens"][1:]
+    logits, cache = decode(params, tokens[:, :8], 0, model.new_cache(params), 7)
+    got = [logits[0]]
+    for i in range(8, 24):
+        logits, cache = decode(params, tokens[:, i : i + 1], i, cache, 0)
+        got.append(logits[0])
+    np.testing.assert_allclose(np.stack(got), ref["logits"][1, 7:], atol=1e-4, rtol=0)
+
+
+def test_qwen3_with_windows_saves_as_transformers_reads_it(tmp_path):
+    """Loaded at stage 3, saved: the source's config (layer_types, use_sliding_window,
+    sliding_window, attention_bias) and every tensor name transformers has (q_norm and
+    k_norm included), the bf16 bits unchanged; read back, the same model."""
+    src = FIXTURES / "qwen3_window/single"
+    model = hf.model(src, seq_len=24)
+    engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(8), stage=3)
+    out = hf.save(tmp_path / "out", model, engine, hf.load(src, engine, model))
+    config = json.loads((out / "config.json").read_text())
+    source = json.loads((src / "config.json").read_text())
+    for key in ("architectures", "layer_types", "use_sliding_window", "sliding_window"):
+        assert config[key] == source[key], key
+    assert config["attention_bias"] is True and config["tie_word_embeddings"] is True
+    saved, want = hf.Weights(out), hf.Weights(src)
+    assert set(saved.where) == set(want.where)
+    assert "model.layers.2.self_attn.k_norm.weight" in saved.where
+    for name in want.where:
+        np.testing.assert_array_equal(saved.tensor(name), want.tensor(name))
+    assert hf.model(out, seq_len=24).config == model.config
+
+
+def test_a_model_built_here_with_qk_norms_or_windows_saves_as_qwen3_or_mistral(tmp_path):
+    """No source config.json: q/k norms write Qwen3 (with its layer_types), a window on
+    every layer without biases Mistral; read back, the same config. A per-layer window
+    no architecture holds is refused in one line."""
+    from jaxzero.models.llama import LlamaConfig
+
+    base = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,  # as hf.model reads it back
+        head_dim=8,
+        seq_len=8,
+    )
+    qwen3 = dataclasses.replace(
+        base, qk_norm=True, sliding_window=4, layer_types=("full_attention", "sliding_attention")
+    )
+    mistral = dataclasses.replace(base, sliding_window=4)
+    engine = lambda m: m.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
+    for cfg, arch in ((qwen3, "Qwen3ForCausalLM"), (mistral, "MistralForCausalLM")):
+        model = Llama(cfg)
+        e = engine(model)
+        params = jax.tree.map(np.asarray, model.init(jax.random.key(0)))
+        out = hf.save(tmp_path / arch, model, e, e.init(params), dtype="float32")
+        config = json.loads((out / "config.json").read_text())
+        assert config["architectures"] == [arch]
+        assert hf.model(out, seq_len=8).config == cfg
+        assert rel_diff(hf.read_params(out), params) == 0.0
+    assert json.loads((tmp_path / "Qwen3ForCausalLM" / "config.json").read_text())[
+        "layer_types"
+    ] == ["full_attention", "sliding_attention"]
+    mixed = Llama(dataclasses.replace(mistral, layer_types=qwen3.layer_types))
+    e = engine(mixed)
+    state = e.init(jax.tree.map(np.asarray, mixed.init(jax.random.key(0))))
+    with pytest.raises(HFError, match="no supported architecture has sliding windows") as ex:
+        hf.save(tmp_path / "mixed", mixed, e, state)
+    _one_line(ex)
+
+
+def test_a_qwen3_window_fine_tune_starts_from_the_windowed_checkpoint(tmp_path):
+    """jaxzero train --init-from hf:qwen3_window (seq_len 16 > its window of 8), 2 steps
+    on 2 devices: the first step's loss is the windowed model's on the first batch."""
+    from jaxzero import cli
+    from jaxzero.train import data as data_lib
+
+    rng = np.random.default_rng(0)
+    words = lambda n: " ".join(f"t{i}" for i in rng.integers(3, 64, n))
+    rows = [{"text": words(int(rng.integers(12, 40)))} for _ in range(80)]
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    src, tok = FIXTURES / "qwen3_window/single", FIXTURES / "llama_gqa/single"
+    argv = ["train", "--init-from", f"hf:{src}", "--data", str(data), "--tokenizer", str(tok)]
+    for item in (
+        "model.seq_len=16",
+        "train.steps=2",
+        "train.batch_size=8",
+        "logging.eval_batches=1",
+        "logging.log_every=1",
+        "logging.sample_tokens=0",
+        f"logging.root={tmp_path}",
+    ):
+        argv += ["--set", item]
+    assert cli.main([*argv, "--name", "qw3", "--devices", "2"]) == 0
+    first = json.loads((tmp_path / "qw3" / "metrics.jsonl").read_text().splitlines()[0])
+    corpus = data_lib.load_corpus(data_lib.DataConfig(path=str(data), tokenizer=str(tok)))
+    c = corpus
+    batch = data_lib.Loader(
+        c.train, 16, 8, 0, slice(None), c.train_mask, c.eos, c.train_docs
+    ).batch(0)
+    model = hf.model(src, seq_len=16)
+    assert model.config.windows == (8, FULL, 8)
+    loss = model.loss_fn(jax.tree.map(np.asarray, hf.read_params(src, model)), batch)
+    loss = float(loss if np.ndim(loss) == 0 else loss.total / loss.weight)
+    np.testing.assert_allclose(first["loss"], loss, rtol=1e-5)
 
 
 def test_a_model_built_here_saves_as_its_architecture(tmp_path):
@@ -369,19 +565,32 @@ def test_bad_directories_are_refused_in_one_line(tmp_path):
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(
-        HFError,
-        match="GPT2LMHeadModel is not supported.*LlamaForCausalLM, "
-        "Qwen2ForCausalLM, MistralForCausalLM",
-    ) as e:
+    supported = "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM"
+    with pytest.raises(HFError, match=f"GPT2LMHeadModel is not supported.*{supported}") as e:
         hf.model(gpt2)
     _one_line(e)
 
-    windowed = _copy("mistral/single", tmp_path)
-    cfg = json.loads((windowed / "config.json").read_text())
-    (windowed / "config.json").write_text(json.dumps({**cfg, "sliding_window": 16}))
-    with pytest.raises(HFError, match="sliding_window=16 is not supported"):
-        hf.model(windowed)
+    qwen3 = json.loads((FIXTURES / "qwen3_window/single/config.json").read_text())
+    for arch in (
+        "Qwen3MoeForCausalLM",
+        "MixtralForCausalLM",
+        "GptOssForCausalLM",
+        "Gemma3ForCausalLM",
+        "Qwen2_5_VLForConditionalGeneration",  # multimodal
+    ):
+        with pytest.raises(HFError, match=f"^architecture {arch} is not supported: .*{supported}$"):
+            llama_config({**qwen3, "architectures": [arch]})
+    with pytest.raises(HFError, match="architecture of model_type 'gemma3' is not supported"):
+        llama_config(
+            {**{k: v for k, v in qwen3.items() if k != "architectures"}, "model_type": "gemma3"}
+        )
+    chunked = ["sliding_attention", "chunked_attention", "full_attention"]
+    with pytest.raises(HFError, match="layer 1 is 'chunked_attention', which is not supported"):
+        llama_config({**qwen3, "layer_types": chunked})
+    with pytest.raises(HFError, match="use_sliding_window is false or sliding_window null"):
+        llama_config({**qwen3, "sliding_window": None})
+    with pytest.raises(HFError, match="layer_types must list one type for each of the 3 layers"):
+        llama_config({**qwen3, "layer_types": ["full_attention"]})
 
     yarn = _copy("llama_gqa/single", tmp_path)
     cfg = json.loads((yarn / "config.json").read_text())

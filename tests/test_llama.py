@@ -65,6 +65,51 @@ def test_llama_trains_like_one_device(stage, micro):
     assert rel_diff(engine.gather_params(state), ref_params) < 1e-4
 
 
+def test_windows_and_qk_norms_train_like_one_device():
+    """Qwen3's q/k norms and a sliding window of 3 (< seq_len 8) on one layer of two, at
+    stage 3 with 2 micro-batches and remat on 8 devices: one device's losses and params."""
+    cfg = dataclasses.replace(
+        TINY,
+        qk_norm=True,
+        sliding_window=3,
+        layer_types=("sliding_attention", "full_attention"),
+        remat="full",
+    )
+    model = Llama(cfg)
+    # 2x the init's weights: attention less uniform, so the window moves the loss (by 0.03)
+    params = jax.tree.map(lambda x: 2 * x, params_of(Llama, cfg))
+    tx, data = optax.adamw(1e-2), _batches(3)
+    ref_losses, ref_params = train_reference(model.loss_fn, params, data, tx)
+    engine = model.engine(tx, mesh=jaxzero.make_mesh(8), stage=3, micro_batches=2)
+    state = engine.init(params)
+    losses = []
+    for b in data:
+        state, metrics = engine.step(state, b)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert rel_diff(engine.gather_params(state), ref_params) < 1e-4
+    full = Llama(dataclasses.replace(cfg, sliding_window=None, layer_types=None))
+    assert abs(full.loss_fn(params, data[0]) - ref_losses[0]) > 1e-2  # the window counts
+
+
+@pytest.mark.unit
+def test_window_fields_are_checked():
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
+        LlamaConfig(sliding_window=0)
+    with pytest.raises(ValueError, match="layer_types has 1 entries for 4 layers"):
+        LlamaConfig(sliding_window=8, layer_types=("full_attention",))
+    with pytest.raises(ValueError, match="layer type 'chunked_attention' is not supported"):
+        LlamaConfig(sliding_window=8, layer_types=("chunked_attention",) * 4)
+    with pytest.raises(ValueError, match="sliding_attention layers but no sliding_window"):
+        LlamaConfig(layer_types=("sliding_attention",) * 4)
+    listed = LlamaConfig(
+        sliding_window=8, layer_types=["full_attention"] * 3 + ["sliding_attention"]
+    )
+    assert listed.layer_types == ("full_attention",) * 3 + ("sliding_attention",)
+    assert hash(listed) and listed.windows == (2**31 - 1,) * 3 + (8,)
+    assert LlamaConfig(sliding_window=8, layer_types=("full_attention",) * 4).windows is None
+
+
 @pytest.mark.unit
 def test_config_is_checked_and_flops_count_gqa():
     with pytest.raises(ValueError, match="not a multiple of num_key_value_heads 4"):

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -54,33 +55,84 @@ def cudnn_refusal(choice: str, dtype: Any, backend: str | None = None) -> str | 
     return None
 
 
+# a layer's attention window that no sequence reaches: full causal attention (windows
+# are int32 data, scanned with the layers, so every layer runs the same program)
+FULL = 2**31 - 1
+
+
 def causal_attention(
     q_BxSxHxK: jax.Array,
     k_BxSxHxK: jax.Array,
     v_BxSxHxK: jax.Array,
     choice: str = "auto",
     segment_ids_BxS: jax.Array | None = None,
+    window: jax.Array | None = None,
+    windows: tuple[int, ...] = (),
 ) -> jax.Array:
     """Causal multi-head attention with the implementation ``choice`` resolves to.
 
     With ``segment_ids`` (packed documents), a token attends only to earlier tokens of
     its own segment. Key/value heads may be fewer than query heads (grouped-query).
-    ``"auto"`` falls back to XLA when cuDNN refuses the shapes or the mask (e.g. a head
-    dim it does not support); an explicit ``"cudnn"`` raises instead.
+    ``"auto"`` falls back to XLA, with a warning, when cuDNN refuses the shapes or the
+    mask (e.g. a head dim it does not support); an explicit ``"cudnn"`` raises instead.
+
+    ``window`` (an int32 scalar, traced: the layer's, scanned with the layers; None:
+    none) is a sliding window: the token at ``i`` attends to the key at ``j`` only when
+    ``i - j < window``, the ``window`` latest tokens with itself (``transformers``'
+    ``sliding_window``); :data:`FULL` is no limit. ``windows`` are the values it takes
+    (static): XLA masks with the traced value, cuDNN's kernel takes its window as a
+    compile-time constant, so with several values each layer runs the kernel of its own
+    (``lax.switch``, one branch a value).
     """
     impl = attention_impl(choice, q_BxSxHxK.dtype)
     mask = None
     if segment_ids_BxS is not None:
         mask = segment_ids_BxS[:, None, :, None] == segment_ids_BxS[:, None, None, :]
-    attend = lambda i: jax.nn.dot_product_attention(
-        q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, mask=mask, is_causal=True, implementation=i
-    )
+
+    def attend(
+        i: Literal["xla", "cudnn"], mask: jax.Array | None, w: int | None = None
+    ) -> jax.Array:
+        return jax.nn.dot_product_attention(
+            q_BxSxHxK,
+            k_BxSxHxK,
+            v_BxSxHxK,
+            mask=mask,
+            is_causal=True,
+            implementation=i,
+            local_window_size=None if w is None or w >= FULL else (w - 1, 0),
+        )
+
+    def xla() -> jax.Array:
+        if window is None:
+            return attend("xla", mask)
+        t, s = q_BxSxHxK.shape[1], k_BxSxHxK.shape[1]
+        near = (jnp.arange(t)[:, None] - jnp.arange(s)[None, :] < window)[None, None]
+        return attend("xla", near if mask is None else mask & near)
+
+    def cudnn() -> jax.Array:
+        if window is None:
+            return attend("cudnn", mask)
+        if not windows:
+            raise TypeError("a window on cuDNN needs the values it takes (windows=)")
+        values = sorted(set(windows))
+        branches = [functools.partial(attend, "cudnn", mask, w) for w in values]
+        if len(branches) == 1:
+            return branches[0]()
+        return jax.lax.switch(jnp.searchsorted(jnp.asarray(values, jnp.int32), window), branches)
+
     if impl == "cudnn" and choice == "auto":
         try:
-            return attend("cudnn")
-        except (NotImplementedError, ValueError, RuntimeError):
-            return attend("xla")
-    return attend(impl)
+            return cudnn()
+        except (NotImplementedError, ValueError, RuntimeError) as e:
+            # said, not silent: XLA's attention materialises the S x S scores (slower)
+            warnings.warn(
+                f"attention=auto: cuDNN's fused attention refused this layer "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                "running XLA's attention instead",
+                stacklevel=2,
+            )
+            return xla()
+    return cudnn() if impl == "cudnn" else xla()
 
 
 def positions(tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None) -> jax.Array:
@@ -119,16 +171,25 @@ class LayerCache:
         self.k, self.v, self.start = k_BxWxGxK, v_BxWxGxK, start
 
     def attend(
-        self, q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array
+        self,
+        q_BxTxHxK: jax.Array,
+        k_BxTxGxK: jax.Array,
+        v_BxTxGxK: jax.Array,
+        window: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache]:
         """Attention of T new tokens (positions ``start .. start+T-1``) to every position
         up to their own: theirs, written into the cache first, and the earlier ones held
-        there. Slots past a token's position (never written, or stale) are masked."""
+        there. Slots past a token's position (never written, or stale) are masked, and
+        with a ``window`` (as :func:`causal_attention`'s) those ``window`` or more
+        positions before it."""
         at = (0, self.start, 0, 0)
         k = jax.lax.dynamic_update_slice(self.k, k_BxTxGxK.astype(self.k.dtype), at)
         v = jax.lax.dynamic_update_slice(self.v, v_BxTxGxK.astype(self.v.dtype), at)
         w, t = k.shape[1], q_BxTxHxK.shape[1]
-        mask_TxW = jnp.arange(w)[None, :] <= self.start + jnp.arange(t)[:, None]
+        behind_TxW = self.start + jnp.arange(t)[:, None] - jnp.arange(w)[None, :]
+        mask_TxW = behind_TxW >= 0
+        if window is not None:
+            mask_TxW = mask_TxW & (behind_TxW < window)
         # XLA's: cuDNN's fused kernel gains nothing on a few query rows and refuses masks
         out = jax.nn.dot_product_attention(
             q_BxTxHxK, k, v, mask=mask_TxW[None, None], implementation="xla"

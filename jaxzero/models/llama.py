@@ -1,12 +1,17 @@
-"""The Llama family (Llama 2/3.x, Qwen2, Mistral) in Flax NNX, layers stacked and scanned.
+"""The Llama family (Llama 2/3.x, Qwen2, Qwen3, Mistral) in Flax NNX, layers stacked and
+scanned: one decoder, whose options are what the families differ by.
 
 It computes what ``transformers``' ``LlamaForCausalLM`` computes, so Hugging Face
 checkpoints load without any permutation (:mod:`jaxzero.hf`): RMSNorm in fp32,
 rotary embeddings with the half-split ``rotate_half`` (``rope_theta``, ``llama3`` and
 ``linear`` scaling), SwiGLU, grouped-query attention, optional q/k/v (Qwen2) or
-all-projection (Llama ``attention_bias``) biases, tied or untied embeddings. Each
-weight keeps the Hugging Face name and orientation (``q_proj/weight`` is
-``out x in``), so reading or writing a checkpoint is a rename, never a transpose.
+all-projection (Llama ``attention_bias``) biases, tied or untied embeddings; Qwen3's
+``q_norm``/``k_norm`` (an RMSNorm over each head's ``head_dim`` of q and k, after the
+projections and before rope); sliding-window attention on every layer (Mistral) or
+on some (Qwen2/Qwen3 ``layer_types``), the window of each layer passed as data
+scanned with the layers. Each weight keeps the Hugging Face name and orientation
+(``q_proj/weight`` is ``out x in``), so reading or writing a checkpoint is a rename,
+never a transpose.
 
 The model knows one thing about sharding: each layer goes through
 :func:`jaxzero.nnx.use` right where it runs. The decoder layers are one stacked
@@ -28,6 +33,7 @@ from jaxzero import loss as loss_lib
 from jaxzero.hooks import remat_layer, use_params
 from jaxzero.models.common import (
     ATTENTION,
+    FULL,
     REMAT_POLICIES,
     KVCache,
     LayerCache,
@@ -43,6 +49,8 @@ from jaxzero.models.quant import dequantize, quantize_traced
 from jaxzero.models.rope import ROPE_TYPES, apply_rotary, rope_frequencies, rotary
 from jaxzero.nnx import bind, split, use
 
+SLIDING, FULL_ATTENTION = "sliding_attention", "full_attention"  # transformers' layer_types
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -51,6 +59,11 @@ class LlamaConfig:
     ``qkv_bias`` puts biases on q/k/v (Qwen2), ``o_bias`` on the output projection
     (with ``qkv_bias``: Llama's ``attention_bias``). ``rope_scaling`` is
     ``transformers``' dict (``{"rope_type": "llama3", "factor": 8.0, ...}``).
+    ``qk_norm``: Qwen3's RMSNorm over each head of q and k (``q_norm``, ``k_norm``).
+    ``sliding_window``: each windowed layer's token attends to the ``sliding_window``
+    latest tokens, itself included (``transformers``' convention); ``layer_types``
+    (``"full_attention"`` or ``"sliding_attention"`` a layer) says which layers are
+    windowed, None: all of them (Mistral).
     ``seq_len`` is the training and sampling window, not a limit of the weights.
     """
 
@@ -69,6 +82,9 @@ class LlamaConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
     initializer_range: float = 0.02
     seq_len: int = 128
     remat: str = "none"  # activation checkpointing of each layer: none | full | dots
@@ -113,6 +129,23 @@ class LlamaConfig:
             raise ValueError(f"unknown remat {self.remat!r}: use one of {list(REMAT_POLICIES)}")
         if self.attention not in ATTENTION:
             raise ValueError(f"unknown attention {self.attention!r}: use one of {ATTENTION}")
+        w = self.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {w!r}")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))  # hashable
+            types = self.layer_types or ()
+            if len(types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"layer_types has {len(types)} entries for {self.num_hidden_layers} layers"
+                )
+            bad = [t for t in types if t not in (FULL_ATTENTION, SLIDING)]
+            if bad:
+                raise ValueError(
+                    f"layer type {bad[0]!r} is not supported: use {FULL_ATTENTION} or {SLIDING}"
+                )
+            if SLIDING in types and w is None:
+                raise ValueError(f"layer_types has {SLIDING} layers but no sliding_window")
 
     @property
     def kv_heads(self) -> int:
@@ -121,6 +154,16 @@ class LlamaConfig:
     @property
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def windows(self) -> tuple[int, ...] | None:
+        """Each layer's attention window (:data:`~jaxzero.models.common.FULL`: none), or
+        None when no layer has one."""
+        if self.sliding_window is None:
+            return None
+        types = self.layer_types or (SLIDING,) * self.num_hidden_layers
+        out = tuple(self.sliding_window if t == SLIDING else FULL for t in types)
+        return out if any(w != FULL for w in out) else None
 
 
 # --------------------------------------------------------------------------- modules
@@ -221,7 +264,11 @@ class Attention(nnx.Module):
         self.k_proj = _linear(cfg, lora, "self_attn.k_proj", d, kv * k, cfg.qkv_bias, rngs)
         self.v_proj = _linear(cfg, lora, "self_attn.v_proj", d, kv * k, cfg.qkv_bias, rngs)
         self.o_proj = _linear(cfg, lora, "self_attn.o_proj", h * k, d, cfg.o_bias, rngs)
+        # Qwen3: over each head's head_dim, the model's eps
+        self.q_norm = RMSNorm(k, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.heads, self.kv_heads, self.head_dim, self.impl = h, kv, k, cfg.attention
+        self.windows = cfg.windows or ()  # the values a layer's window takes (static)
 
     def __call__(
         self,
@@ -231,20 +278,26 @@ class Attention(nnx.Module):
         segment_ids_BxS: jax.Array | None = None,
         cache: LayerCache | None = None,
         rng: jax.Array | None = None,
+        window: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         """With a ``cache`` (sampling) the tokens attend to it instead, and it comes
-        back with their (rotated) keys and values written in."""
+        back with their (rotated) keys and values written in. ``window``: this layer's
+        sliding window (an int32 scalar; None: full causal attention)."""
         b, s, _ = x_BxSxD.shape
         r = _keys(rng, 4)
         q = self.q_proj(x_BxSxD, r[0]).reshape(b, s, self.heads, self.head_dim)
         k = self.k_proj(x_BxSxD, r[1]).reshape(b, s, self.kv_heads, self.head_dim)
         v = self.v_proj(x_BxSxD, r[2]).reshape(b, s, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # before rope, as Qwen3
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # grouped-query: the kv heads are shared
         if cache is None:
-            out_BxSxHxK = causal_attention(q, k, v, self.impl, segment_ids_BxS)
+            out_BxSxHxK = causal_attention(
+                q, k, v, self.impl, segment_ids_BxS, window, self.windows
+            )
         else:
-            out_BxSxHxK, cache = cache.attend(q, k, v)
+            out_BxSxHxK, cache = cache.attend(q, k, v, window)
         return self.o_proj(out_BxSxHxK.reshape(b, s, self.heads * self.head_dim), r[3]), cache
 
 
@@ -277,10 +330,11 @@ class DecoderLayer(nnx.Module):
         segment_ids_BxS: jax.Array | None = None,
         cache: LayerCache | None = None,
         rng: jax.Array | None = None,
+        window: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         r = _keys(rng, 2)
         h = self.input_layernorm(x)
-        y, cache = self.self_attn(h, cos, sin, segment_ids_BxS, cache, r[0])
+        y, cache = self.self_attn(h, cos, sin, segment_ids_BxS, cache, r[0], window)
         x = x + y
         return x + self.mlp(self.post_attention_layernorm(x), r[1]), cache
 
@@ -333,16 +387,22 @@ class LlamaModule(nnx.Module):
         # flax types split's result as variadic: two filters give exactly two states
         graphdef, stacked, rest = nnx.split(self.layers, nnx.Param, ...)  # type: ignore[misc]
 
-        def layer(x, params_and_index):
-            params, i = params_and_index
+        def layer(x, params_index_window):
+            params, i, *window = params_index_window
             layer = nnx.merge(graphdef, use_params(params), rest)
             key = None if rng is None else jax.random.fold_in(rng, i)  # a key a layer
-            return layer(x, cos, sin, segment_ids_BxS, None, key)[0], None
+            return layer(x, cos, sin, segment_ids_BxS, None, key, *window)[0], None
 
         layer = remat_layer(layer, REMAT_POLICIES[cfg.remat])  # stage 3: re-gather in backward
         index = jnp.arange(cfg.num_hidden_layers)
-        x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, (stacked, index))
+        x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, (stacked, index, *self._windows()))
         return self._logits(embed, x_BxSxD)
+
+    def _windows(self) -> tuple[jax.Array, ...]:
+        """Each layer's window as data scanned with the layers (one int32 a layer), or
+        nothing when no layer has one (the layers then run plain causal attention)."""
+        windows = self.cfg.windows
+        return () if windows is None else (jnp.asarray(windows, jnp.int32),)
 
     def _logits(self, embed_VxD: jax.Array, x_BxSxD: jax.Array) -> jax.Array:
         """Final norm and the LM head (tied: the embedding), fp32 logits."""
@@ -363,12 +423,14 @@ class LlamaModule(nnx.Module):
         cos, sin = rotary(pos_BxT, rope_frequencies(self.cfg))
         graphdef, stacked, rest = nnx.split(self.layers, nnx.Param, ...)  # type: ignore[misc]
 
-        def layer(x, params_and_kv):
-            params, k, v = params_and_kv
-            x, kv = nnx.merge(graphdef, params, rest)(x, cos, sin, None, LayerCache(k, v, start))
+        def layer(x, params_kv_window):
+            params, k, v, *window = params_kv_window
+            kv = LayerCache(k, v, start)
+            x, kv = nnx.merge(graphdef, params, rest)(x, cos, sin, None, kv, None, *window)
             return x, (kv.k, kv.v)
 
-        x_BxTxD, cache = jax.lax.scan(layer, embed[tokens_BxT], (stacked, *cache))
+        xs = (stacked, *cache, *self._windows())
+        x_BxTxD, cache = jax.lax.scan(layer, embed[tokens_BxT], xs)
         x_Bx1xD = jax.lax.dynamic_slice_in_dim(x_BxTxD, last, 1, axis=1)
         return self._logits(embed, x_Bx1xD)[:, 0], cache
 
@@ -384,6 +446,7 @@ class Llama(ReferenceModel):
 
         embed_tokens/weight      V x D
         layers/self_attn/{q,k,v,o}_proj/{weight,bias}   L x out x in, L x out
+        layers/self_attn/{q,k}_norm/weight             L x head_dim  (qk_norm only)
         layers/mlp/{gate,up,down}_proj/weight          L x out x in
         layers/{input,post_attention}_layernorm/weight L x D
         norm/weight              D

@@ -6,6 +6,12 @@ next to the config they build, so that :mod:`jaxzero.models` needs nothing above
 (``{"rope_type", "rope_theta", ...}``); earlier versions keep ``rope_theta`` at the top
 level and the scaling under ``rope_scaling``. Both are read; what this module writes
 for a model it did not load carries both spellings, so either line loads it.
+
+The architectures are one decoder with options (:data:`ARCHITECTURES`): what each
+puts on its projections, whether it has Qwen3's q/k norms, and where it keeps its
+sliding window (Mistral: ``sliding_window`` on every layer; Qwen2/Qwen3:
+``use_sliding_window`` with ``sliding_window``, and ``layer_types`` or, before
+``transformers`` 5, ``max_window_layers``).
 """
 
 from __future__ import annotations
@@ -16,21 +22,40 @@ from pathlib import Path
 from typing import Any
 
 from jaxzero.errors import Error
-from jaxzero.models.llama import LlamaConfig
+from jaxzero.models.llama import FULL_ATTENTION, SLIDING, LlamaConfig
 from jaxzero.models.rope import ROPE_TYPES
 
 __all__ = ["HFError", "hf_config", "hf_names", "llama_config"]
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
-# what each architecture puts on its projections: (q/k/v bias, o bias) fixed, or None
-# when the config's ``attention_bias`` decides both
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What an architecture sets of the one decoder: its ``model_type``; its projection
+    biases, ``(q/k/v, o)`` fixed or None when ``attention_bias`` decides both; Qwen3's
+    q/k norms; where its sliding window is kept (``None``: it has none, ``"all"``:
+    ``sliding_window`` on every layer, ``"layers"``: Qwen2's and Qwen3's
+    ``use_sliding_window``/``layer_types``/``max_window_layers``); and whether it has
+    ``mlp_bias``."""
+
+    model_type: str
+    biases: tuple[bool, bool] | None
+    qk_norm: bool = False
+    window: str | None = None
+    mlp_bias: bool = False
+
+
+# the one list of what jaxzero reads (and refuses everything else by name)
 ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", None),
-    "Qwen2ForCausalLM": ("qwen2", (True, False)),
-    "MistralForCausalLM": ("mistral", (False, False)),
+    "LlamaForCausalLM": Family("llama", None, mlp_bias=True),
+    "Qwen2ForCausalLM": Family("qwen2", (True, False), window="layers"),
+    "Qwen3ForCausalLM": Family("qwen3", None, qk_norm=True, window="layers"),
+    "MistralForCausalLM": Family("mistral", (False, False), window="all"),
 }
 SUPPORTED = ", ".join(ARCHITECTURES)
+MAX_WINDOW_LAYERS = 28  # transformers' default for Qwen2 and Qwen3
 
 
 class HFError(Error, ValueError):
@@ -67,26 +92,72 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), (None if kind == "default" else {"rope_type": kind, **scaling})
 
 
+def architecture(raw: dict[str, Any]) -> str:
+    """The architecture a ``config.json`` names (``architectures[0]``, or its
+    ``model_type``'s when it lists none); an unsupported one is refused in one line
+    naming it and the supported ones."""
+    archs = raw.get("architectures")
+    if isinstance(archs, list) and archs:
+        arch = str(archs[0])
+    elif isinstance(archs, str) and archs:
+        arch = archs
+    else:
+        by_type = {f.model_type: a for a, f in ARCHITECTURES.items()}
+        arch = by_type.get(str(raw.get("model_type")), f"of model_type {raw.get('model_type')!r}")
+    if arch not in ARCHITECTURES:
+        raise HFError(f"architecture {arch} is not supported: jaxzero loads {SUPPORTED}")
+    return arch
+
+
+def _windows(raw: dict[str, Any], family: Family) -> tuple[int | None, tuple[str, ...] | None]:
+    """``(sliding_window, layer_types)`` as ``transformers`` reads them for ``family``,
+    in one spelling: ``(None, None)`` when no layer is windowed, ``layer_types`` None
+    when every layer is."""
+    if family.window is None:  # Llama has no window: transformers ignores these keys
+        return None, None
+    window = raw.get("sliding_window")
+    if family.window == "layers" and not raw.get("use_sliding_window", False):
+        window = None  # what transformers' Qwen2Config/Qwen3Config do
+    layers = raw.get("num_hidden_layers")
+    if not isinstance(layers, int):  # llama_config refuses it
+        return None, None
+    types = raw.get("layer_types") if family.window == "layers" else None
+    if types is None:  # Mistral: every layer; before transformers 5: from max_window_layers on
+        first = raw.get("max_window_layers", MAX_WINDOW_LAYERS) if family.window == "layers" else 0
+        types = [
+            SLIDING if window is not None and i >= first else FULL_ATTENTION for i in range(layers)
+        ]
+    if not isinstance(types, list | tuple) or len(types) != layers:
+        raise HFError(f"{CONFIG}: layer_types must list one type for each of the {layers} layers")
+    for i, t in enumerate(types):
+        if t not in (FULL_ATTENTION, SLIDING):
+            raise HFError(
+                f"layer_types: layer {i} is {t!r}, which is not supported "
+                f"(jaxzero has {FULL_ATTENTION} and {SLIDING})"
+            )
+    if SLIDING in types and window is None:
+        raise HFError(
+            f"layer_types has {SLIDING} layers but use_sliding_window is false or "
+            "sliding_window null: transformers cannot run it either"
+        )
+    if window is not None and (
+        not isinstance(window, int) or isinstance(window, bool) or window < 1
+    ):
+        raise HFError(f"sliding_window must be a positive integer, got {window!r}")
+    if window is None or SLIDING not in types:
+        return None, None
+    return window, (None if FULL_ATTENTION not in types else tuple(types))
+
+
 def llama_config(raw: dict[str, Any], **overrides: Any) -> LlamaConfig:
     """The :class:`LlamaConfig` of a ``config.json`` (already parsed); ``overrides`` set
     jaxzero's own fields (``seq_len``, ``remat``, ``attention``)."""
-    archs = raw.get("architectures") or [raw.get("model_type", "?")]
-    arch = archs[0] if isinstance(archs, list) and archs else str(archs)
-    if arch not in ARCHITECTURES:
-        raise HFError(f"architecture {arch} is not supported: jaxzero loads {SUPPORTED}")
-    _, biases = ARCHITECTURES[arch]
+    arch = architecture(raw)
+    family = ARCHITECTURES[arch]
+    biases = family.biases
     if raw.get("hidden_act", "silu") != "silu":
         raise HFError(f"hidden_act {raw['hidden_act']!r} is not supported (SwiGLU needs silu)")
-    if arch == "MistralForCausalLM" and raw.get("sliding_window") is not None:
-        raise HFError(
-            f"sliding_window={raw['sliding_window']} is not supported: jaxzero's "
-            "attention is full causal (set it to null only if every sequence is "
-            "shorter than the window)"
-        )
-    if raw.get("use_sliding_window"):
-        raise HFError(
-            "use_sliding_window=true is not supported: jaxzero's attention is full causal"
-        )
+    window, layer_types = _windows(raw, family)
     theta, scaling = _rope(raw)
     bias = bool(raw.get("attention_bias", False))
     qkv_bias, o_bias = biases if biases is not None else (bias, bias)
@@ -111,7 +182,10 @@ def llama_config(raw: dict[str, Any], **overrides: Any) -> LlamaConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
-        mlp_bias=bool(raw.get("mlp_bias", False)),
+        mlp_bias=family.mlp_bias and bool(raw.get("mlp_bias", False)),
+        qk_norm=family.qk_norm,
+        sliding_window=window,
+        layer_types=layer_types,
         initializer_range=float(raw.get("initializer_range", 0.02)),
         seq_len=min(max_pos, 2048),
     )
@@ -132,23 +206,16 @@ def hf_config(cfg: LlamaConfig, dtype: str, source: dict[str, Any] | None = None
             "torch_dtype": dtype,
             "tie_word_embeddings": cfg.tie_word_embeddings,
         }
-    if cfg.o_bias and not cfg.qkv_bias:
-        raise HFError("no supported architecture has an o_proj bias without q/k/v biases")
-    if cfg.qkv_bias != cfg.o_bias:
-        arch, model_type = "Qwen2ForCausalLM", "qwen2"
-    else:
-        arch, model_type = "LlamaForCausalLM", "llama"
+    arch = _architecture_of(cfg)
+    family = ARCHITECTURES[arch]
     rope = {"rope_type": "default", **(cfg.rope_scaling or {})}
+    skip = ("qkv_bias", "o_bias", "rope_scaling", "seq_len", "remat", "attention", "qk_norm")
     out = {
         "architectures": [arch],
-        "model_type": model_type,
+        "model_type": family.model_type,
         "hidden_act": "silu",
         "attention_bias": cfg.qkv_bias,
-        **{
-            f.name: getattr(cfg, f.name)
-            for f in dataclasses.fields(cfg)
-            if f.name not in ("qkv_bias", "o_bias", "rope_scaling", "seq_len", "remat", "attention")
-        },
+        **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip},
         "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_size,
         "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
@@ -157,10 +224,55 @@ def hf_config(cfg: LlamaConfig, dtype: str, source: dict[str, Any] | None = None
         "torch_dtype": dtype,
         "use_cache": True,
     }
-    if model_type == "qwen2":
+    if family.biases is not None:  # fixed by the architecture
         out.pop("attention_bias")
-        out["use_sliding_window"] = False
+    if not family.mlp_bias:
+        out.pop("mlp_bias")
+    if family.window == "layers":
+        windows = cfg.windows or ()
+        types = [SLIDING if w == cfg.sliding_window else FULL_ATTENTION for w in windows]
+        types = types or [FULL_ATTENTION] * cfg.num_hidden_layers
+        leading_full = next((i for i, t in enumerate(types) if t == SLIDING), len(types))
+        out.update(
+            use_sliding_window=bool(windows),
+            sliding_window=cfg.sliding_window if windows else None,
+            # transformers 4 reads this, not layer_types: exact when windowed layers come last
+            max_window_layers=leading_full,
+            layer_types=types,
+        )
+    elif family.window is None:
+        out.pop("sliding_window")
+        out.pop("layer_types")
+    else:  # every layer windowed
+        out["sliding_window"] = cfg.sliding_window if cfg.windows else None
+        out.pop("layer_types")
     return out
+
+
+def _architecture_of(cfg: LlamaConfig) -> str:
+    """The architecture that holds exactly ``cfg`` (a model built here, with no source
+    config.json), or one line saying none does."""
+    windows = cfg.windows
+    if cfg.o_bias and not cfg.qkv_bias:
+        raise HFError("no supported architecture has an o_proj bias without q/k/v biases")
+    if cfg.qk_norm:
+        if cfg.qkv_bias != cfg.o_bias:
+            raise HFError("Qwen3 (q/k norms) has biases on all of q, k, v, o or on none")
+        arch = "Qwen3ForCausalLM"
+    elif cfg.qkv_bias != cfg.o_bias:
+        arch = "Qwen2ForCausalLM"
+    elif windows is None:
+        arch = "LlamaForCausalLM"
+    elif not cfg.qkv_bias and len(set(windows)) == 1:
+        arch = "MistralForCausalLM"
+    else:
+        raise HFError(
+            "no supported architecture has sliding windows on some layers only (or with "
+            "biases on every projection) without Qwen2's biases or Qwen3's q/k norms"
+        )
+    if cfg.mlp_bias and not ARCHITECTURES[arch].mlp_bias:
+        raise HFError(f"{arch} has no mlp_bias: only LlamaForCausalLM does")
+    return arch
 
 
 # --------------------------------------------------------------------------- weight names
