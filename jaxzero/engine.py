@@ -122,6 +122,16 @@ class Engine:
         params are sharded within each group only, while the master and optimizer
         state are sharded over every device (ZeRO++ hpZ).
       quant_block: elements that share one scale in qwZ and qgZ.
+      ema: keep an exponential moving average of the weights in the state
+        (:attr:`TrainState.ema`, :mod:`jaxzero.ema`): a decay in (0, 1) such as
+        ``0.999``, or a function of the step, ``ema(step) -> decay``, evaluated inside the
+        step on the traced step counter (a warmup:
+        ``lambda step: jnp.minimum(0.999, (1 + step) / (10 + step))``). After each update
+        ``ema = d * ema + (1 - d) * master`` on each device's shard: fp32, laid out as the
+        master (4Ψ/N bytes a device from stage 1, in host memory with ``offload``), no
+        communication. It starts at the initial params; frozen params have none.
+        :meth:`eval_loss`, :meth:`gather_params`, :func:`jaxzero.hf.save` and checkpoints
+        take it (``ema=True``). None: no EMA.
 
     An engine is built for one set of param shapes: its first init (:meth:`init`,
     :meth:`init_from`, :meth:`abstract_state`, a restore) makes :attr:`plan`, every
@@ -184,6 +194,7 @@ class Engine:
         qgz: str | None = None,
         hpz: bool = False,
         quant_block: int = 2048,
+        ema: Any = None,
     ):
         self.loss_fn = loss_fn
         self.trainable = trainable
@@ -211,6 +222,7 @@ class Engine:
             qgz=qgz,
             hpz=hpz,
             quant_block=quant_block,
+            ema=ema,
         )
         self._plan: Plan | None = None
         self._batches = batch_lib.Intake(
@@ -233,6 +245,11 @@ class Engine:
     )
     dot_barrier = _setting("dot_barrier", "Whether gradients pass collectives.dot_barrier.")
     rng_seed = _setting("rng_seed", "The loss's key seed (None: the loss takes no rng).")
+
+    @property
+    def ema(self) -> Any:
+        """The EMA's decay: a float, a function of the step, or None (no EMA)."""
+        return self.settings.ema
 
     @property
     def mesh(self) -> Mesh:
@@ -347,8 +364,9 @@ class Engine:
 
         :meth:`step` is this function under ``jax.jit``; take it to build your own loop
         around it: jit it yourself, ``jax.lax.scan`` it over several batches in one
-        program, or wrap it (an EMA of the params, extra metrics, a custom schedule of
-        evaluations). The state and metrics are as :meth:`step`'s.
+        program, or wrap it (extra metrics, a custom schedule of evaluations; an EMA of
+        the params is the engine's own, ``Engine(ema=...)``). The state and metrics are
+        as :meth:`step`'s.
 
         Jit it with the engine's layouts, so each call's output is the next one's input
         without a copy: ``in_shardings=(engine.state_shardings, engine.batch_sharding)``,
@@ -406,10 +424,15 @@ class Engine:
         result: tuple[TrainState, Metrics] = step(state, self._batches.to_global(batch))
         return result
 
-    def eval_loss(self, state: TrainState, batch: Batch) -> jax.Array:
-        """Mean loss of ``batch`` at the current params, without a gradient."""
-        evaluate = plan_lib.jitted_eval(self.plan)
-        loss: jax.Array = evaluate(state.params, self._batches.to_global(batch), state.frozen)
+    def eval_loss(self, state: TrainState, batch: Batch, ema: bool = False) -> jax.Array:
+        """Mean loss of ``batch`` at the current params, without a gradient; ``ema=True``:
+        at the EMA's weights (``Engine(ema=...)``; cast to the compute dtype and, at
+        stages 1-2, gathered for the evaluation, as the step does the new master)."""
+        evaluate = plan_lib.jitted_eval(self.plan, ema)
+        if ema:
+            readback.check_ema(state)
+        params = state.ema if ema else state.params
+        loss: jax.Array = evaluate(params, self._batches.to_global(batch), state.frozen)
         return loss
 
     def compile(self, state: TrainState, batch: Batch) -> jax.stages.Compiled:
@@ -433,6 +456,7 @@ class Engine:
 
     # --- reading back ------------------------------------------------------------------
 
-    def gather_params(self, state: TrainState) -> Params:
-        """Full fp32 params on the host, with the structure ``init`` was given."""
-        return readback.gather_params(self.plan, state)
+    def gather_params(self, state: TrainState, ema: bool = False) -> Params:
+        """Full fp32 params on the host, with the structure ``init`` was given;
+        ``ema=True``: the EMA of the weights (``Engine(ema=...)``; frozen params as they are)."""
+        return readback.gather_params(self.plan, state, ema)

@@ -12,7 +12,9 @@ may overlap one leaf's copies with another's update and keep only a few leaves
 resident at once; the forward and backward passes run with none of it on the device.
 ``docs/offload.md`` says what this saves and costs, and where it cannot help.
 
-In fp32 training the working params are the master, so only the optimizer state moves.
+In fp32 training the working params are the master, so only the optimizer state moves
+(and the EMA of the weights, ``Engine(ema=...)``, which lives in host memory either way
+and comes to the device for its update as the master does).
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, jaxzero
@@ -57,12 +59,14 @@ def _kind(tree: Any, kind: str) -> Any:
 
 
 def host_shardings(shardings: TrainState, mixed: bool) -> TrainState:
-    """The state's shardings with the master (bf16 training) and the optimizer state in
-    host memory; the step, params and frozen params stay on the device."""
+    """The state's shardings with the master (bf16 training), the optimizer state and the
+    EMA (:mod:`jaxzero.ema`, in fp32 training too) in host memory; the step, params and
+    frozen params stay on the device."""
     return dataclasses.replace(
         shardings,
         master=_kind(shardings.master, HOST) if mixed else shardings.master,
         opt_state=_kind(shardings.opt_state, HOST),
+        ema=_kind(shardings.ema, HOST),
     )
 
 
@@ -93,7 +97,8 @@ def to_host(tree: Any, shardings: Any) -> Any:
 
 def offloaded(state: TrainState, mixed: bool) -> list[jax.Array]:
     """The state's arrays that offload keeps on the host (for the accounting)."""
-    return [*(jax.tree.leaves(state.master) if mixed else []), *jax.tree.leaves(state.opt_state)]
+    master = jax.tree.leaves(state.master) if mixed else []
+    return [*master, *jax.tree.leaves(state.opt_state), *jax.tree.leaves(state.ema)]
 
 
 def is_host(sharding: Any) -> bool:

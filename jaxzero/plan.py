@@ -132,6 +132,11 @@ class Plan:
         return self.settings.num_shards
 
     @property
+    def has_ema(self) -> bool:
+        """Whether the state keeps an EMA of the weights (``Engine(ema=...)``)."""
+        return self.settings.step.ema
+
+    @property
     def num_params(self) -> int:
         """Ψ: the trainable params' logical count, padding excluded (every param when
         none is frozen): what the ZeRO formulas' 16Ψ counts."""
@@ -181,6 +186,10 @@ class Plan:
         opt = jax.tree_util.tree_leaves_with_path(self.opt_layouts, is_leaf=is_layout)
         lines.append(f"optimizer state ({len(opt)} leaves):")
         lines += [_describe(path, lay, master_sharded(self.stage)) for path, lay in opt]
+        if self.has_ema:
+            decay = self.settings.ema
+            said = f"{decay:g}" if isinstance(decay, float) else "a function of the step"
+            lines.append(f"ema: fp32, laid out as the master params (decay {said})")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -246,7 +255,7 @@ def make_plan(
         mask = None
     fz = None if held is None else step_lib.Frozen(held, mask)
     opt_lays = opt_layouts(tx, layouts, settings.min_shard_size)
-    specs = state_specs(cfg.stage, layouts, opt_lays, cfg.mixed, held, cfg.hpz)
+    specs = state_specs(cfg.stage, layouts, opt_lays, cfg.mixed, held, cfg.hpz, cfg.ema)
     named = lambda tree: jax.tree.map(
         lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, P)
     )
@@ -261,7 +270,9 @@ def make_plan(
         specs=specs,
         state_shardings=state_shardings,
         master_shardings=named(master_specs(cfg.stage, layouts, cfg.hpz)),
-        step_fn=step_lib.make_train_step(cfg, mesh, layouts, opt_lays, specs, loss_fn, tx, fz),
+        step_fn=step_lib.make_train_step(
+            cfg, mesh, layouts, opt_lays, specs, loss_fn, tx, fz, settings.ema
+        ),
         eval_fn=step_lib.make_eval(cfg, mesh, layouts, specs, loss_fn, fz),
         tx=tx,
         mask=mask,
@@ -305,12 +316,26 @@ def jitted_step(plan: Plan) -> Any:
     return plan.memo["step"]
 
 
-def jitted_eval(plan: Plan) -> Any:
-    """:attr:`Plan.eval_fn` under ``jax.jit`` (made once a plan)."""
-    if "eval" not in plan.memo:
+def jitted_eval(plan: Plan, ema: bool = False) -> Any:
+    """:attr:`Plan.eval_fn` under ``jax.jit`` (made once a plan). ``ema``: the evaluation
+    at the EMA's weights, ``(ema, batch, frozen) -> loss``: the EMA (stored as the master,
+    on the device or the host) made working params as the step makes the new master's
+    (cast to the compute dtype; gathered at stages 1-2), then the same evaluation."""
+    key = "eval_ema" if ema else "eval"
+    if key not in plan.memo:
         options = dict(plan.settings.compiler_options) or None
-        plan.memo["eval"] = jax.jit(plan.eval_fn, compiler_options=options)
-    return plan.memo["eval"]
+        fn = plan.eval_fn
+        if ema:
+            s = plan.settings
+            working = step_lib.make_working(s.step, s.mesh, plan.layouts, plan.specs)
+            on_device = offload.device_shardings(plan.master_shardings)
+
+            def fn(average: Params, batch: Batch, frozen: Params = None) -> jax.Array:
+                params = working(offload.to_device(average, on_device))
+                return plan.eval_fn(params, batch, frozen)
+
+        plan.memo[key] = jax.jit(fn, compiler_options=options)
+    return plan.memo[key]
 
 
 def to_master(plan: Plan, x: Any, lay: LeafLayout) -> Any:
@@ -319,12 +344,18 @@ def to_master(plan: Plan, x: Any, lay: LeafLayout) -> Any:
 
 
 def fresh_state(
-    plan: Plan, master32: Params, opt_state: OptState = None, step: Any = 0, frozen: Params = None
+    plan: Plan,
+    master32: Params,
+    opt_state: OptState = None,
+    step: Any = 0,
+    frozen: Params = None,
+    ema: Params = None,
 ) -> TrainState:
     """The state from fp32 master params in their stored layout (traced).
 
     ``opt_state`` (stored layout) defaults to a fresh ``tx.init``; ``frozen`` (the frozen
-    params, stored) is kept as it is.
+    params, stored) is kept as it is; ``ema`` (stored as the master) defaults to the
+    master params themselves when the plan keeps an EMA (:mod:`jaxzero.ema`).
     """
     lays, cfg = plan.layouts, plan.settings.step
     if master_sharded(plan.stage) and not params_sharded(plan.stage):
@@ -340,12 +371,15 @@ def fresh_state(
             plan.tx.init(logical),
             is_leaf=is_layout,
         )
+    if cfg.ema and ema is None:
+        ema = master32
     return TrainState(
         step=jnp.asarray(step, jnp.int32),
         params=params,
         master=master32 if cfg.mixed else None,
         opt_state=opt_state,
         frozen=frozen,
+        ema=ema if cfg.ema else None,
     )
 
 
@@ -360,15 +394,21 @@ def _with_frozen(state: TrainState, frozen: Params) -> TrainState:
 
 
 def state_from_parts(
-    plan: Plan, master32: Params, opt_state: OptState, step: int, frozen: Params = None
+    plan: Plan,
+    master32: Params,
+    opt_state: OptState,
+    step: int,
+    frozen: Params = None,
+    ema: Params = None,
 ) -> TrainState:
-    """A state from restored parts: fp32 master params and optimizer state, each already
-    in the plan's stored layout and sharding (:class:`~jaxzero.CheckpointManager`), and
-    the frozen params as stored (:func:`place_frozen`)."""
+    """A state from restored parts: fp32 master params, optimizer state and EMA, each
+    already in the plan's stored layout and the master's sharding
+    (:class:`~jaxzero.CheckpointManager`; ``ema`` None: the master params, when the plan
+    keeps one), and the frozen params as stored (:func:`place_frozen`)."""
     if "parts" not in plan.memo:
-        build = lambda m, o, s: fresh_state(plan, m, o, s)
+        build = lambda m, o, s, e: fresh_state(plan, m, o, s, ema=e)
         plan.memo["parts"] = jax.jit(build, out_shardings=_trained_shardings(plan))
-    return _with_frozen(plan.memo["parts"](master32, opt_state, step), frozen)
+    return _with_frozen(plan.memo["parts"](master32, opt_state, step, ema), frozen)
 
 
 def state_from_master(plan: Plan, master32: Params, frozen: Params = None) -> TrainState:

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero import backend
+from jaxzero import ema as ema_lib
 from jaxzero import loss as loss_lib
 from jaxzero.mesh import batch_axes, num_shards
 from jaxzero.partition import Rule
@@ -47,6 +48,9 @@ class Settings:
       rules, stacked, min_shard_size: how leaves are laid out (:func:`layouts_for`).
       donate: whether the jitted step donates its input state.
       compiler_options: the XLA options the step is compiled with.
+      ema: the EMA's decay, a float or ``step -> decay`` (:mod:`jaxzero.ema`); None: no
+        EMA. Not compared, as the optimizer's learning rate is not: ``step.ema`` says
+        whether the state has one.
     """
 
     step: StepConfig
@@ -57,6 +61,7 @@ class Settings:
     min_shard_size: int
     donate: bool
     compiler_options: Mapping[str, Any]
+    ema: ema_lib.Decay | None = dataclasses.field(default=None, compare=False)
 
     @property
     def num_shards(self) -> int:
@@ -160,6 +165,7 @@ def make_settings(
     qgz: str | None = None,
     hpz: bool = False,
     quant_block: int = 2048,
+    ema: Any = None,
 ) -> tuple[optax.GradientTransformation, Settings]:
     """``(optimizer, settings)`` from :class:`~jaxzero.Engine`'s arguments (documented
     there); each bad one is refused in one line. ``optax.MultiSteps`` is unwrapped."""
@@ -182,6 +188,7 @@ def make_settings(
             f"optimizer must be an optax transformation (e.g. optax.adamw(1e-3)), got {optimizer!r}"
         )
     loss_lib.check_rng_contract(loss_fn, loss_takes_rng)
+    decay = ema_lib.check(ema)
     hybrid = len(mesh.axis_names) > 1
     beyond = beyond_zero(stage, hybrid, offload, qwz, qgz, hpz, quant_block)
     compute_dtype = _dtype(precision, "precision")
@@ -203,6 +210,7 @@ def make_settings(
             whole_tree_bucket_bytes=whole_tree_bucket,
             dot_barrier=backend.dot_barrier(dot_barrier, mesh),
             rng_seed=int(seed) if loss_takes_rng else None,
+            ema=decay is not None,
             **beyond,
         ),
         mesh=mesh,
@@ -212,5 +220,6 @@ def make_settings(
         min_shard_size=min_shard_size,
         donate=backend.donate(donate, mesh, stage),
         compiler_options=backend.compiler_options(mesh, compiler_options),
+        ema=decay,
     )
     return optimizer, settings

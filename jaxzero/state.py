@@ -10,7 +10,8 @@ stage  working params           fp32 master (bf16 only)  optimizer state
 3      sharded                  sharded                 sharded
 =====  =======================  ======================  ==================
 
-Gradients live only inside the step (see ``step.py``). Sharded leaves are stored
+The EMA of the weights (``Engine(ema=...)``, fp32) lies as the master does, in fp32
+training too. Gradients live only inside the step (see ``step.py``). Sharded leaves are stored
 padded (``LeafLayout.padded_shape``); replicated leaves keep their shape. The
 optimizer only ever sees logical (unpadded) shapes: the step strips the padding
 before ``tx.update`` and restores it after, so the stored layout cannot change
@@ -48,6 +49,9 @@ class TrainState:
         once in the dtype it was given, laid out as the stage lays out working params;
         ``None`` when every param trains. ``params``, ``master`` and ``opt_state`` then
         hold the trainable ones only (:mod:`jaxzero.frozen`).
+      ema: the exponential moving average of the trainable params (``Engine(ema=...)``,
+        :mod:`jaxzero.ema`): fp32, laid out (and with offload, held in host memory) as
+        the master is; ``None`` without one.
     """
 
     # a jax.Array in a state; the trees of the same structure (state_specs, the checkpoint's
@@ -57,6 +61,7 @@ class TrainState:
     master: Params
     opt_state: OptState
     frozen: Params = None
+    ema: Params = None
 
 
 def params_sharded(stage: int) -> bool:
@@ -131,16 +136,19 @@ def state_specs(
     mixed: bool,
     frozen: Layouts = None,
     hpz: bool = False,
+    ema: bool = False,
 ) -> TrainState:
     """PartitionSpecs of every leaf of the TrainState (same structure). Frozen params
     (``frozen``: their layouts) lie as the working params do: sharded at stage 3 only.
-    ``hpz``: the master and optimizer state over every device, the params within a group."""
+    ``hpz``: the master and optimizer state over every device, the params within a group.
+    ``ema``: the state keeps an EMA, laid out as the master."""
     return TrainState(
         step=P(),
         params=_specs(layouts, params_sharded(stage)),
         master=master_specs(stage, layouts, hpz) if mixed else None,
         opt_state=_specs(opt_lays, master_sharded(stage), master_axes(hpz)),
         frozen=None if frozen is None else _specs(frozen, params_sharded(stage)),
+        ema=master_specs(stage, layouts, hpz) if ema else None,
     )
 
 

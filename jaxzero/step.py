@@ -57,6 +57,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero import collectives, offload
+from jaxzero import ema as ema_lib
 from jaxzero import frozen as frozen_lib
 from jaxzero import loss as loss_lib
 from jaxzero.gradients import clip, global_norm, reduce_gradients
@@ -401,6 +402,7 @@ def make_train_step(
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
     fz: Frozen | None = None,
+    ema: ema_lib.Decay | None = None,
 ) -> Callable:
     """The global train step: explicit collectives in ``shard_map``, the update around them.
 
@@ -408,22 +410,13 @@ def make_train_step(
     the state's shardings. Gradients are reduced (and stage 3 params gathered) by
     :func:`gradient_step` inside ``shard_map``; the optimizer updates the sharded
     master in the global view (:func:`optimizer_update`); stages 1–2 all-gather the
-    new working params inside ``shard_map`` again.
+    new working params inside ``shard_map`` again. ``ema``: the decay of the state's
+    EMA (:mod:`jaxzero.ema`), updated from the new master on each device's shard.
     """
     sharded = master_sharded(cfg.stage)
     grad_specs = master_specs(cfg.stage, layouts, cfg.hpz)
     grads_of = _sharded_gradient_step(cfg, mesh, layouts, specs, loss_fn, fz)
-    # check_vma=False: the new params' P() (stages 1-2) holds because an all_gather gives
-    # every device the same array; check_vma=True cannot infer that and refuses to trace.
-    # hpZ: the new params, split over every device as the master is, are gathered across
-    # the groups once a step into each group's copy (split within the group)
-    gather = jax.shard_map(
-        functools.partial(gather_groups if cfg.hpz else gather_params, cfg, layouts),
-        mesh=mesh,
-        in_specs=(grad_specs,),
-        out_specs=specs.params,
-        check_vma=False,
-    )
+    working = make_working(cfg, mesh, layouts, specs)
     place = lambda tree: jax.tree.map(
         lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
         tree,
@@ -440,11 +433,6 @@ def make_train_step(
         master = place(to_stored(layouts, logical, sharded))
         loss, grads, _, _ = unclipped(working(master), batch, step, frozen)
         return loss, to_logical(layouts, grads)
-
-    def working(master: Params) -> Params:
-        """The working params (compute dtype, the stage's layout) of stored master params."""
-        params = jax.tree.map(lambda m: m.astype(cfg.compute_dtype), master)
-        return gather(params) if cfg.stage in (1, 2) or cfg.hpz else params
 
     # offload (jaxzero.offload): the master (bf16 training) and the optimizer state come
     # from host memory for the update and go back after it, one transfer a leaf each way
@@ -468,6 +456,14 @@ def make_train_step(
         )
         master = place(master)
         params = working(master)
+        average = state.ema
+        if ema is not None:  # elementwise on shards laid out alike: no collective
+            if held is not None:
+                average = offload.to_device(average, held[0])
+            d = ema_lib.decay_at(ema, state.step)
+            average = place(ema_lib.update(average, master, d))
+            if held is not None:
+                average = offload.to_host(average, held[0])
         if held is not None:
             master = offload.to_host(master, held[0]) if cfg.mixed else master
             opt_state = offload.to_host(opt_state, held[1])
@@ -477,10 +473,36 @@ def make_train_step(
             master=master if cfg.mixed else None,
             opt_state=opt_state,
             frozen=state.frozen,
+            ema=average,
         )
         return new, {"loss": loss, "grad_norm": norm, **extra}
 
     return train_step
+
+
+def make_working(
+    cfg: StepConfig, mesh: Mesh, layouts: Layouts, specs: TrainState
+) -> Callable[[Params], Params]:
+    """``working(master)``: the working params (compute dtype, the stage's layout) of
+    params stored as the master is (the new master in the step; the EMA for an
+    evaluation at its weights): stages 1-2 all-gather them, hpZ across the groups."""
+    # check_vma=False: the new params' P() (stages 1-2) holds because an all_gather gives
+    # every device the same array; check_vma=True cannot infer that and refuses to trace.
+    # hpZ: the new params, split over every device as the master is, are gathered across
+    # the groups once a step into each group's copy (split within the group)
+    gather = jax.shard_map(
+        functools.partial(gather_groups if cfg.hpz else gather_params, cfg, layouts),
+        mesh=mesh,
+        in_specs=(master_specs(cfg.stage, layouts, cfg.hpz),),
+        out_specs=specs.params,
+        check_vma=False,
+    )
+
+    def working(master: Params) -> Params:
+        params = jax.tree.map(lambda m: m.astype(cfg.compute_dtype), master)
+        return gather(params) if cfg.stage in (1, 2) or cfg.hpz else params
+
+    return working
 
 
 def eval_loss(

@@ -42,6 +42,7 @@ class StepConfig:
     qgz_bits: int = 0
     hpz: bool = False
     quant_block: int = 2048  # elements a quantization scale covers (qwZ, qgZ)
+    ema: bool = False  # the state keeps an EMA of the master params (jaxzero.ema)
 
     @property
     def extra_axes(self) -> tuple[str, ...]:

@@ -60,6 +60,7 @@ MODULES = {
     "test_data": "unit",
     "test_decode": "equivalence",
     "test_distributed": "unit",
+    "test_ema": "equivalence",
     "test_docs": "system",
     "test_engine": "equivalence",
     "test_errors": "unit",

@@ -307,6 +307,14 @@ def _records(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rundir.read_jsonl(run / rundir.METRICS_FILE)}
 
 
+def _ema_leaves(run: Path, step: int) -> dict[str, np.ndarray]:
+    """The EMA of the weights (``ema/...``) in a run's checkpoint of ``step``."""
+    step_dir = run / "checkpoints" / str(step)
+    leaves = read_metadata(step_dir)["leaves"]
+    with LeafReader(step_dir) as reader:
+        return {n: reader.read(n, v["shape"]) for n, v in leaves.items() if n.startswith("ema/")}
+
+
 def _run_until(
     cmd: list[str], run: Path, step: int, sig: int, saved: int | None = None
 ) -> tuple[_procs.Child, str]:
@@ -329,9 +337,10 @@ def _run_until(
 @pytest.mark.system
 def test_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
     """30 steps: a tiny step takes milliseconds on a quiet machine, and the signals must
-    land before the run ends (with 8, a SIGTERM after step 3 came after step 8)."""
+    land before the run ends (with 8, a SIGTERM after step 3 came after step 8). The runs
+    keep an EMA of the weights (train.ema): resumed, it is bit-identical too."""
     env = {**os.environ}
-    steps = ["--steps", "30"]
+    steps = ["--steps", "30", "--set", "train.ema=0.9"]
     full = _procs.run(
         _cmd(tmp_path, "full", *steps), capture_output=True, text=True, env=env, timeout=300
     )
@@ -361,6 +370,10 @@ def test_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
     got = _records(run)
     assert sorted(got) == list(range(1, 31))  # steps 5-6 logged before the kill: replaced
     assert [got[s] for s in range(5, 31)] == [want[s] for s in range(5, 31)]  # bit-identical
+    ema, full_ema = _ema_leaves(run, 30), _ema_leaves(tmp_path / "full", 30)
+    assert ema and sorted(ema) == sorted(full_ema)
+    for name, value in full_ema.items():
+        np.testing.assert_array_equal(ema[name], value, err_msg=name)
 
     # SIGTERM: the step finishes, a checkpoint is written, the command says how to resume
     run = tmp_path / "term"
@@ -385,6 +398,9 @@ def test_resume_after_sigkill_and_sigterm_is_exact(tmp_path):
     np.testing.assert_allclose(
         [got[s] for s in range(1, 31)], [want[s] for s in range(1, 31)], rtol=1e-5
     )  # another stage: equal to fp32 rounding
+    ema = _ema_leaves(run, 30)  # resharded from stage 3 to 1 with the master
+    for name, value in full_ema.items():
+        np.testing.assert_allclose(ema[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.system

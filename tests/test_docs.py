@@ -405,6 +405,18 @@ def test_stages_page_own_loop_example_trains(capsys):
     assert namespace["ema"]["w1"].shape == (37, 53)
 
 
+def test_stages_page_ema_example_runs(capsys):
+    """The EMA example of docs/stages.md: a warmup schedule, evaluated and read back."""
+    section = re.search(r"^## An EMA of the weights.*?(?=^## |\Z)", PAGES["stages.md"], re.S | re.M)
+    assert section, "docs/stages.md has no section '## An EMA of the weights'"
+    (example,) = _blocks(section.group(0), "python")
+    namespace: dict = {}
+    exec(compile(example, "docs/stages.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"live \d\.\d{3}, EMA \d\.\d{3}\n", out), out
+    assert namespace["ema"]["w"].shape == (16, 4)
+
+
 def test_readme_library_example_runs_as_written_on_one_cpu_device():
     """Pasted into a fresh Python on a CPU-only machine (one device, nothing simulated), the
     example runs and prints the losses README shows."""

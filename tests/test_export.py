@@ -525,7 +525,7 @@ def test_a_failed_export_leaves_the_name_as_it_was(finetuned, tmp_path, capsys, 
     assert _cli(capsys, "export", str(run), "--out", str(out))[0] == 0
     before = _listing(out)
 
-    def full_disk(step_dir, out_file, dtype="fp32"):
+    def full_disk(step_dir, out_file, dtype="fp32", ema=False):
         out_file.write_bytes(b"\0" * 100)  # part of the weights written, then the disk fills
         raise OSError(28, "No space left on device")
 

@@ -4,7 +4,8 @@ A checkpoint is one orbax step directory with three items:
 
 * ``state``: every leaf of the :class:`~jaxzero.state.TrainState` under a readable
   name (``params/blocks/fc/kernel``, ``master/...``, ``opt_state/0/mu/...``,
-  ``step``), written shard by shard by the process that owns each shard.
+  ``step``; ``ema/...`` when the engine keeps an EMA of the weights), written shard by
+  shard by the process that owns each shard.
 * ``meta``: JSON: jaxzero version, stage, N, precision, and every leaf's logical
   shape, stored shape and dtype.
 * ``extra``: JSON the caller adds (the data-loader position, the resolved config).
@@ -39,6 +40,7 @@ from jaxzero.checkpoint.format import (
     CheckpointError,
     CheckpointWriteError,
     fingerprints,
+    has_ema,
     host_fingerprint,
     leaf_names,
     metadata,
@@ -47,6 +49,7 @@ from jaxzero.checkpoint.format import (
 from jaxzero.checkpoint.hygiene import host_reader_process
 from jaxzero.checkpoint.manager import CheckpointManager, write_cause
 from jaxzero.checkpoint.reader import (
+    NO_EMA,
     LeafReader,
     complete_steps,
     is_step_dir,
@@ -63,8 +66,10 @@ __all__ = [
     "CheckpointManager",
     "CheckpointWriteError",
     "LeafReader",
+    "NO_EMA",
     "complete_steps",
     "fingerprints",
+    "has_ema",
     "host_fingerprint",
     "host_reader_process",
     "is_step_dir",

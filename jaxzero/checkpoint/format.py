@@ -24,7 +24,8 @@ from jaxzero.state import TrainState
 from jaxzero.version import __version__
 
 FORMAT = 1
-FIELDS = ("step", "params", "master", "opt_state", "frozen")
+FIELDS = ("step", "params", "master", "opt_state", "frozen", "ema")
+PARAM_COPIES = ("master", "ema")  # fields laid out and named as the (trainable) params
 ITEMS = ("state", "meta", "extra")  # the orbax items of every step, as CheckpointManager saves
 
 
@@ -165,7 +166,7 @@ def metadata(plan: Plan, state: TrainState) -> dict[str, Any]:
     leaves: dict[str, dict[str, Any]] = {}
     for name, x in leaf_names(state).items():
         field, _, rest = name.partition("/")
-        lay = lays.get(f"params/{rest}" if field == "master" else name)
+        lay = lays.get(f"params/{rest}" if field in PARAM_COPIES else name)
         leaves[name] = {
             "stored_shape": list(x.shape),
             "dtype": str(x.dtype),
@@ -231,6 +232,11 @@ def check_same_params(plan: Plan, meta: dict[str, Any]) -> None:
                 f"the checkpoint is of a different model: param {name!r} is "
                 f"{say(theirs.get(name))} there and {say(mine.get(name))} here"
             )
+
+
+def has_ema(saved: Any) -> bool:
+    """Whether a checkpoint holds an EMA of the weights, given its stored leaf names."""
+    return any(n.startswith("ema/") for n in saved)
 
 
 def fp32_field(saved: Any) -> str:

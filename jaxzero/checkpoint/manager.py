@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from jaxzero.checkpoint.format import (
     fingerprints,
     flatten,
     fp32_field,
+    has_ema,
     leaf_names,
     metadata,
     nest,
@@ -35,6 +37,7 @@ from jaxzero.checkpoint.format import (
 )
 from jaxzero.checkpoint.hygiene import SAVING, Echoes
 from jaxzero.checkpoint.reader import read_metadata
+from jaxzero.ema import EMAWarning
 from jaxzero.partition import is_layout
 from jaxzero.plan import Plan
 from jaxzero.state import TrainState, master_sharded
@@ -265,6 +268,7 @@ class CheckpointManager:
             check_same_params(plan, meta)  # the shapes agree; whether each trains may not
         target = plan_lib.state_shapes(plan)
         src = fp32_field(meta["leaves"])
+        ema = _ema_source(plan, meta, self.directory / str(step))
         held = plan.mask is not None and meta.get("frozen_saved", True)
         if plan.mask is not None and not held and frozen is None:
             raise CheckpointError(
@@ -272,7 +276,7 @@ class CheckpointManager:
                 "with save_frozen=False): pass restore(..., frozen=state.frozen) of the "
                 "base they came from"
             )
-        want = _wanted(plan, target, src, held)
+        want = _wanted(plan, target, (src, ema) if ema else (src,), held)
         self._check_holds(step, want, meta["leaves"])
         out = self._read(step, want)
         flat = flatten(out["state"])
@@ -284,10 +288,8 @@ class CheckpointManager:
                 "match the fingerprints written when it was saved. Older checkpoints: "
                 f"{self._others(step)}"
             )
-        master = jax.tree.unflatten(
-            jax.tree.structure(plan.layouts, is_leaf=is_layout),
-            [flat[src + n[len("params") :]] for n in _param_names(plan)],
-        )
+        master = _params_of(plan, flat, src)
+        average = _params_of(plan, flat, ema) if ema else None
         opt_names = leaf_names(TrainState(None, None, None, target.opt_state))
         opt_state = jax.tree.unflatten(
             jax.tree.structure(target.opt_state), [flat[n] for n in opt_names]
@@ -296,7 +298,7 @@ class CheckpointManager:
             names = leaf_names(TrainState(None, None, None, None, target.frozen))
             frozen = jax.tree.unflatten(jax.tree.structure(target.frozen), [flat[n] for n in names])
         step_no = int(np.asarray(flat["step"]))
-        state = plan_lib.state_from_parts(plan, master, opt_state, step_no, frozen)
+        state = plan_lib.state_from_parts(plan, master, opt_state, step_no, frozen, average)
         return state, dict(out["extra"] or {})
 
     def _others(self, step: int) -> list[int] | str:
@@ -347,17 +349,48 @@ def _param_names(plan: Plan) -> list[str]:
     return list(leaf_names(TrainState(None, plan.layouts, None, None)))
 
 
-def _wanted(plan: Plan, target: TrainState, src: str, frozen: bool) -> Want:
-    """Each leaf to read: the fp32 params (from ``src``: the master of a bf16 run) in the
-    plan's master layout, then the step and optimizer state as ``target`` holds them,
-    and the frozen params when the checkpoint holds them (``frozen``)."""
+def _params_of(plan: Plan, flat: dict[str, Any], field: str) -> Params:
+    """The restored leaves of ``field`` (``master``, ``params`` or ``ema``), a params tree."""
+    return jax.tree.unflatten(
+        jax.tree.structure(plan.layouts, is_leaf=is_layout),
+        [flat[field + n[len("params") :]] for n in _param_names(plan)],
+    )
+
+
+def _ema_source(plan: Plan, meta: dict[str, Any], where: Path) -> str | None:
+    """``"ema"`` when the plan keeps an EMA and the checkpoint holds one; else None, with
+    a one-line warning when they disagree: the EMA starts at the restored params, or the
+    checkpoint's is dropped."""
+    saved = has_ema(meta["leaves"])
+    if plan.has_ema and not saved:
+        warnings.warn(
+            f"checkpoint {where} holds no EMA of the weights: the EMA starts at its params",
+            EMAWarning,
+            stacklevel=3,
+        )
+    elif saved and not plan.has_ema:
+        warnings.warn(
+            f"checkpoint {where} holds an EMA of the weights; this engine keeps none "
+            "(ema=None): it is dropped",
+            EMAWarning,
+            stacklevel=3,
+        )
+    return "ema" if saved and plan.has_ema else None
+
+
+def _wanted(plan: Plan, target: TrainState, srcs: tuple[str, ...], frozen: bool) -> Want:
+    """Each leaf to read: the fp32 params of each field of ``srcs`` (the params or the
+    master of a bf16 run, and the EMA) in the plan's master layout, then the step and
+    optimizer state as ``target`` holds them, and the frozen params when the checkpoint
+    holds them (``frozen``)."""
     sharded = master_sharded(plan.stage)
     want: Want = {}
-    for name, lay, sh in zip(
-        _param_names(plan), plan.leaves(), jax.tree.leaves(plan.master_shardings), strict=True
-    ):
-        shape = lay.padded_shape if sharded else lay.shape
-        want[src + name[len("params") :]] = (shape, jnp.float32, sh)
+    for src in srcs:  # orbax zero-fills or drops the padding difference of each
+        for name, lay, sh in zip(
+            _param_names(plan), plan.leaves(), jax.tree.leaves(plan.master_shardings), strict=True
+        ):
+            shape = lay.padded_shape if sharded else lay.shape
+            want[src + name[len("params") :]] = (shape, jnp.float32, sh)
     rest = TrainState(target.step, None, None, target.opt_state, target.frozen if frozen else None)
     for name, x in leaf_names(rest).items():
         want[name] = (x.shape, x.dtype, x.sharding)

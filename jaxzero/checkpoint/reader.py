@@ -18,6 +18,7 @@ from jaxzero.checkpoint.format import (
     CheckpointError,
     flatten,
     fp32_field,
+    has_ema,
     host_fingerprint,
     nest,
     step_of,
@@ -83,11 +84,19 @@ def read_extra(step_dir: str | Path) -> dict[str, Any]:
     return dict(extra or {})
 
 
-def param_entries(meta: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...]]]:
+NO_EMA = "this run has no EMA: train with --set train.ema=0.999"
+
+
+def param_entries(
+    meta: dict[str, Any], ema: bool = False
+) -> list[tuple[str, str, tuple[int, ...]]]:
     """``(param name, stored leaf name, logical shape)`` of each param of a checkpoint's
     ``meta``, in tree order, naming its fp32 truth (the master of a bf16 run; a frozen
-    param's one stored copy)."""
-    source = fp32_field(meta["leaves"])
+    param's one stored copy); ``ema``: the EMA of the weights instead (frozen params
+    have none: their one copy), refused in one line when the checkpoint holds none."""
+    if ema and not has_ema(meta["leaves"]):
+        raise CheckpointError(NO_EMA)
+    source = "ema" if ema else fp32_field(meta["leaves"])
     out = []
     for entry in meta["param_tree"]:
         name = path_str([k for _, k in entry["path"]])

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: Llama, Qwen2 and Mistral, any stage, any mesh.
+"""Hugging Face checkpoints in and out: Llama, Qwen2, Qwen3 and Mistral, any stage, any mesh.
 
     model = jaxzero.hf.model("path/to/Llama-3.2-1B")               # reads config.json
     engine = model.engine(optax.adamw(1e-5), stage=3)
@@ -30,6 +30,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxzero import modeldir
+from jaxzero.ema import NO_EMA
 from jaxzero.hf import peft as peft_lib
 from jaxzero.hf.peft import Adapter
 from jaxzero.hf.safetensors import SafetensorsError, SafetensorsFile
@@ -426,9 +427,11 @@ def save(
     dtype: str = "bfloat16",
     max_shard_size: int = 5 * 2**30,
     overwrite: bool = False,
+    ema: bool = False,
 ) -> Path:
     """Write ``state``'s params (of the Llama ``m``, trained by ``engine``) as a Hugging
-    Face model directory.
+    Face model directory; ``ema=True``: the EMA of the weights (``Engine(ema=...)``)
+    instead of the live params, refused in one line for a state without one.
 
     ``config.json`` (the source's, when the model came from :func:`model`),
     ``generation_config.json``, safetensors of ``dtype`` with ``{"format": "pt"}``
@@ -453,7 +456,9 @@ def save(
             "hf.save: the engine's params are not this model's (pass the Llama the engine "
             "was built from)"
         )
-    arrays = (x for _, x in iter_params(engine.plan, state))
+    if ema and state.ema is None:
+        raise HFError(NO_EMA)
+    arrays = (x for _, x in iter_params(engine.plan, state, ema))
     out = write_model(
         path, m, leaves, arrays, dtype, max_shard_size, overwrite, writer=jax.process_index() == 0
     )

@@ -314,6 +314,8 @@ def validate(config: Config) -> Config:
         raise ConfigError(
             "data.packing=false needs documents: give data.tokenizer (or train.init_from)"
         )
+    if t.ema is not None and not 0.0 < t.ema < 1.0:
+        raise ConfigError(f"train.ema={t.ema}: the EMA's decay must lie in (0, 1), e.g. 0.999")
     if not 0.0 < config.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {config.data.val_fraction}")
     if o.lr <= 0 or not 0.0 <= o.min_lr_ratio <= 1.0:

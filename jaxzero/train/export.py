@@ -14,7 +14,9 @@ malloc arena).
 
 bf16 runs export their fp32 master params (``master/...``), the truth the
 optimizer updates, not the rounded working copy; ``--dtype bf16`` rounds that
-once, as ``astype`` does. ``jaxzero sample`` (:mod:`jaxzero.train.sample`) reads through here.
+once, as ``astype`` does. ``--ema`` exports the EMA of the weights (``--set train.ema``)
+instead of the live params, in every format. ``jaxzero sample``
+(:mod:`jaxzero.train.sample`) reads through here.
 
 What ``--out`` may replace, the tokenizer files it gets, and building it beside and moving
 it into place whole are :mod:`jaxzero.modeldir`'s rules (``jaxzero.hf.save``'s too).
@@ -36,8 +38,10 @@ import yaml
 
 from jaxzero import cli, hf, modeldir
 from jaxzero.checkpoint import (
+    NO_EMA,
     CheckpointError,
     complete_steps,
+    has_ema,
     host_reader_process,
     is_step_dir,
     read_extra,
@@ -157,18 +161,22 @@ def model_fields(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]
 # --------------------------------------------------------------------------- export
 
 
-def export_params(step_dir: Path, out_file: Path, dtype: str = "fp32") -> dict[str, Any]:
-    """Writes the checkpoint's logical params to ``out_file``, one leaf in memory at a time."""
+def export_params(
+    step_dir: Path, out_file: Path, dtype: str = "fp32", ema: bool = False
+) -> dict[str, Any]:
+    """Writes the checkpoint's logical params (``ema``: their EMA) to ``out_file``, one
+    leaf in memory at a time."""
     meta = read_metadata(step_dir)
     lora = merged.lora_of(step_dir)
     entries = merged.entries(meta, lora)
     dt = DTYPES[dtype]
+    header = {"format": "jaxzero", "step": str(meta.get("step"))}
     try:
         size = safetensors.write(
             out_file,
             [(n, dt, s) for n, s in entries],
-            merged.arrays(step_dir, meta, lora, dt),
-            {"format": "jaxzero", "step": str(meta.get("step"))},
+            merged.arrays(step_dir, meta, lora, dt, ema),
+            {**header, "ema": "true"} if ema else header,
         )
     except hf.HFError as e:  # a LoRA run's base, changed or gone
         raise ExportError(str(e)) from None
@@ -214,8 +222,10 @@ def export_hf(
     out: Path,
     dtype: str,
     overwrite: bool,
+    ema: bool = False,
 ) -> Path:
-    """A Hugging Face model directory (``transformers`` loads it) from a Llama run."""
+    """A Hugging Face model directory (``transformers`` loads it) from a Llama run
+    (``ema``: the EMA of its weights)."""
     fields = model_fields(run, meta)
     if fields.get("arch") != "llama":
         raise ExportError(
@@ -233,7 +243,7 @@ def export_hf(
             out,
             model,
             merged.entries(meta, lora),
-            merged.arrays(step_dir, meta, lora, DTYPES["fp32"]),
+            merged.arrays(step_dir, meta, lora, DTYPES["fp32"], ema),
             {"fp32": "float32", "bf16": "bfloat16"}[dtype],
             overwrite=overwrite,
             tokenizer=_tokenizer(run),
@@ -243,9 +253,11 @@ def export_hf(
         raise ExportError(str(e)) from None
 
 
-def export_peft(step_dir: Path, meta: dict[str, Any], out: Path, dtype: str) -> Path:
+def export_peft(
+    step_dir: Path, meta: dict[str, Any], out: Path, dtype: str, ema: bool = False
+) -> Path:
     """A PEFT adapter directory (``PeftModel.from_pretrained(base, out)`` loads it over
-    the run's base) from a LoRA run's checkpoint."""
+    the run's base) from a LoRA run's checkpoint (``ema``: the adapters' EMA)."""
     lora = merged.lora_of(step_dir)
     if lora is None:
         raise ExportError(
@@ -255,7 +267,11 @@ def export_peft(step_dir: Path, meta: dict[str, Any], out: Path, dtype: str) -> 
     try:
         with modeldir.staged(out, "jaxzero") as tmp:
             write_adapter(
-                tmp, config_of(lora), merged.adapters(step_dir, meta), lora["path"], DTYPES[dtype]
+                tmp,
+                config_of(lora),
+                merged.adapters(step_dir, meta, ema),
+                lora["path"],
+                DTYPES[dtype],
             )
     except OSError as e:
         raise ExportError(f"cannot write --out {out}: {e.strerror or e}") from None
@@ -269,9 +285,12 @@ def export(
     step: int | None = None,
     format: str = "jaxzero",
     overwrite: bool = False,
+    ema: bool = False,
 ) -> Path:
     """``out/model.safetensors`` + ``out/config.json`` + the run's tokenizer files from a
     run, checkpoints dir or step; ``format="hf"``: a Hugging Face directory (Llama runs).
+    ``ema``: the EMA of the weights (a run trained with ``--set train.ema``) instead of
+    the live params; a run without one is refused in one line.
 
     ``out`` is built beside itself and moved into place whole; it may be new, empty or
     an earlier export (:mod:`jaxzero.modeldir`); ``overwrite`` replaces anything else
@@ -279,8 +298,10 @@ def export(
     if format not in FORMATS:
         raise ExportError(f"unknown format {format!r}: use one of {FORMATS}")
     step_dir = find_step_dir(path, step)
-    run = run_config(step_dir)
     meta = read_metadata(step_dir)
+    if ema and not has_ema(meta["leaves"]):
+        raise ExportError(NO_EMA)
+    run = run_config(step_dir)
     out = Path(out)
     if dtype is None:  # fp32; a LoRA run's merged model and adapter: its base's dtype
         dtype = merged.base_dtype(merged.lora_of(step_dir))
@@ -290,13 +311,13 @@ def export(
     except modeldir.ModelDirError as e:
         raise ExportError(str(e)) from None
     if format == "hf":
-        return export_hf(step_dir, run, meta, out, dtype, overwrite=True)  # checked above
+        return export_hf(step_dir, run, meta, out, dtype, True, ema)  # overwrite: checked above
     if format == "peft":
-        return export_peft(step_dir, meta, out, dtype)
+        return export_peft(step_dir, meta, out, dtype, ema)
     fields = model_fields(run, meta)
     try:
         with modeldir.staged(out, "jaxzero") as tmp:
-            info = export_params(step_dir, tmp / WEIGHTS, dtype)
+            info = export_params(step_dir, tmp / WEIGHTS, dtype, ema)
             config = {
                 **fields,
                 "model_type": f"jaxzero-{fields.get('arch') or 'gpt'}",
@@ -308,6 +329,7 @@ def export(
                     "stage": meta.get("stage"),
                     "num_shards": meta.get("num_shards"),
                     "precision": meta.get("precision"),
+                    "ema": ema,
                 },
             }
             (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -372,6 +394,12 @@ def _export_parser() -> argparse.ArgumentParser:
         "adapters merged into its base); peft: a LoRA run's adapter, as peft saves it",
     )
     p.add_argument(
+        "--ema",
+        action="store_true",
+        help="export the EMA of the weights (a run trained with --set train.ema=0.999) "
+        "instead of the live params",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace --out whole even when it holds files jaxzero did not write (deleting "
@@ -387,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     def body(args: argparse.Namespace) -> None:
         host_reader_process()
         foreign = modeldir.foreign_entries(Path(args.out)) if args.overwrite else []
-        out = export(args.path, args.out, args.dtype, args.step, args.format, args.overwrite)
+        out = export(
+            args.path, args.out, args.dtype, args.step, args.format, args.overwrite, args.ema
+        )
         if foreign:
             print(f"jaxzero export: {modeldir.describe_replaced(out, foreign)}", file=sys.stderr)
         print(

@@ -21,6 +21,7 @@ import json
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from jaxzero import cli, distributed
 from jaxzero.accounting.estimate import format_bytes, parse_bytes
 from jaxzero.accounting.planner import shard_bytes
 from jaxzero.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError
+from jaxzero.ema import EMAWarning
 from jaxzero.train import config as config_lib
 from jaxzero.train import data as data_lib
 from jaxzero.train import finetune, lora_run, memguard, planning, rundir
@@ -252,22 +254,29 @@ def _load_data(cfg: Config, n_dev: int, simulated: int | None) -> tuple[Config, 
 # --------------------------------------------------------------------------- restore or init
 
 
-def _restore(run: Run) -> tuple[Any, dict[str, Any]]:
-    """A resumed run's latest checkpoint (CheckpointError: nothing readable to resume);
-    records logged after it are dropped, to be logged again. A LoRA run's frozen base is
-    read again from ``train.init_from`` and must be the one its adapters were trained on."""
-    state, extra = run.ckpt.restore(run.engine, frozen=base_frozen(run))
+def _restore(run: Run) -> tuple[Any, dict[str, Any], list[str]]:
+    """A resumed run's latest checkpoint (CheckpointError: nothing readable to resume) and
+    what its restore said (an EMA started or dropped: ``train.ema`` changed); records
+    logged after it are dropped, to be logged again. A LoRA run's frozen base is read
+    again from ``train.init_from`` and must be the one its adapters were trained on."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", EMAWarning)
+        state, extra = run.ckpt.restore(run.engine, frozen=base_frozen(run))
+    notes = [str(w.message) for w in said if issubclass(w.category, EMAWarning)]
+    for w in said:  # anything else, as it would have been shown
+        if not issubclass(w.category, EMAWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if lora_run.enabled(run.cfg):
         source = finetune.source(run.cfg)
         assert source is not None  # lora_run.adapters refuses LoRA without it
         lora_run.check_base(extra.get(lora_run.BASE), source)
     if run.is_main:
         resume_lib.drop_records_after(run.directory / rundir.METRICS_FILE, int(state.step))
-    return state, extra
+    return state, extra, notes
 
 
 def _restore_or_init(
-    run: Run, restored: tuple[Any, dict[str, Any]] | None
+    run: Run, restored: tuple[Any, dict[str, Any], list[str]] | None
 ) -> tuple[Any, dict[str, Any] | None]:
     """The first state (restored, fine-tuned from, or initialized) and the loader's
     position, after writing the resolved config and printing the banner."""
@@ -275,8 +284,9 @@ def _restore_or_init(
     if run.is_main:
         (run.directory / RESOLVED_CONFIG).write_text(config_lib.dump_yaml(cfg))
         run.writer.text("config", config_lib.dump_yaml(cfg))
+    notes: list[str] = []
     if restored is not None:
-        state, extra = restored
+        state, extra, notes = restored
     elif run.pretrained is not None:
         state, extra = finetune.load(cfg, run.engine, run.pretrained), {}  # each: its slices
     else:
@@ -290,7 +300,9 @@ def _restore_or_init(
     if run.resume is not None:
         run.progress.print(
             f"  resume from {run.ckpt.directory / str(int(state.step))} (step "
-            f"{int(state.step)})" + "".join(f"\n  changed {c}" for c in run.resume)
+            f"{int(state.step)})"
+            + "".join(f"\n  changed {c}" for c in run.resume)
+            + "".join(f"\n  note   {n}" for n in notes)
         )
     return state, extra.get("loader")
 

@@ -4,7 +4,9 @@ Most checkpoints hold every param (:func:`jaxzero.checkpoint.param_entries` name
 A LoRA run's hold only its adapters (:mod:`jaxzero.train.lora_run`): its plain model is
 the base (read again from ``train.init_from``, refused if its fingerprint changed) with
 each adapter folded in, ``W + scale * B @ A`` in fp32, as peft's ``merge_and_unload``
-does. Either way one param is in host memory at a time.
+does. Either way one param is in host memory at a time. ``ema=True`` reads the EMA of
+the weights (``--set train.ema``) where the live params are read otherwise: a LoRA run's
+adapters' EMA, merged into its base.
 """
 
 from __future__ import annotations
@@ -62,12 +64,17 @@ def entries(meta: dict[str, Any], lora: dict[str, Any] | None) -> list[Entry]:
 
 
 def arrays(
-    step_dir: Path, meta: dict[str, Any], lora: dict[str, Any] | None, dtype: np.dtype
+    step_dir: Path,
+    meta: dict[str, Any],
+    lora: dict[str, Any] | None,
+    dtype: np.dtype,
+    ema: bool = False,
 ) -> Iterator[np.ndarray]:
-    """Each of :func:`entries`' params as a host array of ``dtype``, one at a time."""
+    """Each of :func:`entries`' params as a host array of ``dtype``, one at a time
+    (``ema``: the EMA of the weights)."""
     if lora is None:
         with LeafReader(step_dir) as reader:
-            for _, leaf, shape in param_entries(meta):
+            for _, leaf, shape in param_entries(meta, ema):
                 yield reader.read(leaf, shape, dtype)
         return
     base = Path(lora["path"])
@@ -76,7 +83,7 @@ def arrays(
     except ConfigError as e:
         raise hf.HFError(str(e)) from None
     config = lora_run.config_of(lora)
-    stored = {n: (leaf, shape) for n, leaf, shape in _stored_entries(meta)}
+    stored = {n: (leaf, shape) for n, leaf, shape in _stored_entries(meta, ema)}
     weights = hf.Weights(base)
     layers = _layers(meta)
     with LeafReader(step_dir) as reader:
@@ -96,20 +103,23 @@ def arrays(
             yield x.astype(dtype)
 
 
-def adapters(step_dir: Path, meta: dict[str, Any]) -> dict[str, np.ndarray]:
-    """A LoRA checkpoint's adapters (``.../lora_A``, ``.../lora_B``), fp32 host arrays."""
+def adapters(step_dir: Path, meta: dict[str, Any], ema: bool = False) -> dict[str, np.ndarray]:
+    """A LoRA checkpoint's adapters (``.../lora_A``, ``.../lora_B``), fp32 host arrays
+    (``ema``: their EMA)."""
     with LeafReader(step_dir) as reader:
         return {
             name: reader.read(leaf, shape, np.dtype(np.float32))
-            for name, leaf, shape in _stored_entries(meta)
+            for name, leaf, shape in _stored_entries(meta, ema)
             if name.rsplit("/", 1)[-1] in MARK
         }
 
 
-def _stored_entries(meta: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...]]]:
+def _stored_entries(
+    meta: dict[str, Any], ema: bool = False
+) -> list[tuple[str, str, tuple[int, ...]]]:
     """:func:`param_entries` of the params the checkpoint holds (a LoRA run's adapters)."""
     held = [e for e in meta["param_tree"] if e.get("trainable", True)]
-    return param_entries({**meta, "param_tree": held})
+    return param_entries({**meta, "param_tree": held}, ema)
 
 
 def _layers(meta: dict[str, Any]) -> int:

@@ -90,6 +90,7 @@ def build(cfg: Config, mesh: Any, model: Model | None = None) -> tuple[Model, An
         qgz=cfg.zero.qgz,
         hpz=cfg.zero.hpz,
         quant_block=cfg.zero.quant_block,
+        ema=cfg.train.ema,
     )
     return model, engine, schedule
 

@@ -41,6 +41,7 @@ CHANGEABLE = (
     "checkpoint.",
     "train.steps",
     "train.peak_flops_per_device",
+    "train.ema",  # on: the EMA starts at the restored params; off: the saved one is dropped
 )
 
 

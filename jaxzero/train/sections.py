@@ -185,6 +185,9 @@ class TrainConfig:
     # "hf:PATH": fine-tune a Hugging Face checkpoint; its config sets the model fields and
     # its tokenizer the data's (jaxzero.train.finetune)
     init_from: str | None = None
+    # the decay of an EMA of the weights kept in the state (0.999: Engine(ema=...)),
+    # sharded as the master and saved with it; `jaxzero export --ema` writes it; null: none
+    ema: float | None = None
 
 
 @dataclass(frozen=True)
