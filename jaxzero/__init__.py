@@ -12,8 +12,9 @@ from jaxzero.checkpoint import CheckpointError, CheckpointManager, CheckpointWri
 from jaxzero.engine import Engine
 from jaxzero.errors import Error
 from jaxzero.hooks import remat_layer, use_params
-from jaxzero.loss import Weighted
-from jaxzero.mesh import make_mesh, simulate_devices
+from jaxzero.loss import Weighted, WithState
+from jaxzero.mesh import batch_axes, make_mesh, simulate_devices
+from jaxzero.model_state import split_variables
 from jaxzero.nnx import NNXEngine
 from jaxzero.partition import LeafLayout, layouts_for
 from jaxzero.state import TrainState
@@ -29,6 +30,8 @@ __all__ = [
     "NNXEngine",
     "TrainState",
     "Weighted",
+    "WithState",
+    "batch_axes",
     "hf",
     "layouts_for",
     "make_mesh",
@@ -36,6 +39,7 @@ __all__ = [
     "remat_layer",
     "report",
     "simulate_devices",
+    "split_variables",
     "use_params",
 ]
 

@@ -17,10 +17,11 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxzero import batch as batch_lib
 from jaxzero import frozen as frozen_lib
+from jaxzero import model_state as model_state_lib
 from jaxzero import plan as plan_lib
 from jaxzero import readback
 from jaxzero import settings as settings_lib
-from jaxzero.mesh import make_mesh
+from jaxzero.mesh import batch_axes, make_mesh
 from jaxzero.partition import Rule
 from jaxzero.plan import Plan
 from jaxzero.readback import gather_leaf
@@ -132,6 +133,15 @@ class Engine:
         communication. It starts at the initial params; frozen params have none.
         :meth:`eval_loss`, :meth:`gather_params`, :func:`jaxzero.hf.save` and checkpoints
         take it (``ema=True``). None: no EMA.
+      model_state: the initial state the model changes without training it (a pytree
+        of arrays: BatchNorm's running statistics, Flax Linen's ``{"batch_stats": ...}``,
+        :func:`jaxzero.split_variables`). The loss is then called as
+        ``loss_fn(params, batch[, rng], state=state, train=True)`` and returns
+        ``jaxzero.WithState(loss, new_state)``; :meth:`eval_loss` passes the stored state
+        and ``train=False``. Kept in :attr:`TrainState.model_state`, replicated, averaged
+        over the batch axes after each step and threaded through the micro-batches
+        (:mod:`jaxzero.model_state`); a synchronised BatchNorm takes
+        ``axis_name=jaxzero.batch_axes(mesh)`` (:attr:`batch_axes`). None: no model state.
 
     An engine is built for one set of param shapes: its first init (:meth:`init`,
     :meth:`init_from`, :meth:`abstract_state`, a restore) makes :attr:`plan`, every
@@ -149,6 +159,9 @@ class Engine:
         ``jax.jit`` it, ``lax.scan`` it, wrap it.
       donate: whether :meth:`step` donates its input state.
       compiler_options: the XLA options :meth:`step` is compiled with.
+      batch_axes: the mesh axes the batch is split over: a synchronised BatchNorm's
+        ``axis_name``.
+      initial_model_state: the ``model_state`` given (None: none), where each init starts.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxzero
@@ -195,9 +208,14 @@ class Engine:
         hpz: bool = False,
         quant_block: int = 2048,
         ema: Any = None,
+        model_state: Any = None,
     ):
         self.loss_fn = loss_fn
         self.trainable = trainable
+        self.initial_model_state = model_state
+        self._model_state_shapes = (
+            None if model_state is None else model_state_lib.shapes_of(model_state)
+        )
         self.tx, self.settings = settings_lib.make_settings(
             loss_fn,
             optimizer,
@@ -223,6 +241,7 @@ class Engine:
             hpz=hpz,
             quant_block=quant_block,
             ema=ema,
+            model_state=model_state is not None,
         )
         self._plan: Plan | None = None
         self._batches = batch_lib.Intake(
@@ -255,6 +274,12 @@ class Engine:
     def mesh(self) -> Mesh:
         """The device mesh."""
         return self.settings.mesh
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the global batch is split over (``jaxzero.batch_axes(mesh)``):
+        a synchronised BatchNorm's ``axis_name``, bound inside the step."""
+        return batch_axes(self.mesh)
 
     @property
     def precision(self) -> str:
@@ -300,7 +325,9 @@ class Engine:
         mask = frozen_lib.mask_of(self.trainable, shapes)
         plan_lib.check_dtypes(shapes, self.compute_dtype, self.precision, mask)  # each init's
         if self._plan is None:
-            self._plan = plan_lib.make_plan(shapes, self.settings, self.loss_fn, self.tx, mask)
+            self._plan = plan_lib.make_plan(
+                shapes, self.settings, self.loss_fn, self.tx, mask, self._model_state_shapes
+            )
         else:
             wrong = plan_lib.shape_mismatch(self._plan, shapes)
             if wrong:
@@ -327,12 +354,13 @@ class Engine:
         Host (numpy) leaves are padded on the host and sent slice by slice, so a
         stage-3 model is never whole on one device.
         """
-        return plan_lib.state_from_params(self.plan_for(plan_lib.shapes_of(params)), params)
+        plan = self.plan_for(plan_lib.shapes_of(params))
+        return plan_lib.state_from_params(plan, params, self.initial_model_state)
 
     def _init_from_slices(self, shapes: Params, read: plan_lib.Read) -> TrainState:
         """A state whose params are read slice by slice, straight into their shardings
         (:func:`jaxzero.plan.read_state`; :func:`jaxzero.hf.load`'s loader)."""
-        return plan_lib.read_state(self.plan_for(shapes), read)
+        return plan_lib.read_state(self.plan_for(shapes), read, self.initial_model_state)
 
     def init_from(self, init_fn: Callable[..., Params], *args: Any) -> TrainState:
         """Create params with ``init_fn(*args)`` directly in their sharded layout.
@@ -341,7 +369,7 @@ class Engine:
         state's ``out_shardings``, so each device computes and keeps only its slice.
         """
         plan = self.plan_for(jax.eval_shape(init_fn, *args))
-        return plan_lib.state_from_init(plan, init_fn, *args)
+        return plan_lib.state_from_init(plan, init_fn, *args, model_state=self.initial_model_state)
 
     def abstract_state(self, params_shapes: Params) -> TrainState:
         """The state's shapes, dtypes and shardings, allocating nothing.
@@ -427,12 +455,16 @@ class Engine:
     def eval_loss(self, state: TrainState, batch: Batch, ema: bool = False) -> jax.Array:
         """Mean loss of ``batch`` at the current params, without a gradient; ``ema=True``:
         at the EMA's weights (``Engine(ema=...)``; cast to the compute dtype and, at
-        stages 1-2, gathered for the evaluation, as the step does the new master)."""
+        stages 1-2, gathered for the evaluation, as the step does the new master). With
+        model state, the loss gets the stored state and ``train=False`` (BatchNorm uses its
+        running statistics); the state is not changed."""
         evaluate = plan_lib.jitted_eval(self.plan, ema)
         if ema:
             readback.check_ema(state)
         params = state.ema if ema else state.params
-        loss: jax.Array = evaluate(params, self._batches.to_global(batch), state.frozen)
+        loss: jax.Array = evaluate(
+            params, self._batches.to_global(batch), state.frozen, state.model_state
+        )
         return loss
 
     def compile(self, state: TrainState, batch: Batch) -> jax.stages.Compiled:
@@ -450,7 +482,7 @@ class Engine:
         a pre-flight adds to the state that stays while it runs."""
         evaluate = plan_lib.jitted_eval(self.plan)
         compiled: jax.stages.Compiled = evaluate.lower(
-            state.params, self._batches.to_global(batch), state.frozen
+            state.params, self._batches.to_global(batch), state.frozen, state.model_state
         ).compile()
         return compiled
 

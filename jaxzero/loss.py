@@ -28,6 +28,14 @@ shared by every row) is drawn whole from the key, the same on every device; with
 row a device, every draw is over the rows. ``eval_loss`` passes ``rng=None`` (no
 dropout).
 
+Model state that changes without being trained (BatchNorm's running statistics):
+with ``Engine(..., model_state=state)`` the loss is called as ``loss_fn(params, batch[,
+rng], state=state, train=True)`` and returns :class:`WithState` ``(out, new_state)``,
+``out`` any of the forms above and ``new_state`` of ``state``'s structure, shapes and
+dtypes. ``train`` is a Python bool: False in ``eval_loss``, which uses the stored state
+and drops what the loss returns (:mod:`jaxzero.model_state` says how the new state is
+combined over devices and micro-batches).
+
 Example:
   >>> import jax.numpy as jnp
   >>> def loss_fn(params, batch):
@@ -52,7 +60,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.random import define_prng_impl
 
-__all__ = ["Weighted", "batch_key", "dropout"]
+__all__ = ["Weighted", "WithState", "batch_key", "dropout"]
 
 
 @jax.tree_util.register_dataclass
@@ -63,6 +71,18 @@ class Weighted:
     total: jax.Array
     weight: jax.Array
 
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class WithState:
+    """A loss (any other form: scalar, :class:`Weighted`, with aux) and the model's new
+    state (``Engine(model_state=...)``): what the loss returns when the engine keeps one."""
+
+    out: Any
+    state: Any
+
+
+STATE_ARGS = ("state", "train")  # the keywords a loss gets with Engine(model_state=...)
 
 FORMS = (
     "a scalar mean, (scalar, aux), jaxzero.Weighted(total, weight) or "
@@ -83,8 +103,34 @@ def _scalar(x: Any, what: str) -> jax.Array:
     return jnp.asarray(x, jnp.float32)
 
 
+def split_state(out: Any, has_state: bool) -> tuple[Any, Any]:
+    """``(out, new_state or None)`` of what a loss returned; a :class:`WithState` where
+    the engine keeps no model state, or its absence where it does, refused in one line."""
+    if isinstance(out, tuple) and any(isinstance(o, WithState) for o in out):
+        raise TypeError(
+            "loss_fn returned jaxzero.WithState inside another form: return "
+            "WithState(loss_form, new_state) outermost, e.g. WithState((loss, aux), new_state)"
+        )
+    if has_state and not isinstance(out, WithState):
+        raise TypeError(
+            "the engine keeps model state (model_state=...): loss_fn must return "
+            f"jaxzero.WithState(loss, new_state), got {type(out).__name__}"
+        )
+    if not has_state and isinstance(out, WithState):
+        raise TypeError(
+            "loss_fn returned jaxzero.WithState, but the engine keeps no model state: pass "
+            "Engine(..., model_state=...) (an NNXEngine finds nnx.BatchStat itself)"
+        )
+    return (out.out, out.state) if has_state else (out, None)
+
+
 def unpack(out: Any) -> tuple[jax.Array, jax.Array | None, Any]:
     """``(total or mean, weight or None, aux or None)`` of any form a loss may return."""
+    if isinstance(out, WithState):
+        raise TypeError(
+            "loss_fn returned jaxzero.WithState inside another form: return "
+            "WithState(loss_form, new_state) outermost"
+        )
     aux = None
     if isinstance(out, tuple):
         if len(out) != 2:
@@ -95,18 +141,41 @@ def unpack(out: Any) -> tuple[jax.Array, jax.Array | None, Any]:
     return _scalar(out, "loss"), None, aux
 
 
-def check_rng_contract(loss_fn: Callable[..., Any], takes_rng: bool) -> None:
+def check_rng_contract(
+    loss_fn: Callable[..., Any], takes_rng: bool, takes_state: bool = False
+) -> None:
     """Refuse a loss that cannot be called as the engine will call it.
 
     ``takes_rng``: the engine calls ``loss_fn(params, batch, rng)``; else
     ``loss_fn(params, batch)``. The signature is read only to refuse, never to guess:
     a loss whose third positional parameter has no default would otherwise get no key
     (or, before, a key it did not ask for); one with a default keeps its default.
+    ``takes_state``: the engine also passes ``state=`` and ``train=`` by keyword
+    (``Engine(model_state=...)``), which the loss must accept; without, a loss with a
+    ``state`` parameter that has no default is refused (it would never get one).
     """
     try:
         params = list(inspect.signature(loss_fn).parameters.values())
     except (TypeError, ValueError):  # builtins, some C callables: nothing to check
         return
+    kwargs = any(p.kind == p.VAR_KEYWORD for p in params)
+    named = {p.name: p for p in params if p.kind != p.POSITIONAL_ONLY}
+    if takes_state:
+        lacking = [a for a in STATE_ARGS if a not in named and not kwargs]
+        if lacking:
+            raise ValueError(
+                f"the engine keeps model state (model_state=...), but loss_fn takes no "
+                f"{' or '.join(repr(a) for a in lacking)} parameter: define it as "
+                "loss_fn(params, batch, state, train) and return jaxzero.WithState(loss, "
+                "new_state)"
+            )
+        params = [p for p in params if p.name not in STATE_ARGS]
+    elif "state" in named and named["state"].default is inspect.Parameter.empty:
+        if named["state"].kind == inspect.Parameter.KEYWORD_ONLY or not takes_rng:
+            raise ValueError(
+                "loss_fn takes a 'state' parameter with no default, but the engine keeps "
+                "no model state: pass Engine(..., model_state=...) (BatchNorm statistics)"
+            )
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
     if takes_rng and len(positional) < 3 and not varargs:

@@ -135,7 +135,11 @@ def replicas_for(group_size: int | str | None, num_devices: int, node_devices: i
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    """Mesh axes the global batch is split over (all of them)."""
+    """Mesh axes the global batch is split over (all of them): ``("data",)``, or on a
+    hybrid mesh ``("replica", "data")``. Public as ``jaxzero.batch_axes``: the
+    ``axis_name`` of a synchronised BatchNorm (:mod:`jaxzero.model_state`), bound inside
+    the engine's step and evaluation, so a model takes it as an argument and never
+    names the mesh's axes itself."""
     return tuple(mesh.axis_names)
 
 

@@ -58,7 +58,7 @@ from jaxzero.types import Batch, Layouts, Metrics, OptState, Params, Shardings
 __all__ = ["Plan"]
 
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
-EvalFn = Callable[..., jax.Array]  # (params, batch, frozen=None) -> loss
+EvalFn = Callable[..., jax.Array]  # (params, batch, frozen=None, model_state=None) -> loss
 Read = Callable[[LeafLayout, tuple[slice, ...]], np.ndarray]
 
 
@@ -91,6 +91,8 @@ class Plan:
         :mod:`jaxzero.frozen`); None when every param trains. ``layouts`` then holds
         the trainable ones, with ``MaskedNode`` where a param is frozen.
       frozen_dtypes: the frozen params' stored dtypes (names), the same structure.
+      model_state: the model state's shapes and dtypes (``jax.ShapeDtypeStruct`` leaves,
+        :mod:`jaxzero.model_state`); None when the engine keeps none.
     """
 
     settings: Settings
@@ -105,6 +107,7 @@ class Plan:
     mask: Params = None
     frozen_layouts: Layouts = None
     frozen_dtypes: Params = None
+    model_state: Any = None
     # the jitted state builders, made once a plan (a memo, not part of the value)
     memo: dict[str, Callable[..., Any]] = dataclasses.field(
         default_factory=dict, compare=False, repr=False
@@ -135,6 +138,11 @@ class Plan:
     def has_ema(self) -> bool:
         """Whether the state keeps an EMA of the weights (``Engine(ema=...)``)."""
         return self.settings.step.ema
+
+    @property
+    def has_model_state(self) -> bool:
+        """Whether the state keeps model state (``Engine(model_state=...)``)."""
+        return self.model_state is not None
 
     @property
     def num_params(self) -> int:
@@ -190,6 +198,10 @@ class Plan:
             decay = self.settings.ema
             said = f"{decay:g}" if isinstance(decay, float) else "a function of the step"
             lines.append(f"ema: fp32, laid out as the master params (decay {said})")
+        if self.has_model_state:
+            held = jax.tree_util.tree_leaves_with_path(self.model_state)
+            lines.append(f"model state ({len(held)} leaves, replicated):")
+            lines += [f"  {path_str(p)}  {tuple(s.shape)}  {s.dtype}" for p, s in held]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -235,10 +247,12 @@ def make_plan(
     loss_fn: step_lib.LossFn,
     tx: optax.GradientTransformation,
     mask: Params = None,
+    model_state: Any = None,
 ) -> Plan:
     """The plan for params of ``shapes`` (a tree of ``jax.ShapeDtypeStruct``; their
     dtypes are checked by :func:`check_dtypes`, at every init). ``mask``: a bool per
-    param, False where it is frozen (:func:`jaxzero.frozen.mask_of`; None: all train)."""
+    param, False where it is frozen (:func:`jaxzero.frozen.mask_of`; None: all train).
+    ``model_state``: the model state's shapes (None: none, :mod:`jaxzero.model_state`)."""
     cfg, mesh = settings.step, settings.mesh
     layouts = layouts_for(
         shapes,
@@ -255,7 +269,9 @@ def make_plan(
         mask = None
     fz = None if held is None else step_lib.Frozen(held, mask)
     opt_lays = opt_layouts(tx, layouts, settings.min_shard_size)
-    specs = state_specs(cfg.stage, layouts, opt_lays, cfg.mixed, held, cfg.hpz, cfg.ema)
+    specs = state_specs(
+        cfg.stage, layouts, opt_lays, cfg.mixed, held, cfg.hpz, cfg.ema, model_state
+    )
     named = lambda tree: jax.tree.map(
         lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, P)
     )
@@ -278,6 +294,7 @@ def make_plan(
         mask=mask,
         frozen_layouts=held,
         frozen_dtypes=dtypes,
+        model_state=model_state,
     )
 
 
@@ -318,8 +335,8 @@ def jitted_step(plan: Plan) -> Any:
 
 def jitted_eval(plan: Plan, ema: bool = False) -> Any:
     """:attr:`Plan.eval_fn` under ``jax.jit`` (made once a plan). ``ema``: the evaluation
-    at the EMA's weights, ``(ema, batch, frozen) -> loss``: the EMA (stored as the master,
-    on the device or the host) made working params as the step makes the new master's
+    at the EMA's weights, ``(ema, batch, frozen, model_state) -> loss``: the EMA (stored
+    as the master, on the device or the host) made working params as the step makes the new master's
     (cast to the compute dtype; gathered at stages 1-2), then the same evaluation."""
     key = "eval_ema" if ema else "eval"
     if key not in plan.memo:
@@ -330,9 +347,11 @@ def jitted_eval(plan: Plan, ema: bool = False) -> Any:
             working = step_lib.make_working(s.step, s.mesh, plan.layouts, plan.specs)
             on_device = offload.device_shardings(plan.master_shardings)
 
-            def fn(average: Params, batch: Batch, frozen: Params = None) -> jax.Array:
+            def fn(
+                average: Params, batch: Batch, frozen: Params = None, model_state: Any = None
+            ) -> jax.Array:
                 params = working(offload.to_device(average, on_device))
-                return plan.eval_fn(params, batch, frozen)
+                return plan.eval_fn(params, batch, frozen, model_state)
 
         plan.memo[key] = jax.jit(fn, compiler_options=options)
     return plan.memo[key]
@@ -350,12 +369,14 @@ def fresh_state(
     step: Any = 0,
     frozen: Params = None,
     ema: Params = None,
+    model_state: Any = None,
 ) -> TrainState:
     """The state from fp32 master params in their stored layout (traced).
 
     ``opt_state`` (stored layout) defaults to a fresh ``tx.init``; ``frozen`` (the frozen
     params, stored) is kept as it is; ``ema`` (stored as the master) defaults to the
-    master params themselves when the plan keeps an EMA (:mod:`jaxzero.ema`).
+    master params themselves when the plan keeps an EMA (:mod:`jaxzero.ema`);
+    ``model_state`` is kept as it is (the builders place it apart, :func:`place_model_state`).
     """
     lays, cfg = plan.layouts, plan.settings.step
     if master_sharded(plan.stage) and not params_sharded(plan.stage):
@@ -380,17 +401,51 @@ def fresh_state(
         opt_state=opt_state,
         frozen=frozen,
         ema=ema if cfg.ema else None,
+        model_state=model_state,
     )
 
 
 def _trained_shardings(plan: Plan) -> TrainState:
-    """The state's shardings without the frozen params (the builders add those apart,
-    already placed, so no builder copies them)."""
-    return dataclasses.replace(plan.state_shardings, frozen=None)
+    """The state's shardings without the frozen params and the model state (the builders
+    add those apart, already placed, so no builder copies them)."""
+    return dataclasses.replace(plan.state_shardings, frozen=None, model_state=None)
 
 
 def _with_frozen(state: TrainState, frozen: Params) -> TrainState:
     return state if frozen is None else dataclasses.replace(state, frozen=frozen)
+
+
+MODEL_STATE_NEEDED = (
+    "the engine keeps model state (model_state=...): pass its initial value "
+    "(Engine(..., model_state=...) holds one; a restore reads it from the checkpoint)"
+)
+
+
+def place_model_state(plan: Plan, model_state: Any) -> Any:
+    """The model state replicated on the mesh in its planned dtypes (None without one),
+    refused in one line when its structure or shapes are not the plan's."""
+    if plan.model_state is None:
+        return None
+    if model_state is None:
+        raise ValueError(MODEL_STATE_NEEDED)
+    theirs = jax.tree.map(lambda x: tuple(np.shape(x)), model_state)
+    mine = jax.tree.map(lambda s: tuple(s.shape), plan.model_state)
+    if theirs != mine:
+        raise ValueError(f"model state of shapes {theirs}; the engine was built for {mine}")
+    # through the host (a few floats a channel): a fresh buffer, so a donating step never
+    # consumes the value the engine or the caller holds
+    return jax.tree.map(
+        lambda x, s, sh: jax.device_put(np.array(x, s.dtype), sh),
+        model_state,
+        plan.model_state,
+        plan.state_shardings.model_state,
+    )
+
+
+def _with_model_state(plan: Plan, state: TrainState, model_state: Any) -> TrainState:
+    if plan.model_state is None:
+        return state
+    return dataclasses.replace(state, model_state=place_model_state(plan, model_state))
 
 
 def state_from_parts(
@@ -400,20 +455,25 @@ def state_from_parts(
     step: int,
     frozen: Params = None,
     ema: Params = None,
+    model_state: Any = None,
 ) -> TrainState:
     """A state from restored parts: fp32 master params, optimizer state and EMA, each
     already in the plan's stored layout and the master's sharding
     (:class:`~jaxzero.CheckpointManager`; ``ema`` None: the master params, when the plan
-    keeps one), and the frozen params as stored (:func:`place_frozen`)."""
+    keeps one), the frozen params as stored (:func:`place_frozen`) and the model state."""
     if "parts" not in plan.memo:
         build = lambda m, o, s, e: fresh_state(plan, m, o, s, ema=e)
         plan.memo["parts"] = jax.jit(build, out_shardings=_trained_shardings(plan))
-    return _with_frozen(plan.memo["parts"](master32, opt_state, step, ema), frozen)
+    state = _with_frozen(plan.memo["parts"](master32, opt_state, step, ema), frozen)
+    return _with_model_state(plan, state, model_state)
 
 
-def state_from_master(plan: Plan, master32: Params, frozen: Params = None) -> TrainState:
-    """The state (fresh optimizer) from fp32 master params, stored and sharded, and the
-    frozen params as stored (:func:`place_frozen`; None when every param trains)."""
+def state_from_master(
+    plan: Plan, master32: Params, frozen: Params = None, model_state: Any = None
+) -> TrainState:
+    """The state (fresh optimizer) from fp32 master params, stored and sharded, the
+    frozen params as stored (:func:`place_frozen`; None when every param trains) and the
+    model state (:func:`place_model_state`; None when the plan keeps none)."""
     # the fp32 copy becomes the master (or the stage-3 params) unless stages 1-2
     # keep none: then nothing in the state has its sharded shape to reuse it for
     # or when offload keeps the master on the host (a device buffer cannot become it)
@@ -425,7 +485,8 @@ def state_from_master(plan: Plan, master32: Params, frozen: Params = None) -> Tr
             out_shardings=_trained_shardings(plan),
             donate_argnums=() if temporary else 0,
         )
-    return _with_frozen(plan.memo["master"](master32), frozen)
+    state = _with_frozen(plan.memo["master"](master32), frozen)
+    return _with_model_state(plan, state, model_state)
 
 
 def to_frozen(plan: Plan, x: Any, lay: LeafLayout, dtype: str) -> Any:
@@ -462,9 +523,10 @@ def _split(plan: Plan, params: Params) -> tuple[Params, Params]:
     return frozen_lib.split(params, plan.mask)
 
 
-def state_from_params(plan: Plan, params: Params) -> TrainState:
-    """The state from a params pytree. Host (numpy) leaves are padded on the host and
-    sent slice by slice, so a stage-3 model is never whole on one device."""
+def state_from_params(plan: Plan, params: Params, model_state: Any = None) -> TrainState:
+    """The state from a params pytree (and the initial model state, when the plan keeps
+    one). Host (numpy) leaves are padded on the host and sent slice by slice, so a
+    stage-3 model is never whole on one device."""
 
     def put(x: Any, lay: LeafLayout, sh: NamedSharding) -> jax.Array:
         if isinstance(x, jax.Array):
@@ -475,11 +537,14 @@ def state_from_params(plan: Plan, params: Params) -> TrainState:
 
     trained, frozen = _split(plan, params)
     master = jax.tree.map(put, trained, plan.layouts, plan.master_shardings)
-    return state_from_master(plan, master, place_frozen(plan, frozen))
+    return state_from_master(plan, master, place_frozen(plan, frozen), model_state)
 
 
-def state_from_init(plan: Plan, init_fn: Callable[..., Params], *args: Any) -> TrainState:
-    """The state of ``init_fn(*args)``'s params, created under ``jit`` in its shardings."""
+def state_from_init(
+    plan: Plan, init_fn: Callable[..., Params], *args: Any, model_state: Any = None
+) -> TrainState:
+    """The state of ``init_fn(*args)``'s params, created under ``jit`` in its shardings
+    (and the initial model state, when the plan keeps one)."""
 
     def build(*a: Any) -> TrainState:
         trained, frozen = _split(plan, init_fn(*a))
@@ -496,7 +561,9 @@ def state_from_init(plan: Plan, init_fn: Callable[..., Params], *args: Any) -> T
             )
         return fresh_state(plan, p, frozen=frozen)
 
-    return jax.jit(build, out_shardings=plan.state_shardings)(*args)
+    shardings = dataclasses.replace(plan.state_shardings, model_state=None)
+    built = jax.jit(build, out_shardings=shardings)(*args)
+    return _with_model_state(plan, built, model_state)
 
 
 def frozen_shapes(plan: Plan) -> Params:
@@ -515,8 +582,8 @@ def frozen_shapes(plan: Plan) -> Params:
 def state_shapes(plan: Plan) -> TrainState:
     """The state's shapes, dtypes and shardings, allocating nothing."""
     master = stored_shapes(plan.layouts, master_sharded(plan.stage), jnp.float32)
-    build = lambda m, f: fresh_state(plan, m, frozen=f)
-    shapes = jax.eval_shape(build, master, frozen_shapes(plan))
+    build = lambda m, f, s: fresh_state(plan, m, frozen=f, model_state=s)
+    shapes = jax.eval_shape(build, master, frozen_shapes(plan), plan.model_state)
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         shapes,
@@ -524,7 +591,7 @@ def state_shapes(plan: Plan) -> TrainState:
     )
 
 
-def read_state(plan: Plan, read: Read) -> TrainState:
+def read_state(plan: Plan, read: Read, model_state: Any = None) -> TrainState:
     """A state whose params are read slice by slice, straight into their shardings.
 
     ``read(layout, index)`` returns the region ``index`` (slices within ``layout.shape``)
@@ -566,4 +633,4 @@ def read_state(plan: Plan, read: Read) -> TrainState:
             plan.frozen_dtypes,
             is_leaf=is_layout,
         )
-    return state_from_master(plan, master, frozen)
+    return state_from_master(plan, master, frozen, model_state)

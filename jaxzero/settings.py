@@ -166,6 +166,7 @@ def make_settings(
     hpz: bool = False,
     quant_block: int = 2048,
     ema: Any = None,
+    model_state: bool = False,
 ) -> tuple[optax.GradientTransformation, Settings]:
     """``(optimizer, settings)`` from :class:`~jaxzero.Engine`'s arguments (documented
     there); each bad one is refused in one line. ``optax.MultiSteps`` is unwrapped."""
@@ -187,7 +188,7 @@ def make_settings(
         raise TypeError(
             f"optimizer must be an optax transformation (e.g. optax.adamw(1e-3)), got {optimizer!r}"
         )
-    loss_lib.check_rng_contract(loss_fn, loss_takes_rng)
+    loss_lib.check_rng_contract(loss_fn, loss_takes_rng, model_state)
     decay = ema_lib.check(ema)
     hybrid = len(mesh.axis_names) > 1
     beyond = beyond_zero(stage, hybrid, offload, qwz, qgz, hpz, quant_block)
@@ -211,6 +212,7 @@ def make_settings(
             dot_barrier=backend.dot_barrier(dot_barrier, mesh),
             rng_seed=int(seed) if loss_takes_rng else None,
             ema=decay is not None,
+            model_state=model_state,
             **beyond,
         ),
         mesh=mesh,

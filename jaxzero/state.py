@@ -11,9 +11,10 @@ stage  working params           fp32 master (bf16 only)  optimizer state
 =====  =======================  ======================  ==================
 
 The EMA of the weights (``Engine(ema=...)``, fp32) lies as the master does, in fp32
-training too. Gradients live only inside the step (see ``step.py``). Sharded leaves are stored
-padded (``LeafLayout.padded_shape``); replicated leaves keep their shape. The
-optimizer only ever sees logical (unpadded) shapes: the step strips the padding
+training too. Model state (BatchNorm statistics, ``Engine(model_state=...)``) is
+replicated at every stage. Gradients live only inside the step (see ``step.py``).
+Sharded leaves are stored padded (``LeafLayout.padded_shape``); replicated leaves keep
+their shape. The optimizer only ever sees logical (unpadded) shapes: the step strips the padding
 before ``tx.update`` and restores it after, so the stored layout cannot change
 what any optimizer computes.
 """
@@ -52,6 +53,9 @@ class TrainState:
       ema: the exponential moving average of the trainable params (``Engine(ema=...)``,
         :mod:`jaxzero.ema`): fp32, laid out (and with offload, held in host memory) as
         the master is; ``None`` without one.
+      model_state: state the model changes without training it (BatchNorm's running
+        statistics, ``Engine(model_state=...)``, :mod:`jaxzero.model_state`): replicated
+        (a few floats per channel), in the dtypes it was given; ``None`` without.
     """
 
     # a jax.Array in a state; the trees of the same structure (state_specs, the checkpoint's
@@ -62,6 +66,7 @@ class TrainState:
     opt_state: OptState
     frozen: Params = None
     ema: Params = None
+    model_state: Any = None
 
 
 def params_sharded(stage: int) -> bool:
@@ -137,11 +142,13 @@ def state_specs(
     frozen: Layouts = None,
     hpz: bool = False,
     ema: bool = False,
+    model_state: Any = None,
 ) -> TrainState:
     """PartitionSpecs of every leaf of the TrainState (same structure). Frozen params
     (``frozen``: their layouts) lie as the working params do: sharded at stage 3 only.
     ``hpz``: the master and optimizer state over every device, the params within a group.
-    ``ema``: the state keeps an EMA, laid out as the master."""
+    ``ema``: the state keeps an EMA, laid out as the master. ``model_state``: its shapes
+    (None: none), replicated."""
     return TrainState(
         step=P(),
         params=_specs(layouts, params_sharded(stage)),
@@ -149,6 +156,7 @@ def state_specs(
         opt_state=_specs(opt_lays, master_sharded(stage), master_axes(hpz)),
         frozen=None if frozen is None else _specs(frozen, params_sharded(stage)),
         ema=master_specs(stage, layouts, hpz) if ema else None,
+        model_state=None if model_state is None else jax.tree.map(lambda _: P(), model_state),
     )
 
 

@@ -60,6 +60,7 @@ from jaxzero import collectives, offload
 from jaxzero import ema as ema_lib
 from jaxzero import frozen as frozen_lib
 from jaxzero import loss as loss_lib
+from jaxzero import model_state as model_state_lib
 from jaxzero.gradients import clip, global_norm, reduce_gradients
 from jaxzero.hook_check import check_uses
 from jaxzero.hooks import Stored, UseOp, use_params
@@ -176,11 +177,13 @@ def dot_barriers(
     batch: Batch,
     fz: Frozen | None = None,
     frozen: Params = None,
+    state: Any = None,
 ) -> Any:
     """Which leaves' gradients pass :func:`collectives.dot_barrier` (all False when the
     barrier is off): those that may be a dot's, from a trace of the plain model's
     gradient (whole params, no hooks; ``use_params`` is the identity on them).
-    ``batch``: a micro-batch's shapes (``jax.ShapeDtypeStruct``)."""
+    ``batch``: a micro-batch's shapes (``jax.ShapeDtypeStruct``); ``state``: the model
+    state (:mod:`jaxzero.model_state`), None without."""
     if not cfg.dot_barrier:
         return _map(lambda lay: False, layouts)
     whole_of = lambda lays, tree: _map(
@@ -190,14 +193,13 @@ def dot_barriers(
     held = None if fz is None else whole_of(fz.layouts, frozen)
     rows = jax.tree.leaves(batch)[0].shape[0]
 
-    def grad(p: Params, b: Batch, f: Params) -> Params:
+    def grad(p: Params, b: Batch, f: Params, s: Any) -> Params:
         rng = None if cfg.rng_seed is None else loss_lib.batch_key(cfg.rng_seed, 0, 0, rows)
         full = lambda p: p if fz is None else frozen_lib.merge(fz.mask, p, f)
-        return jax.grad(lambda p: loss_lib.unpack(_loss(cfg, loss_fn, full(p), b, rng, False))[0])(
-            p
-        )
+        value = lambda p: loss_lib.unpack(_loss(cfg, loss_fn, full(p), b, rng, False, s)[0])[0]
+        return jax.grad(value)(p)
 
-    return collectives.dot_gradients(grad, whole, batch, held)
+    return collectives.dot_gradients(grad, whole, batch, held, state)
 
 
 def _loss(
@@ -207,13 +209,21 @@ def _loss(
     batch: Batch,
     rng: jax.Array | None = None,
     check: bool = True,
-) -> Any:
-    """``loss_fn(view, batch[, rng])``; per-layer models are first checked to use
-    ``use_params``."""
-    fn = loss_fn if cfg.rng_seed is None else (lambda v, b, k=rng: loss_fn(v, b, k))
+    state: Any = None,
+    train: bool = True,
+) -> tuple[Any, Any]:
+    """``(out, new_state)`` of ``loss_fn(view, batch[, rng][, state=state, train=train])``:
+    its loss form and, with model state (``cfg.model_state``), the new state in the stored
+    dtypes (else None); per-layer models are first checked to use ``use_params``."""
+    args = () if cfg.rng_seed is None else (rng,)
+    kwargs = {"state": state, "train": train} if cfg.model_state else {}
+    fn: Callable[[Params, Batch], Any] = lambda v, b: loss_fn(v, b, *args, **kwargs)
     if check and cfg.per_layer and cfg.stage >= 2:
         check_uses(fn, view, batch)
-    return fn(view, batch)
+    out, new = loss_lib.split_state(fn(view, batch), cfg.model_state)
+    if new is not None:
+        new = model_state_lib.check_like(new, model_state_lib.shapes_of(state))
+    return out, new
 
 
 def _first_row(cfg: StepConfig, rows: int) -> jax.Array:
@@ -237,17 +247,20 @@ def local_gradients(
     step: Any = 0,
     fz: Frozen | None = None,
     frozen: Params = None,
-) -> tuple[jax.Array, jax.Array, Any, Params, bool]:
+    state: Any = None,
+) -> tuple[jax.Array, jax.Array, Any, Params, bool, Any]:
     """This device's loss terms and gradients, summed over micro-batches.
 
-    Returns ``(total, weight, aux, grads, weighted)``. Scalar-mean losses
+    Returns ``(total, weight, aux, grads, weighted, new_state)``. Scalar-mean losses
     (``weighted`` False): ``total`` is the mean over micro-batches and the gradient is
     that of this device's share of the global mean (the 1/N rides the backward pass).
     :class:`jaxzero.loss.Weighted` losses: the sums and the gradient of the sum, to be
     divided by the global weight once it is known (:func:`gradient_step`).
     Stages 0–1 return full, unreduced gradients w.r.t. the working params; stages
     2–3 this device's slice of the already reduced gradient. Frozen params (``fz``,
-    ``frozen``) are merged into the tree the loss sees and get no gradient.
+    ``frozen``) are merged into the tree the loss sees and get no gradient. Model state
+    (``state``; None without) is threaded through the micro-batches: micro-batch ``j + 1``
+    sees what ``j`` returned; ``new_state`` is this device's after the last.
     """
     hooked = cfg.stage >= 2
     diff0 = _slots(layouts, True) if hooked else params
@@ -257,9 +270,9 @@ def local_gradients(
     first = _first_row(cfg, rows)
     form: dict[str, bool] = {}  # set while tracing: which form the loss returned
     mb0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows // k, *x.shape[1:]), x.dtype), batch)
-    barriers = dot_barriers(cfg, layouts, loss_fn, params, mb0, fz, frozen)
+    barriers = dot_barriers(cfg, layouts, loss_fn, params, mb0, fz, frozen, state)
 
-    def loss_of(diff: Params, mb: Batch, j: Any) -> tuple[jax.Array, Any]:
+    def loss_of(diff: Params, mb: Batch, j: Any, state: Any) -> tuple[jax.Array, Any]:
         if hooked:
             view = model_view(cfg, layouts, params, diff, barriers)
         else:
@@ -268,43 +281,46 @@ def local_gradients(
         rng = None
         if cfg.rng_seed is not None:
             rng = loss_lib.batch_key(cfg.rng_seed, step, first + j * (rows // k), rows // k)
-        total, weight, aux = loss_lib.unpack(_loss(cfg, loss_fn, view, mb, rng))
+        out, new = _loss(cfg, loss_fn, view, mb, rng, state=state)
+        total, weight, aux = loss_lib.unpack(out)
         form["weighted"] = weight is not None
         if weight is None:
             # differentiate this device's share of the global mean: the 1/N rides the
             # backward pass instead of costing a multiply per gradient leaf
-            return total * share, (total, jnp.ones((), jnp.float32), aux)
-        return total, (total, weight, aux)
+            return total * share, (total, jnp.ones((), jnp.float32), aux, new)
+        return total, (total, weight, aux, new)
 
     value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
 
-    def grad_fn(diff: Params, mb: Batch, j: Any) -> tuple[Any, Params]:
-        (_, terms), grads = value_and_grad(diff, mb, j)
+    def grad_fn(diff: Params, mb: Batch, j: Any, state: Any) -> tuple[Any, Params, Any]:
+        (_, (*terms, new)), grads = value_and_grad(diff, mb, j, state)
         if not hooked and not cfg.per_layer:  # else in use_params
             grads = jax.tree.map(
                 lambda g, on: collectives.dot_barrier(g) if on else g, grads, barriers
             )
-        return terms, grads
+        return tuple(terms), grads, new
 
     if k == 1:
-        (total, weight, aux), grads = grad_fn(diff0, batch, 0)
-        return total, weight, aux, grads, form["weighted"]
+        (total, weight, aux), grads, new = grad_fn(diff0, batch, 0, state)
+        return total, weight, aux, grads, form["weighted"], new
 
     mbs = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
     f32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
 
     def body(carry: Any, xs: Any) -> tuple[Any, None]:
+        sums, state = carry  # the state flows from one micro-batch to the next
         mb, j = xs
-        terms, g = grad_fn(diff0, mb, j)
-        return jax.tree.map(lambda a, b: a + b, carry, (f32(terms), f32(g))), None
+        terms, g, new = grad_fn(diff0, mb, j, state)
+        return (jax.tree.map(lambda a, b: a + b, sums, (f32(terms), f32(g))), new), None
 
-    terms0, _ = jax.eval_shape(grad_fn, diff0, jax.tree.map(lambda x: x[0], mbs), 0)
+    mb_0 = jax.tree.map(lambda x: x[0], mbs)
+    terms0, _, _ = jax.eval_shape(grad_fn, diff0, mb_0, 0, state)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (terms0, diff0))
-    ((total, weight, aux), acc), _ = jax.lax.scan(body, zeros, (mbs, jnp.arange(k)))
+    (((total, weight, aux), acc), new), _ = jax.lax.scan(body, (zeros, state), (mbs, jnp.arange(k)))
     if form["weighted"]:
-        return total, weight, aux, acc, True
+        return total, weight, aux, acc, True, new
     mean = lambda t: jax.tree.map(lambda a: a / k, t)
-    return total / k, weight, mean(aux), mean(acc), False
+    return total / k, weight, mean(aux), mean(acc), False, new
 
 
 def gradient_step(
@@ -316,16 +332,20 @@ def gradient_step(
     step: Any = 0,
     fz: Frozen | None = None,
     frozen: Params = None,
-) -> tuple[jax.Array, Params, jax.Array, Metrics]:
-    """Per device: the global loss, reduced (and clipped) gradients, their global norm
-    and the metrics of the loss's form (``tokens`` when weighted, ``aux``).
+    state: Any = None,
+) -> tuple[jax.Array, Params, jax.Array, Metrics, Any]:
+    """Per device: the global loss, reduced (and clipped) gradients, their global norm,
+    the metrics of the loss's form (``tokens`` when weighted, ``aux``) and the new model
+    state (None without), one value on every device (:func:`model_state.average`).
 
     The gradients come out as the master params are stored: whole in stage 0,
     this device's padded slice from stage 1. Frozen params have none.
     """
-    total, weight, aux, grads, weighted = local_gradients(
-        cfg, layouts, loss_fn, params, batch, step, fz, frozen
+    total, weight, aux, grads, weighted, new = local_gradients(
+        cfg, layouts, loss_fn, params, batch, step, fz, frozen, state
     )
+    if new is not None:
+        new = model_state_lib.average(new, cfg.batch_axes)
     if cfg.stage <= 1:
         grads = reduce_gradients(cfg, layouts, grads)
     metrics = {}
@@ -343,7 +363,7 @@ def gradient_step(
         metrics["aux"] = aux
     norm = global_norm(cfg, layouts, grads)
     grads = clip(grads, norm, cfg.max_grad_norm)
-    return loss, grads, norm, metrics
+    return loss, grads, norm, metrics, new
 
 
 def gather_params(cfg: StepConfig, layouts: Layouts, params: Params) -> Params:
@@ -375,20 +395,22 @@ def _sharded_gradient_step(
     loss_fn: LossFn,
     fz: Frozen | None = None,
 ) -> Callable:
-    """:func:`gradient_step` over the mesh: ``(params, batch, step, frozen) -> (loss,
-    grads, norm, metrics)``, the gradients laid out as the master params are stored."""
+    """:func:`gradient_step` over the mesh: ``(params, batch, step, frozen, model_state)
+    -> (loss, grads, norm, metrics, new_model_state)``, the gradients laid out as the
+    master params are stored."""
 
     # check_vma=False (module docstring): the loss's gradient is per device, so the
     # reductions in reduce_gradients and hooks are the only ones; loss, norm and metrics
-    # (P()) come from psum/pmean results, stage 0's gradients (P()) from an all-reduce.
-    def per_device(params: Params, batch: Batch, step: Any, frozen: Params) -> Any:
-        return gradient_step(cfg, layouts, loss_fn, params, batch, step, fz, frozen)
+    # (P()) come from psum/pmean results, stage 0's gradients (P()) from an all-reduce,
+    # the model state (P()) from model_state.average's pmean.
+    def per_device(params: Params, batch: Batch, step: Any, frozen: Params, state: Any) -> Any:
+        return gradient_step(cfg, layouts, loss_fn, params, batch, step, fz, frozen, state)
 
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(specs.params, P(cfg.batch_axes), P(), specs.frozen),
-        out_specs=(P(), master_specs(cfg.stage, layouts, cfg.hpz), P(), P()),
+        in_specs=(specs.params, P(cfg.batch_axes), P(), specs.frozen, specs.model_state),
+        out_specs=(P(), master_specs(cfg.stage, layouts, cfg.hpz), P(), P(), specs.model_state),
         check_vma=False,
     )
 
@@ -411,7 +433,8 @@ def make_train_step(
     :func:`gradient_step` inside ``shard_map``; the optimizer updates the sharded
     master in the global view (:func:`optimizer_update`); stages 1–2 all-gather the
     new working params inside ``shard_map`` again. ``ema``: the decay of the state's
-    EMA (:mod:`jaxzero.ema`), updated from the new master on each device's shard.
+    EMA (:mod:`jaxzero.ema`), updated from the new master on each device's shard. The
+    model state (:mod:`jaxzero.model_state`) comes out of the forward passes.
     """
     sharded = master_sharded(cfg.stage)
     grad_specs = master_specs(cfg.stage, layouts, cfg.hpz)
@@ -428,10 +451,10 @@ def make_train_step(
     unclipped = _sharded_gradient_step(unclipped_cfg, mesh, layouts, specs, loss_fn, fz)
 
     def loss_and_grads(
-        logical: Params, batch: Batch, step: Any, frozen: Params
+        logical: Params, batch: Batch, step: Any, frozen: Params, state: Any
     ) -> tuple[jax.Array, Params]:
         master = place(to_stored(layouts, logical, sharded))
-        loss, grads, _, _ = unclipped(working(master), batch, step, frozen)
+        loss, grads, _, _, _ = unclipped(working(master), batch, step, frozen, state)
         return loss, to_logical(layouts, grads)
 
     # offload (jaxzero.offload): the master (bf16 training) and the optimizer state come
@@ -442,14 +465,18 @@ def make_train_step(
     held = (named(grad_specs), named(specs.opt_state)) if cfg.offload else None
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        loss, grads, norm, extra = grads_of(state.params, batch, state.step, state.frozen)
+        loss, grads, norm, extra, model_state = grads_of(
+            state.params, batch, state.step, state.frozen, state.model_state
+        )
         master = state.master if cfg.mixed else state.params
         opt_state = state.opt_state
         if held is not None:
             master = offload.to_device(master, held[0]) if cfg.mixed else master
             opt_state = offload.to_device(opt_state, held[1])
         value_fn = value_fn_of(
-            lambda logical: loss_and_grads(logical, batch, state.step, state.frozen)
+            lambda logical: loss_and_grads(
+                logical, batch, state.step, state.frozen, state.model_state
+            )
         )
         master, opt_state = optimizer_update(
             tx, layouts, opt_lays, sharded, grads, opt_state, master, loss, value_fn
@@ -474,6 +501,7 @@ def make_train_step(
             opt_state=opt_state,
             frozen=state.frozen,
             ema=average,
+            model_state=model_state,
         )
         return new, {"loss": loss, "grad_norm": norm, **extra}
 
@@ -513,14 +541,17 @@ def eval_loss(
     batch: Batch,
     fz: Frozen | None = None,
     frozen: Params = None,
+    state: Any = None,
 ) -> jax.Array:
     """Forward-only loss over the global batch, combined as the step combines it; a loss
-    that takes ``rng`` gets None (no dropout)."""
+    that takes ``rng`` gets None (no dropout), one with model state the stored ``state``
+    and ``train=False`` (the state it returns is dropped)."""
     view = params
     if cfg.stage >= 2:
         view = model_view(cfg, layouts, params, _slots(layouts, cfg.stage == 3))
     view = whole_view(cfg, fz, view, frozen)
-    total, weight, _ = loss_lib.unpack(_loss(cfg, loss_fn, view, batch, None))
+    out, _ = _loss(cfg, loss_fn, view, batch, None, state=state, train=False)
+    total, weight, _ = loss_lib.unpack(out)
     if weight is None:
         return jax.lax.pmean(total, cfg.batch_axes)
     return jax.lax.psum(total, cfg.batch_axes) / _nonzero(jax.lax.psum(weight, cfg.batch_axes))
@@ -534,22 +565,25 @@ def make_eval(
     loss_fn: LossFn,
     fz: Frozen | None = None,
 ) -> Callable[..., jax.Array]:
-    """``evaluate(params, batch, frozen=None)``: :func:`eval_loss` over the mesh, in the
-    global view (``frozen``: the state's frozen params, when some are)."""
+    """``evaluate(params, batch, frozen=None, model_state=None)``: :func:`eval_loss` over
+    the mesh, in the global view (``frozen``: the state's frozen params, when some are;
+    ``model_state``: its model state, when it keeps one)."""
 
-    def per_device(params: Params, batch: Batch, frozen: Params) -> jax.Array:
-        return eval_loss(cfg, layouts, loss_fn, params, batch, fz, frozen)
+    def per_device(params: Params, batch: Batch, frozen: Params, state: Any) -> jax.Array:
+        return eval_loss(cfg, layouts, loss_fn, params, batch, fz, frozen, state)
 
     # check_vma=False as for the step (the module docstring says why): the loss runs as
     # plain per-device JAX; P() holds because eval_loss ends in a pmean or psum.
     sharded = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(specs.params, P(cfg.batch_axes), specs.frozen),
+        in_specs=(specs.params, P(cfg.batch_axes), specs.frozen, specs.model_state),
         out_specs=P(),
         check_vma=False,
     )
-    return lambda params, batch, frozen=None: sharded(params, batch, frozen)
+    return lambda params, batch, frozen=None, model_state=None: sharded(
+        params, batch, frozen, model_state
+    )
 
 
 def _nonzero(weight: jax.Array) -> jax.Array:

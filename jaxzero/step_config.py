@@ -14,7 +14,7 @@ from typing import Any
 from jaxzero.mesh import DATA
 
 QGZ_BITS = {"int8": 8, "int4": 4}  # Engine(qgz=...): the gradients' wire format, its bits
-LossFn = Callable[..., Any]  # (params, batch[, rng]) -> a scalar or a jaxzero.loss form
+LossFn = Callable[..., Any]  # (params, batch[, rng][, state=, train=]) -> a jaxzero.loss form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,8 @@ class StepConfig:
     hpz: bool = False
     quant_block: int = 2048  # elements a quantization scale covers (qwZ, qgZ)
     ema: bool = False  # the state keeps an EMA of the master params (jaxzero.ema)
+    # the loss gets state=/train= and returns WithState (Engine(model_state=...))
+    model_state: bool = False
 
     @property
     def extra_axes(self) -> tuple[str, ...]:

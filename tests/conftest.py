@@ -78,6 +78,7 @@ MODULES = {
     "test_llama": "equivalence",
     "test_loop": "unit",
     "test_memguard": "unit",
+    "test_model_state": "equivalence",
     "test_loss": "equivalence",
     "test_mesh": "unit",
     "test_models": "unit",

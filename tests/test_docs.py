@@ -26,7 +26,8 @@ MODULES = ["jaxzero.engine", "jaxzero.partition", "jaxzero.hooks", "jaxzero.mesh
            "jaxzero.accounting.activations",
            "jaxzero.models.llama", "jaxzero.models.llama_hf", "jaxzero.plan",
            "jaxzero.accounting.formulas", "jaxzero.frozen", "jaxzero.models.lora",
-           "jaxzero.hf.peft", "jaxzero.offload", "jaxzero.zeropp"]  # fmt: skip
+           "jaxzero.hf.peft", "jaxzero.offload", "jaxzero.zeropp",
+           "jaxzero.model_state"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -415,6 +416,23 @@ def test_stages_page_ema_example_runs(capsys):
     out = capsys.readouterr().out
     assert re.fullmatch(r"live \d\.\d{3}, EMA \d\.\d{3}\n", out), out
     assert namespace["ema"]["w"].shape == (16, 4)
+
+
+def test_data_page_model_state_example_runs(capsys):
+    """The state-form loss of docs/data.md: a synchronised BatchNorm convnet at stage 3 on
+    this process's 8 devices, evaluated with its running statistics."""
+    section = re.search(r"^## The loss contract.*?(?=^## |\Z)", PAGES["data.md"], re.S | re.M)
+    assert section, "docs/data.md has no section '## The loss contract'"
+    (example,) = _blocks(section.group(0), "python")
+    namespace: dict = {}
+    exec(compile(example, "docs/data.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    match = re.fullmatch(
+        r"train loss (\d\.\d{3}), eval loss (\d\.\d{3}), running mean \(8,\)\n", out
+    )
+    assert match, out
+    assert match.group(1) != match.group(2)  # eval uses the running statistics
+    assert namespace["engine"].batch_axes == ("data",)
 
 
 def test_readme_library_example_runs_as_written_on_one_cpu_device():

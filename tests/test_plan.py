@@ -119,7 +119,7 @@ def test_process_rows_of_one_process_are_all_rows():
 
 CORE = {
     "mesh", "partition", "collectives", "hooks", "hook_check", "backend", "state", "step",
-    "step_config", "gradients", "update", "ema", "readback", "frozen",
+    "step_config", "gradients", "update", "ema", "model_state", "readback", "frozen",
     "plan", "settings", "batch", "engine", "loss", "nnx", "types", "errors", "offload", "zeropp",
 }  # fmt: skip
 

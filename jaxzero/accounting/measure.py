@@ -184,8 +184,10 @@ def _itemsize(dtype: Any) -> int:
 
 def _persistent(state: TrainState, device: Any) -> dict[str, int]:
     """Device 0's bytes of the state: params, master, optimizer, frozen (the params that
-    do not train, 0 when all do), other and total; and of the total, what lives in the
-    device's own memory (``device``) and in host memory (``host``: offload)."""
+    do not train, 0 when all do), other (the step, an EMA of the weights, model state
+    such as BatchNorm statistics: replicated, a few floats a channel) and total; and of
+    the total, what lives in the device's own memory (``device``) and in host memory
+    (``host``: offload)."""
     persistent = {
         "params": device0_bytes(state.params, device),
         "master": device0_bytes(state.master, device),

@@ -256,7 +256,7 @@ class Report:
             f"{'optimizer state':<30}{mb(p['optimizer'])}{mb(t.optimizer)}"
             f"{ratio(p['optimizer'], t.optimizer)}",
             *frozen_row,
-            f"{'other (step, counters)':<30}{mb(p['other'])}",
+            f"{'other (step, EMA, stats)':<30}{mb(p['other'])}",
             f"{'total':<30}{mb(p['total'])}{mb(t.persistent)}{ratio(p['total'], t.persistent)}"
             f"{mb(e.persistent)}{ratio(p['total'], e.persistent)}",
             *self._memory_split_rows(mb, ratio),

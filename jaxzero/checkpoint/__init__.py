@@ -4,8 +4,10 @@ A checkpoint is one orbax step directory with three items:
 
 * ``state``: every leaf of the :class:`~jaxzero.state.TrainState` under a readable
   name (``params/blocks/fc/kernel``, ``master/...``, ``opt_state/0/mu/...``,
-  ``step``; ``ema/...`` when the engine keeps an EMA of the weights), written shard by
-  shard by the process that owns each shard.
+  ``step``; ``ema/...`` when the engine keeps an EMA of the weights,
+  ``model_state/...`` when it keeps model state such as BatchNorm statistics), written
+  shard by shard by the process that owns each shard. A restore refuses, in one line, a
+  checkpoint whose model state is absent, unexpected or of other shapes.
 * ``meta``: JSON: jaxzero version, stage, N, precision, and every leaf's logical
   shape, stored shape and dtype.
 * ``extra``: JSON the caller adds (the data-loader position, the resolved config).

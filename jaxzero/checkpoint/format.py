@@ -24,7 +24,7 @@ from jaxzero.state import TrainState
 from jaxzero.version import __version__
 
 FORMAT = 1
-FIELDS = ("step", "params", "master", "opt_state", "frozen", "ema")
+FIELDS = ("step", "params", "master", "opt_state", "frozen", "ema", "model_state")
 PARAM_COPIES = ("master", "ema")  # fields laid out and named as the (trainable) params
 ITEMS = ("state", "meta", "extra")  # the orbax items of every step, as CheckpointManager saves
 
@@ -237,6 +237,13 @@ def check_same_params(plan: Plan, meta: dict[str, Any]) -> None:
 def has_ema(saved: Any) -> bool:
     """Whether a checkpoint holds an EMA of the weights, given its stored leaf names."""
     return any(n.startswith("ema/") for n in saved)
+
+
+def model_state_shapes(saved: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """``{"model_state/...": shape}`` of a checkpoint's model state (BatchNorm statistics,
+    :mod:`jaxzero.model_state`), given its stored leaves (``meta["leaves"]``); empty when
+    it holds none."""
+    return {n: tuple(v["shape"]) for n, v in saved.items() if n.startswith("model_state/")}
 
 
 def fp32_field(saved: Any) -> str:

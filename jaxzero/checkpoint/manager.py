@@ -32,6 +32,7 @@ from jaxzero.checkpoint.format import (
     has_ema,
     leaf_names,
     metadata,
+    model_state_shapes,
     nest,
     params_from_meta,
 )
@@ -276,6 +277,7 @@ class CheckpointManager:
                 "with save_frozen=False): pass restore(..., frozen=state.frozen) of the "
                 "base they came from"
             )
+        _check_model_state(plan, target, meta, self.directory / str(step))
         want = _wanted(plan, target, (src, ema) if ema else (src,), held)
         self._check_holds(step, want, meta["leaves"])
         out = self._read(step, want)
@@ -297,8 +299,16 @@ class CheckpointManager:
         if held:
             names = leaf_names(TrainState(None, None, None, None, target.frozen))
             frozen = jax.tree.unflatten(jax.tree.structure(target.frozen), [flat[n] for n in names])
+        model_state = None
+        if plan.has_model_state:
+            names = leaf_names(TrainState(None, None, None, None, model_state=target.model_state))
+            model_state = jax.tree.unflatten(
+                jax.tree.structure(target.model_state), [flat[n] for n in names]
+            )
         step_no = int(np.asarray(flat["step"]))
-        state = plan_lib.state_from_parts(plan, master, opt_state, step_no, frozen, average)
+        state = plan_lib.state_from_parts(
+            plan, master, opt_state, step_no, frozen, average, model_state
+        )
         return state, dict(out["extra"] or {})
 
     def _others(self, step: int) -> list[int] | str:
@@ -378,6 +388,36 @@ def _ema_source(plan: Plan, meta: dict[str, Any], where: Path) -> str | None:
     return "ema" if saved and plan.has_ema else None
 
 
+def _check_model_state(plan: Plan, target: TrainState, meta: dict[str, Any], where: Path) -> None:
+    """Refuse, in one line, a checkpoint whose model state (BatchNorm statistics) is not
+    the one the engine keeps: absent, present where the engine keeps none, or of other
+    names or shapes."""
+    saved = model_state_shapes(meta["leaves"])
+    mine = {
+        n: tuple(x.shape)
+        for n, x in leaf_names(
+            TrainState(None, None, None, None, model_state=target.model_state)
+        ).items()
+    }
+    if saved == mine:
+        return
+    if not saved:
+        raise CheckpointError(
+            f"checkpoint {where} holds no model state, but this engine keeps one "
+            f"({sorted(mine)[:3]}): it was saved by an engine without model_state="
+        )
+    if not mine:
+        raise CheckpointError(
+            f"checkpoint {where} holds model state ({sorted(saved)[:3]}): build the engine "
+            "with model_state= (the model's BatchNorm statistics) to restore it"
+        )
+    first = next(n for n in sorted(set(saved) | set(mine)) if saved.get(n) != mine.get(n))
+    raise CheckpointError(
+        f"checkpoint {where} holds model state {first!r} of shape {saved.get(first, 'absent')}; "
+        f"this engine keeps {mine.get(first, 'none')}: a different model"
+    )
+
+
 def _wanted(plan: Plan, target: TrainState, srcs: tuple[str, ...], frozen: bool) -> Want:
     """Each leaf to read: the fp32 params of each field of ``srcs`` (the params or the
     master of a bf16 run, and the EMA) in the plan's master layout, then the step and
@@ -391,7 +431,14 @@ def _wanted(plan: Plan, target: TrainState, srcs: tuple[str, ...], frozen: bool)
         ):
             shape = lay.padded_shape if sharded else lay.shape
             want[src + name[len("params") :]] = (shape, jnp.float32, sh)
-    rest = TrainState(target.step, None, None, target.opt_state, target.frozen if frozen else None)
+    rest = TrainState(
+        target.step,
+        None,
+        None,
+        target.opt_state,
+        target.frozen if frozen else None,
+        model_state=target.model_state,
+    )
     for name, x in leaf_names(rest).items():
         want[name] = (x.shape, x.dtype, x.sharding)
     return want
