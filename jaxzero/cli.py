@@ -49,6 +49,11 @@ def beyond_zero_options(p: argparse.ArgumentParser, hpz: bool = False) -> None:
         "--qgz", choices=["int8", "int4"], default=None, help="gradients reduce-scattered so"
     )
     b.add_argument("--quant-block", type=int, default=2048, help="elements per quantization scale")
+    b.add_argument(
+        "--ema",
+        action="store_true",
+        help="the state keeps an EMA of the weights (fp32, laid out as the master: 4Ψ/N)",
+    )
     if hpz:
         b.add_argument(
             "--hpz",

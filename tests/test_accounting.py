@@ -849,6 +849,21 @@ def test_offload_moves_the_master_and_moments_to_host_memory_as_the_formulas_say
     assert d["compiled"]["device_peak"] == c.device_peak and d["persistent"]["host"] == p["host"]
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_ema_is_counted_as_the_master_is_stored(stage):
+    """The EMA of the weights (fp32, laid out as the master): its own row, 4Ψ at stage 0
+    and 4Ψ/N at stage 3 against the formula, exact leaf by leaf, and in the total."""
+    r = _mlp_report(stage, precision="bf16", ema=0.9)
+    p, t, e = r.persistent, r.theory, r.expected
+    psi = r.config["num_params"]
+    assert r.config["ema"] and p["ema"] == e.ema == p["master"] > 0
+    assert t.ema == pytest.approx(4 * psi / (8 if stage else 1))
+    assert 0.98 <= r.persistent_ratio <= 1.02, r.table()  # the EMA in the formula's total
+    assert p["total"] == pytest.approx(e.persistent, rel=1e-4, abs=64)  # and leaf by leaf
+    assert "EMA of the weights" in r.table()
+    assert "EMA of the weights" not in _mlp_report(stage, precision="bf16").table()
+
+
 def test_offload_in_fp32_moves_the_optimizer_state_alone(capsys):
     """fp32 training has no master apart from the params: offload moves Adam's 8Ψ/N
     (``jaxzero report --offload optimizer``)."""

@@ -270,6 +270,35 @@ def test_offload_moves_k_psi_over_n_from_the_device_to_the_host():
         est.model_state_bytes(psi, n, 0, offload=True)
 
 
+def test_an_ema_takes_4_psi_over_n_laid_out_as_the_master(capsys):
+    """An EMA of the weights (``Engine(ema=...)``) is fp32 and sharded as the master: 4Ψ
+    at stage 0, 4Ψ/N from stage 1; in host memory with offload, which moves it too."""
+    psi, n = 7e9, 8
+    for stage in (0, 1, 2, 3):
+        plain = est.model_state_bytes(psi, n, stage)
+        ema = est.model_state_bytes(psi, n, stage, ema=True)
+        assert ema.ema == pytest.approx(4 * psi / (n if stage else 1)) and plain.ema == 0
+        assert ema.persistent == pytest.approx(plain.persistent + ema.ema)
+        assert ema.total == pytest.approx(plain.total + ema.ema) and ema.host == 0
+        if stage:
+            off = est.model_state_bytes(psi, n, stage, offload=True, ema=True)
+            assert off.host == pytest.approx(16 * psi / n)
+            assert off.device_total == pytest.approx(plain.total - 12 * psi / n)
+    assert est.formula(0, ema=True) == "20Ψ" and est.formula(3, ema=True) == "20Ψ/N"
+    assert est.formula(3, offload=True, ema=True) == "4Ψ/N"
+    assert est.host_formula(3, ema=True) == "16Ψ/N"
+    left = est.max_params(80 * GB, n, 3, ema=True)
+    assert left == pytest.approx(80 * GB / (20 / n))
+    assert command.main(["--params", "7B", "-n", "8", "--ema"]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    # stage  params grads optim ema device +act fits comm/step max-Ψ formula
+    assert rows["0"][2:7] == ["14.00", "14.00", "84.00", "28.00", "140.00"]
+    assert rows["3"][2:7] == ["1.75", "1.75", "10.50", "3.50", "17.50"]
+    assert rows["3"][-1] == "20Ψ/N" and rows["1"][-3:] == ["4Ψ", "+", "16Ψ/N"]
+    assert "ema: an EMA of the weights, fp32 and laid out as the master" in out
+
+
 def _rows(out: str) -> dict[str, list[str]]:
     return {ln.split()[0]: ln.split() for ln in out.splitlines() if ln and ln[0] in "0123"}
 

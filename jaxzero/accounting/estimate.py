@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from jaxzero.accounting.activations import Activations, GPTShape, activation_bytes
 from jaxzero.accounting.formulas import (  # re-exported: est.model_state_bytes, ...
+    EMA_BYTES,
     FROZEN_DTYPES,
     GB,
     OPTIMIZER_BYTES,
@@ -49,7 +50,7 @@ from jaxzero.accounting.formulas import (  # re-exported: est.model_state_bytes,
 from jaxzero.step_config import QGZ_BITS
 
 __all__ = [
-    "FROZEN_DTYPES", "GB", "OPTIMIZER_BYTES", "PRECISIONS", "STAGES", "STAGE_NAMES",
+    "EMA_BYTES", "FROZEN_DTYPES", "GB", "OPTIMIZER_BYTES", "PRECISIONS", "STAGES", "STAGE_NAMES",
     "Communication", "Estimate", "ModelStates", "Precision", "QGZ_BITS", "StageEstimate",
     "check_quantized", "comm_bytes", "estimate", "format_bytes", "format_count", "formula",
     "frozen_state_bytes", "host_formula", "max_params", "model_state_bytes", "parse_bytes",
@@ -88,6 +89,7 @@ class StageEstimate:
     host_formula: str = "0"
     host_link: float = 0.0
     comm_plain: float = 0.0  # comm_total without qwZ/qgZ (in the working/reduce dtype)
+    ema: float = 0.0  # an EMA of the weights (in ``persistent``; in ``host`` with offload)
 
 
 @dataclass
@@ -112,13 +114,14 @@ class Estimate:
     qwz: bool = False  # stage 3 gathers int8 weights
     qgz_bits: int = 0  # gradients reduced in int8/int4 (stages 1-3)
     quant_block: int = 2048
+    ema: bool = False  # the state keeps an EMA of the weights (fp32, as the master)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def table(self) -> str:
         """Human-readable table, GB = 1e9 bytes."""
-        if self.offload or self.qwz or self.qgz_bits:
+        if self.offload or self.qwz or self.qgz_bits or self.ema:
             return self._beyond_table()
         if self.frozen_params:
             return self._frozen_table()
@@ -154,8 +157,8 @@ class Estimate:
         ]
 
     def _beyond_table(self) -> str:
-        """The table with offload and/or qwZ/qgZ: device and host bytes apart, each with its
-        formula; the bytes on the wire beside those without quantization."""
+        """The table with offload, qwZ/qgZ and/or an EMA: device and host bytes apart,
+        each with its formula; the bytes on the wire beside those without quantization."""
         lines = [
             f"Ψ = {self.num_params:.4g} parameters"
             + (f" + Ψf = {self.frozen_params:.4g} frozen" if self.frozen_params else "")
@@ -169,6 +172,12 @@ class Estimate:
                 f"offload: the fp32 master and the optimizer state ({self.k:g}Ψ/N) live in "
                 "host memory at stages 1-3 and cross the host link each step, to the device "
                 "and back; 'fits' holds the device's bytes to its memory"
+            )
+        if self.ema:
+            lines.append(
+                "ema: an EMA of the weights, fp32 and laid out as the master (4Ψ/N from "
+                "stage 1, 4Ψ at stage 0"
+                + (", in host memory with offload)" if self.offload else ")")
             )
         quant = []
         if self.qwz:
@@ -184,6 +193,7 @@ class Estimate:
         head = (
             f"{'stage':<14}{'params':>9}{'grads':>9}{'optim':>9}"
             + (f"{'frozen':>9}" if self.frozen_params else "")
+            + (f"{'ema':>9}" if self.ema else "")
             + f"{'device':>9}"
             + (f"{'host':>9}" if off else "")
             + f"{'+act':>9}  fits  {'comm/step':>10}"
@@ -200,6 +210,7 @@ class Estimate:
                 f"{r.stage} ({r.name})".ljust(14)
                 + f"{r.params / GB:>9.2f}{r.grads / GB:>9.2f}{(r.master + r.optimizer) / GB:>9.2f}"
                 + (f"{r.frozen / GB:>9.2f}" if self.frozen_params else "")
+                + (f"{r.ema / GB:>9.2f}" if self.ema else "")
                 + f"{r.device / GB:>9.2f}"
                 + (f"{r.host / GB:>9.2f}" if off else "")
                 + f"{with_act:>9}  {'yes ' if r.fits else 'NO  '}  {r.comm_total / GB:>10.2f}"
@@ -282,6 +293,7 @@ def estimate(
     qwz: bool = False,
     qgz: str | None = None,
     quant_block: int = 2048,
+    ema: bool = False,
 ) -> Estimate:
     """Memory, fit and communication for every ZeRO stage.
 
@@ -303,6 +315,7 @@ def estimate(
       qwz: stage 3's weight gathers in int8 (its row alone).
       qgz: ``"int8"``/``"int4"``: the gradients' reduce-scatter quantized (stages 1-3).
       quant_block: elements a quantization scale covers.
+      ema: the state keeps an EMA of the weights (``Engine(ema=...)``): 4Ψ/N more.
     """
     prec = precision_bytes(precision, optimizer)
     _check(num_params, devices, 0)
@@ -331,11 +344,12 @@ def estimate(
         qwz=qwz,
         qgz_bits=bits,
         quant_block=quant_block,
+        ema=ema,
     )
     held = (frozen_params, frozen_bytes_per_param)
     for stage in STAGES:
         off = offload and stage >= 1
-        ms = model_state_bytes(num_params, devices, stage, prec, *held, offload=off)
+        ms = model_state_bytes(num_params, devices, stage, prec, *held, offload=off, ema=ema)
         args = (num_params, devices, stage, prec.grad, prec.param, micro_batches, 2, *held)
         plain = comm_bytes(*args)
         comm = comm_bytes(
@@ -358,16 +372,21 @@ def estimate(
                 comm_grad=comm.grad,
                 comm_param=comm.param,
                 comm_total=comm.total,
-                max_params=max_params(device_memory, devices, stage, prec, *held, offload=off),
+                max_params=max_params(
+                    device_memory, devices, stage, prec, *held, offload=off, ema=ema
+                ),
                 frozen=ms.frozen,
                 comm_frozen=comm.frozen,
-                formula=formula(stage, prec, frozen_bytes_per_param if frozen_params else 0.0, off),
+                formula=formula(
+                    stage, prec, frozen_bytes_per_param if frozen_params else 0.0, off, ema
+                ),
                 offload=off,
                 device=ms.device_total,
                 host=ms.host,
-                host_formula=host_formula(stage, prec, off),
+                host_formula=host_formula(stage, prec, off, ema),
                 host_link=ms.host,  # each way: to the device for the update, and back
                 comm_plain=plain.total,
+                ema=ms.ema,
             )
         )
     return out

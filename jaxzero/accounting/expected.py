@@ -44,6 +44,7 @@ class Theory:
     frozen: float = 0.0  # the frozen params' bytes (in ``persistent`` and ``model_states``)
     comm_frozen: float = 0.0  # their stage-3 all-gathers (in ``comm_param`` and ``comm``)
     host: float = 0.0  # offload: the master + optimizer state, in host memory (in ``persistent``)
+    ema: float = 0.0  # an EMA of the weights: fp32 as the master (in ``persistent``)
 
     @property
     def device(self) -> float:
@@ -108,6 +109,7 @@ def theory(
     qgz_bits: int = 0,
     quant_block: int = 2048,
     hpz: bool = False,
+    ema: bool = False,
 ) -> Theory:
     """Model-state memory and communication from :mod:`jaxzero.accounting.estimate`'s formulas.
 
@@ -131,6 +133,7 @@ def theory(
       hpz: ZeRO++ hpZ: the master and optimizer state over all ``n x replicas`` devices,
         the shard reduce-scattered across groups and the params gathered back
         (:func:`inter_group_bytes`).
+      ema: an EMA of the weights in the state (fp32, laid out as the master).
     """
     prec = est.Precision(
         param=param_bytes,
@@ -140,7 +143,9 @@ def theory(
     )
     held = (frozen_bytes, 1.0)  # (count, bytes each) as the estimate takes them
     groups = replicas if hpz else 1
-    ms = est.model_state_bytes(psi, n, stage, prec, *held, offload=offload, hpz_replicas=groups)
+    ms = est.model_state_bytes(
+        psi, n, stage, prec, *held, offload=offload, hpz_replicas=groups, ema=ema
+    )
     n_ring = n * replicas if stage == 0 else n  # stage 0 all-reduces over every device
     cm = est.comm_bytes(
         psi, n_ring, stage, grad_bytes, param_bytes, micro_batches, param_gathers, *held,
@@ -167,6 +172,7 @@ def theory(
         frozen=ms.frozen,
         comm_frozen=cm.frozen,
         host=ms.host,
+        ema=ms.ema,
     )
 
 
@@ -192,6 +198,7 @@ class LayoutExpectation:
     frozen_params: int = 0  # their logical elements ...
     padded_frozen: int = 0  # ... and as stored (padded where sharded at stage 3)
     host: float = 0.0  # offload: the master + optimizer state's bytes (in ``persistent``)
+    ema: float = 0.0  # an EMA of the weights, stored as the master (in ``persistent``)
 
     @property
     def comm_grad(self) -> float:
@@ -228,6 +235,7 @@ def layout_expectation(
     qgz_bits: int = 0,
     quant_block: int = 2048,
     hpz: bool = False,
+    ema: bool = False,
 ) -> LayoutExpectation:
     """Leaf-by-leaf persistent bytes and traffic for the engine's layouts.
 
@@ -246,6 +254,8 @@ def layout_expectation(
         reduce-scatter count :mod:`jaxzero.zeropp`'s wire bytes, a leaf a collective
         (unbucketed; a bucket shares its scale blocks across leaves: a few bytes fewer).
       hpz: the master and optimizer-state leaves split over all ``n x replicas`` devices.
+      ema: an EMA of the weights, fp32 leaves stored as the master's (in host memory
+        with offload).
     """
     frac = (n - 1) / n if n > 1 else 0.0
     every = n * replicas  # replicated leaves (and stage 0) all-reduce over every device
@@ -256,7 +266,7 @@ def layout_expectation(
     host = persistent if offload else 0.0
     comm = inter = gather = 0.0
     padded_total = replicated = 0
-    held = held_comm = 0.0
+    held = held_comm = averaged = 0.0  # averaged: the EMA's bytes
     held_size = held_padded = 0
     for lay, size in frozen:
         held += _stored_per_device(lay, n, stage == 3) * size
@@ -268,7 +278,9 @@ def layout_expectation(
     persistent += held
     for lay in layouts:
         size = math.prod(lay.shape)
-        master = _stored_per_device(lay, n_state, stage >= 1) * master_bytes
+        as_master = _stored_per_device(lay, n_state, stage >= 1)
+        master = as_master * master_bytes
+        averaged += as_master * est.EMA_BYTES if ema else 0.0
         persistent += _stored_per_device(lay, n, stage == 3) * param_bytes + master
         host += master if offload else 0.0
         if lay.dim is None:
@@ -299,6 +311,8 @@ def layout_expectation(
         else:
             gather += k * padded * param_gathers * param_bytes * frac
     gather += held_comm
+    persistent += averaged
+    host += averaged if offload else 0.0
     return LayoutExpectation(
         persistent,
         comm + gather + inter,
@@ -311,4 +325,5 @@ def layout_expectation(
         frozen_params=held_size,
         padded_frozen=held_padded,
         host=host,
+        ema=averaged,
     )

@@ -57,6 +57,9 @@ OPTIMIZER_BYTES = {
 # param keeps the dtype it was given (a bf16 base stays bf16), int8 a quantized base.
 FROZEN_DTYPES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "int8": 1.0}
 
+# Bytes per parameter of an EMA of the weights (``Engine(ema=...)``): fp32, as the master.
+EMA_BYTES = 4.0
+
 # Working (16-bit or 32-bit) bytes per element, and whether an fp32 master copy exists.
 PRECISIONS = {
     "mixed": (2, True),
@@ -154,6 +157,8 @@ class ModelStates:
       frozen: frozen parameters (no gradient, master or optimizer state), 0 when all train.
       offload: the master and the optimizer moments live in host memory (ZeRO-Offload):
         :attr:`host` holds them, :attr:`device` and :attr:`device_total` leave them out.
+      ema: an EMA of the trainable params (``Engine(ema=...)``): fp32 and laid out as
+        the master, 4Ψ/N from stage 1 (4Ψ at stage 0), in host memory with offload.
     """
 
     params: float
@@ -162,6 +167,7 @@ class ModelStates:
     optimizer: float
     frozen: float = 0.0
     offload: bool = False
+    ema: float = 0.0
 
     @property
     def trainable(self) -> float:
@@ -170,9 +176,9 @@ class ModelStates:
 
     @property
     def persistent(self) -> float:
-        """What the train state holds between steps: params + master + moments, and
-        the frozen params."""
-        return self.trainable + self.frozen
+        """What the train state holds between steps: params + master + moments, the
+        frozen params and the EMA."""
+        return self.trainable + self.frozen + self.ema
 
     @property
     def total(self) -> float:
@@ -181,8 +187,9 @@ class ModelStates:
 
     @property
     def host(self) -> float:
-        """Bytes held in host memory for this device: master + moments with offload, else 0."""
-        return self.master + self.optimizer if self.offload else 0.0
+        """Bytes held in host memory for this device: master + moments (+ EMA) with
+        offload, else 0."""
+        return self.master + self.optimizer + self.ema if self.offload else 0.0
 
     @property
     def device(self) -> float:
@@ -204,6 +211,7 @@ def model_state_bytes(
     frozen_bytes_per_param: float = 2.0,
     offload: bool = False,
     hpz_replicas: int = 1,
+    ema: bool = False,
 ) -> ModelStates:
     """Per-device model-state bytes: docs/zero.md's memory table.
 
@@ -220,6 +228,7 @@ def model_state_bytes(
       offload: ZeRO-Offload (stages 1-3): the master and the moments in host memory.
       hpz_replicas: ZeRO++ hpZ on a hybrid mesh of this many groups of ``n``: the master
         and the moments are split over all ``n x hpz_replicas`` devices.
+      ema: the state keeps an EMA of the trainable params (:attr:`ModelStates.ema`).
 
     Raises:
       ValueError: offload at stage 0 (the engine refuses it: nothing is sharded).
@@ -237,6 +246,7 @@ def model_state_bytes(
         optimizer=prec.optimizer * psi / os_div,
         frozen=frozen_state_bytes(frozen, n, stage, frozen_bytes_per_param),
         offload=offload,
+        ema=EMA_BYTES * psi / os_div if ema else 0.0,
     )
 
 
@@ -252,15 +262,17 @@ def formula(
     prec: Precision | None = None,
     frozen_bytes_per_param: float = 0.0,
     offload: bool = False,
+    ema: bool = False,
 ) -> str:
     """docs/zero.md's memory formula of a stage as text, Ψ trainable and Ψf frozen:
     ``'2Ψ + 14Ψ/N'`` (stage 2, mixed-precision Adam), ``'16Ψ/N + 2Ψf/N'`` (stage 3 with
     a bf16 frozen base). ``frozen_bytes_per_param`` 0: no frozen term. ``offload``: the
-    device's part alone (``'4Ψ/N'`` at stage 3); :func:`host_formula` gives the host's."""
+    device's part alone (``'4Ψ/N'`` at stage 3); :func:`host_formula` gives the host's.
+    ``ema``: an EMA's 4Ψ with the master (``'20Ψ/N'`` at stage 3)."""
     prec = prec or precision_bytes()
     _check_devices(1, stage)
     _check_offload(offload, stage)
-    k = 0.0 if offload else prec.k
+    k = 0.0 if offload else prec.k + (EMA_BYTES if ema else 0.0)
     whole, sharded = {
         0: (prec.param + prec.grad + k, 0.0),
         1: (prec.param + prec.grad, k),
@@ -274,14 +286,17 @@ def formula(
     return " + ".join(terms) or "0"
 
 
-def host_formula(stage: int, prec: Precision | None = None, offload: bool = True) -> str:
+def host_formula(
+    stage: int, prec: Precision | None = None, offload: bool = True, ema: bool = False
+) -> str:
     """The host memory's formula per device with offload: ``'12Ψ/N'`` (mixed-precision
-    Adam: the fp32 master and the moments), ``'8Ψ/N'`` in fp32 (the moments alone);
-    ``'0'`` without offload."""
+    Adam: the fp32 master and the moments), ``'8Ψ/N'`` in fp32 (the moments alone),
+    4Ψ/N more with an EMA; ``'0'`` without offload."""
     prec = prec or precision_bytes()
     _check_devices(1, stage)
     _check_offload(offload, stage)
-    return f"{prec.k:g}Ψ/N" if offload and prec.k else "0"
+    k = prec.k + (EMA_BYTES if ema else 0.0)
+    return f"{k:g}Ψ/N" if offload and k else "0"
 
 
 def max_params(
@@ -292,6 +307,7 @@ def max_params(
     frozen: float = 0.0,
     frozen_bytes_per_param: float = 2.0,
     offload: bool = False,
+    ema: bool = False,
 ) -> float:
     """Largest Ψ whose model states (with gradients) fit in ``device_bytes`` per device.
 
@@ -300,10 +316,11 @@ def max_params(
     With ``frozen`` params (Ψf at ``frozen_bytes_per_param``): the largest trainable Ψ
     beside them (0 when they alone fill the device). With ``offload`` the device holds
     only its part (:attr:`ModelStates.device_total`): the host's memory is not checked.
+    ``ema``: an EMA of the weights takes its 4Ψ/N too.
     """
     if not device_bytes > 0:
         raise ValueError(f"device memory must be positive, got {device_bytes!r}")
-    per_param = model_state_bytes(1.0, n, stage, prec, offload=offload).device_total
+    per_param = model_state_bytes(1.0, n, stage, prec, offload=offload, ema=ema).device_total
     left = device_bytes - frozen_state_bytes(frozen, n, stage, frozen_bytes_per_param)
     return max(left, 0.0) / per_param
 

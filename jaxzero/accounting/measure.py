@@ -184,8 +184,9 @@ def _itemsize(dtype: Any) -> int:
 
 def _persistent(state: TrainState, device: Any) -> dict[str, int]:
     """Device 0's bytes of the state: params, master, optimizer, frozen (the params that
-    do not train, 0 when all do), other (the step, an EMA of the weights, model state
-    such as BatchNorm statistics: replicated, a few floats a channel) and total; and of
+    do not train, 0 when all do), ema (an EMA of the weights, 0 without), other (the
+    step, model state such as BatchNorm statistics: replicated, a few floats a channel)
+    and total; and of
     the total, what lives in the device's own memory (``device``) and in host memory
     (``host``: offload)."""
     persistent = {
@@ -193,6 +194,7 @@ def _persistent(state: TrainState, device: Any) -> dict[str, int]:
         "master": device0_bytes(state.master, device),
         "optimizer": device0_bytes(state.opt_state, device),
         "frozen": device0_bytes(getattr(state, "frozen", None), device),
+        "ema": device0_bytes(getattr(state, "ema", None), device),
     }
     whole = device0_bytes(state, device)
     persistent["other"] = whole - sum(persistent.values())
@@ -232,6 +234,7 @@ def _predictions(plan: Plan, state: TrainState, replicas: int) -> tuple[Theory, 
         qgz_bits=cfg.qgz_bits,
         quant_block=cfg.quant_block,
         hpz=cfg.hpz,
+        ema=plan.has_ema,
     )
     layouts = plan.leaves()
     ex = layout_expectation(
@@ -251,6 +254,7 @@ def _predictions(plan: Plan, state: TrainState, replicas: int) -> tuple[Theory, 
         qgz_bits=cfg.qgz_bits,
         quant_block=cfg.quant_block,
         hpz=cfg.hpz,
+        ema=plan.has_ema,
     )
     return th, ex
 
@@ -322,6 +326,7 @@ def _config(
         "qgz_bits": cfg.qgz_bits,
         "hpz": cfg.hpz,
         "quant_block": cfg.quant_block,
+        "ema": plan.has_ema,  # an EMA of the weights in the state (as the master)
     }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -214,6 +215,19 @@ class Report:
             return " (XLA:CPU moves nothing: its host and device memory are one)"
         return " (none found in the compiled text)"
 
+    def _ema_row(
+        self, mb: Callable[[float], str], ratio: Callable[[float, float], str]
+    ) -> list[str]:
+        """The EMA of the weights (fp32, stored as the master) against its 4Ψ/N; none
+        without one."""
+        held, t, e = self.persistent.get("ema", 0), self.theory, self.expected
+        if not (held or t.ema):
+            return []
+        return [
+            f"{'EMA of the weights':<30}{mb(held)}{mb(t.ema)}{ratio(held, t.ema)}"
+            f"{mb(e.ema)}{ratio(held, e.ema)}"
+        ]
+
     def table(self) -> str:
         """Measured vs. theory, MB = 1e6 bytes."""
         c, t, p, e = self.config, self.theory, self.persistent, self.expected
@@ -256,7 +270,8 @@ class Report:
             f"{'optimizer state':<30}{mb(p['optimizer'])}{mb(t.optimizer)}"
             f"{ratio(p['optimizer'], t.optimizer)}",
             *frozen_row,
-            f"{'other (step, EMA, stats)':<30}{mb(p['other'])}",
+            *self._ema_row(mb, ratio),
+            f"{'other (step, stats)':<30}{mb(p['other'])}",
             f"{'total':<30}{mb(p['total'])}{mb(t.persistent)}{ratio(p['total'], t.persistent)}"
             f"{mb(e.persistent)}{ratio(p['total'], e.persistent)}",
             *self._memory_split_rows(mb, ratio),

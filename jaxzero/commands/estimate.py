@@ -9,7 +9,8 @@ stage's formula (``16Ψ + 2Ψf`` at stage 0 with mixed-precision Adam and a bf16
 ``--offload optimizer`` keeps the fp32 master and the optimizer state in host memory at
 stages 1-3 (device and host bytes apart, each with its formula, and the bytes each step
 moves over the host link); ``--qwz`` and ``--qgz int8|int4`` count ZeRO++'s quantized
-weight gathers and gradient reduce-scatters (payload and scales) beside the bytes without.
+weight gathers and gradient reduce-scatters (payload and scales) beside the bytes without;
+``--ema`` an EMA of the weights (fp32, stored as the master: 4Ψ/N from stage 1).
 """
 
 from __future__ import annotations
@@ -95,13 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _beyond(args: argparse.Namespace, zero: object = None) -> dict[str, Any]:
-    """``estimate``'s offload/qwZ/qgZ keywords: the flags, else a config's ``zero`` section."""
+def _beyond(args: argparse.Namespace, cfg: Any = None) -> dict[str, Any]:
+    """``estimate``'s offload/qwZ/qgZ/EMA keywords: the flags, else a config's ``zero``
+    section (and its ``train.ema``)."""
+    zero = getattr(cfg, "zero", None)
     return {
         "offload": (args.offload or getattr(zero, "offload", None)) == "optimizer",
         "qwz": bool(args.qwz or getattr(zero, "qwz", False)),
         "qgz": args.qgz or getattr(zero, "qgz", None),
         "quant_block": args.quant_block,
+        "ema": bool(args.ema or getattr(getattr(cfg, "train", None), "ema", None)),
     }
 
 
@@ -135,7 +139,7 @@ def _from_config(args: argparse.Namespace) -> Estimate:
         cfg.parallel.micro_batches,
         "full" if m.remat == "full" else "none",
         args.fused_attention,
-        **_beyond(args, cfg.zero),
+        **_beyond(args, cfg),
     )
 
 

@@ -177,6 +177,7 @@ def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any]:
         qgz=args.qgz,
         quant_block=args.quant_block,
         hpz=args.hpz,
+        ema=0.999 if args.ema else None,  # the decay changes no byte
     )
 
     def init(key: jax.Array) -> Any:
