@@ -14,9 +14,13 @@ attention biases; single only), mistral (bf16, single only), qwen3 (bf16, q/k no
 GQA 4/2, head_dim 16, single only), mistral_window (fp32, a sliding window of 8 tokens on
 every layer, single only) and qwen3_window (bf16, 3 layers of types sliding/full/sliding
 with a window of 8, head_dim 8, GQA 4/1, biases on q/k/v/o, tied embeddings, single
-only). Every weight is redrawn at a scale that makes attention non-uniform (biases and
+only), smollm3 (bf16, 3 layers, layer 1 without rope and windowed), gemma2 (fp32, 3
+layers sliding/full/sliding, soft-caps low enough to bind) and gemma3 (bf16, 3 layers
+sliding/sliding/full, q/k norms, a rope base a layer type, the full layers' linearly
+scaled). Every weight is redrawn at a scale that makes attention non-uniform (biases and
 norm gains included; q/k norm gains wider), so rope, biases and norms all move the
-logits, and a window shorter than the 24 reference tokens moves them too.
+logits, and a window shorter than the 24 reference tokens moves them too; each
+soft-cap is checked to move them (without it, the same weights).
 reference.npz holds `tokens` (int32, 2x24) and `logits` (float32, 2x24xV) from the
 directory loaded back in float32, eager attention.
 
@@ -46,6 +50,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -55,6 +63,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 OUT = pathlib.Path(__file__).parent.parent / "tests" / "fixtures" / "hf"
@@ -64,6 +74,7 @@ WEIGHT_STD = 0.2  # ~1/sqrt(hidden): attention scores of order 1, so rope matter
 NORM_STD = 0.1  # norm gains 1 + N(0, NORM_STD^2)
 QK_NORM_STD = 0.5  # Qwen3's q/k norm gains: wide, so applying them after rope would show
 WINDOW = 8  # the window fixtures' sliding window: a third of the reference tokens
+ATTN_CAP, FINAL_CAP = 1.0, 2.0  # gemma2's soft-caps: below its largest scores and logits
 # vocab 64 (not 96), intermediate 48 (not 64) and no llama3_rope/sharded: under 400 KB in all
 SIZES = dict(
     vocab_size=VOCAB,
@@ -166,6 +177,57 @@ def qwen3_window() -> PreTrainedModel:
     return Qwen3ForCausalLM(config)
 
 
+def smollm3() -> PreTrainedModel:
+    """Layer 1 without rope; use_sliding_window puts the window on that no-rope layer
+    (transformers' default layer_types, written out in config.json)."""
+    config = SmolLM3Config(
+        **{**SIZES, "num_hidden_layers": 3},
+        num_key_value_heads=2,
+        no_rope_layers=[1, 0, 1],
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        pad_token_id=None,  # SmolLM3's are past the tiny vocabulary
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return SmolLM3ForCausalLM(config)
+
+
+def gemma2() -> PreTrainedModel:
+    """Sliding/full/sliding (transformers' default alternation), head_dim 16 (4 heads x
+    16 != hidden 32), query_pre_attn_scalar 24 (not head_dim), caps low enough to bind."""
+    config = Gemma2Config(
+        **{**SIZES, "num_hidden_layers": 3},
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=WINDOW,
+        attn_logit_softcapping=ATTN_CAP,
+        final_logit_softcapping=FINAL_CAP,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    return Gemma2ForCausalLM(config)
+
+
+def gemma3() -> PreTrainedModel:
+    """Sliding/sliding/full, the full layer's rope linearly scaled on a base of its own."""
+    config = Gemma3TextConfig(
+        **{**SIZES, "num_hidden_layers": 3},
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    )
+    return Gemma3ForCausalLM(config)
+
+
 # name: (builder, seed, saved dtype, layouts)
 MODELS = {
     "llama_gqa": (llama_gqa, 0, torch.bfloat16, ("single", "sharded")),
@@ -175,6 +237,9 @@ MODELS = {
     "qwen3": (qwen3, 4, torch.bfloat16, ("single",)),
     "mistral_window": (mistral_window, 5, torch.float32, ("single",)),
     "qwen3_window": (qwen3_window, 6, torch.bfloat16, ("single",)),
+    "smollm3": (smollm3, 7, torch.bfloat16, ("single",)),
+    "gemma2": (gemma2, 8, torch.float32, ("single",)),
+    "gemma3": (gemma3, 9, torch.bfloat16, ("single",)),
 }
 
 
@@ -183,13 +248,15 @@ def reference_tokens(vocab: int) -> np.ndarray:
 
 
 def randomize(model: PreTrainedModel) -> None:
-    """Redraw every parameter (norm gains around 1, the rest around 0) from the torch seed."""
+    """Redraw every parameter (norm gains around 1, the rest around 0) from the torch seed;
+    Gemma's norms scale by 1 + weight, so theirs are drawn around 0."""
+    one = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied weights come once
             if "q_norm" in name or "k_norm" in name:
-                p.copy_(1.0 + QK_NORM_STD * torch.randn_like(p))
+                p.copy_(one + QK_NORM_STD * torch.randn_like(p))
             elif "norm" in name:
-                p.copy_(1.0 + NORM_STD * torch.randn_like(p))
+                p.copy_(one + NORM_STD * torch.randn_like(p))
             else:
                 p.copy_(WEIGHT_STD * torch.randn_like(p))
 
@@ -317,6 +384,8 @@ def check_window(directory: pathlib.Path, logits: np.ndarray) -> None:
     unwindowed: dict[str, object] = {"sliding_window": None}
     if types is not None:
         unwindowed["layer_types"] = ["full_attention"] * len(types)
+    if config["model_type"].startswith("gemma"):  # no null window: one past the sequence
+        unwindowed["sliding_window"] = TOKENS_SHAPE[1] + 1
     full = load(directory, attn_implementation="eager", **unwindowed)
     diff = float(np.abs(logits - logits_of(full, reference_tokens(VOCAB))).max())
     print(
@@ -327,8 +396,31 @@ def check_window(directory: pathlib.Path, logits: np.ndarray) -> None:
         raise RuntimeError("the window leaves the logits unchanged")
 
 
+def check_softcap(directory: pathlib.Path, logits: np.ndarray) -> None:
+    """The reference logits against the same weights with each soft-cap off: the caps
+    must bind (the largest uncapped logit above its cap, both changing the logits)."""
+    config = json.loads((directory / "config.json").read_text())
+    tokens = reference_tokens(VOCAB)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key) is None:
+            continue
+        uncapped = logits_of(load(directory, attn_implementation="eager", **{key: None}), tokens)
+        diff = float(np.abs(logits - uncapped).max())
+        print(
+            f"  {key} {config[key]}: max |logits - logits without it| = {diff:.4g}"
+            f" (max |uncapped logit| {np.abs(uncapped).max():.4g})"
+        )
+        if diff < 1e-2:
+            raise RuntimeError(f"{key} leaves the logits unchanged")
+
+
 def check_rope(model: PreTrainedModel) -> None:
     cfg = model.config
+    if "full_attention" in cfg.rope_parameters:  # Gemma 3: a rope a layer type
+        for kind, params in cfg.rope_parameters.items():
+            inv = getattr(model.model.rotary_emb, f"{kind}_inv_freq").float()
+            print(f"  rope {kind} {params}: inv_freq {inv.numpy().round(6).tolist()}")
+        return
     inv = model.model.rotary_emb.inv_freq.float()
     theta = cfg.rope_parameters["rope_theta"]
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -372,6 +464,7 @@ def generate_one(name: str, out: pathlib.Path) -> None:
     if stray is not None:
         print(f"  {name}/sharded: {describe_head(out / name / 'sharded', stray)}")
     check_window(out / name / "single", logits["single"])
+    check_softcap(out / name / "single", logits["single"])
     config = json.loads((out / name / "single" / "config.json").read_text())
     rope = {k: v for k, v in config.items() if "rope" in k or "theta" in k}
     print(f"  config.json rope keys: {rope}")
@@ -395,7 +488,15 @@ vocab {VOCAB}, hidden {SIZES["hidden_size"]}, intermediate {SIZES["intermediate_
   4/2, head_dim 16, bf16, `single/` only), `mistral_window/` (Mistral, sliding window
   {WINDOW} on every layer, fp32, `single/` only), `qwen3_window/` (Qwen3, 3 layers of
   `layer_types` sliding/full/sliding, window {WINDOW}, head_dim 8, GQA 4/1, biases on
-  q/k/v/o, tied embeddings, bf16, `single/` only).
+  q/k/v/o, tied embeddings, bf16, `single/` only), `smollm3/` (SmolLM3, 3 layers,
+  `no_rope_layers` 1/0/1, `use_sliding_window` with window {WINDOW} on the no-rope
+  layer, tied embeddings, bf16, `single/` only), `gemma2/` (Gemma 2, 3 layers
+  sliding/full/sliding, window {WINDOW}, head_dim 16, `query_pre_attn_scalar` 24,
+  soft-caps {ATTN_CAP} on the scores and {FINAL_CAP} on the logits, both binding, fp32,
+  `single/` only), `gemma3/` (Gemma 3 text, 3 layers sliding/sliding/full, window
+  {WINDOW}, head_dim 16, GQA 4/1, q/k norms, the full layer's rope linear x4 on base
+  1e6, the sliding layers' default rope on base 1e4, bf16, `single/` only). Gemma's
+  norm weights are drawn around 0 (it scales by 1 + weight).
 - `single/` is one `model.safetensors`; `sharded/` is 2-4 shards plus
   `model.safetensors.index.json`.
 - `reference.npz` in each directory: `tokens` (int32, 2x24) and the float32 `logits`

@@ -38,8 +38,13 @@ DIRS = [
     "qwen3/single",
     "mistral_window/single",
     "qwen3_window/single",
+    "smollm3/single",
+    "gemma2/single",
+    "gemma3/single",
 ]
 WINDOWED = ["mistral_window/single", "qwen3_window/single"]  # sliding window 8 < 24 tokens
+# SmolLM3 (a no-rope layer, windowed), Gemma 2 (soft-caps), Gemma 3 (a rope base a layer type)
+NEW = ["smollm3/single", "gemma2/single", "gemma3/single"]
 MIB = 2**20
 
 
@@ -124,6 +129,56 @@ def test_qwen3_and_sliding_windows_read_as_transformers_means_them():
     assert llama_config({k: v for k, v in raw.items() if k != "architectures"}) == window
 
 
+@pytest.mark.unit
+def test_smollm3_and_gemma_configs_read_as_transformers_means_them():
+    """SmolLM3's no_rope_layers (or one in no_rope_layer_interval) and its windows on
+    the no-rope layers; Gemma 2's alternation and Gemma 3's one full layer in six when
+    layer_types is absent; Gemma 3's rope bases keyed by layer type or, before
+    transformers 5, rope_theta/rope_scaling and rope_local_base_freq."""
+    read = lambda name: json.loads((FIXTURES / name / "single/config.json").read_text())
+    smol = read("smollm3")
+    cfg = llama_config(smol)
+    assert cfg.no_rope_layers == (1, 0, 1) and cfg.windows == (FULL, 8, FULL)
+    assert cfg.ropes == ("global", "none", "global") and cfg.hidden_act == "silu"
+    no_types = {k: v for k, v in smol.items() if k != "layer_types"}
+    assert llama_config(no_types) == cfg  # the window on the no-rope layer, as transformers
+    assert llama_config({**no_types, "use_sliding_window": False}).windows is None
+    # with layer_types, transformers' masks window those layers whatever use_sliding_window
+    assert llama_config({**smol, "use_sliding_window": False}).windows == cfg.windows
+    every4 = {**no_types, "num_hidden_layers": 8, "no_rope_layers": None}
+    assert llama_config(every4).no_rope_layers == (1, 1, 1, 0, 1, 1, 1, 0)
+    assert llama_config({**smol, "no_rope_layers": [1, 1, 1, 0]}).no_rope_layers is None
+
+    gemma2 = llama_config(read("gemma2"))
+    assert gemma2.windows == (8, FULL, 8) and gemma2.sandwich_norms and gemma2.embed_scale
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (1.0, 2.0)
+    assert (gemma2.hidden_act, gemma2.query_pre_attn_scalar) == ("gelu_pytorch_tanh", 24.0)
+    raw3 = read("gemma3")
+    gemma3 = llama_config(raw3)
+    assert gemma3.ropes == ("local", "local", "global") and gemma3.qk_norm
+    assert (gemma3.rope_theta, gemma3.rope_local_base_freq) == (1e6, 1e4)
+    assert gemma3.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert gemma3.attn_logit_softcapping is None and gemma3.final_logit_softcapping is None
+    rope = raw3["rope_parameters"]["full_attention"]
+    legacy = {
+        **{k: v for k, v in raw3.items() if k != "rope_parameters"},
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        "rope_local_base_freq": 1e4,
+    }
+    assert llama_config(legacy) == gemma3
+    twelve = {**legacy, "num_hidden_layers": 12, "layer_types": None}
+    assert [i for i, w in enumerate(llama_config(twelve).windows) if w == FULL] == [5, 11]
+    alternate = {**read("gemma2"), "num_hidden_layers": 4, "layer_types": None}
+    assert llama_config(alternate).windows == (8, FULL, 8, FULL)
+    with pytest.raises(HFError, match="use_bidirectional_attention=true is not supported"):
+        llama_config({**raw3, "use_bidirectional_attention": True})
+    with pytest.raises(HFError, match="no_rope_layers must list a 0 or 1 for each of the 3"):
+        llama_config({**smol, "no_rope_layers": [1, 0]})
+    with pytest.raises(HFError, match="activation 'gelu' is not supported"):
+        llama_config({**read("gemma2"), "hidden_activation": "gelu"})
+
+
 # --------------------------------------------------------------------------- round trip
 
 
@@ -195,7 +250,7 @@ def test_saved_directory_is_what_transformers_reads(tmp_path):
     assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
 
 
-@pytest.mark.parametrize("name", WINDOWED)
+@pytest.mark.parametrize("name", [*WINDOWED, "smollm3/single", "gemma2/single"])
 def test_a_window_shorter_than_the_sequence_changes_the_logits(name):
     """The same weights without the window are far from transformers' logits (the
     window is not ignored), with it within 1e-4; q/k norms at unit gains are far too."""
@@ -217,11 +272,42 @@ def test_a_window_shorter_than_the_sequence_changes_the_logits(name):
         assert np.abs(moved - ref["logits"]).max() > 0.5
 
 
-def test_cudnn_runs_each_layers_window_as_its_kernel_constant(monkeypatch):
+def _moved(model: Llama, params, tokens, **change) -> float:
+    """max |logits| of the same weights in the model with ``change``d options, less ``model``'s."""
+    other = Llama(dataclasses.replace(model.config, **change))
+    return float(np.abs(other.apply(params, tokens) - model.apply(params, tokens)).max())
+
+
+def test_soft_caps_no_rope_layers_and_local_rope_change_the_logits():
+    """Each new option moves transformers' logits when left out: Gemma 2's soft-caps
+    (attention scores and final logits), SmolLM3's no-rope layer, Gemma 3's rope base of
+    its sliding layers and its (1 + w) q/k norms."""
+    tokens = np.load(FIXTURES / "gemma2/single/reference.npz")["tokens"]
+    for name, changes in (
+        ("gemma2", [{"attn_logit_softcapping": None}, {"final_logit_softcapping": None}]),
+        ("smollm3", [{"no_rope_layers": None}]),
+        ("gemma3", [{"rope_local_base_freq": None}, {"norm_offset": False}]),
+    ):
+        model = hf.model(FIXTURES / name / "single", seq_len=24)
+        params = hf.read_params(FIXTURES / name / "single", model)
+        for change in changes:
+            assert _moved(model, params, tokens, **change) > 0.3, (name, change)
+    gemma2 = hf.model(FIXTURES / "gemma2/single").config
+    gemma3 = hf.model(FIXTURES / "gemma3/single").config
+    assert gemma2.attention_implementation(backend="gpu") == "xla"  # no fused kernel caps
+    assert gemma3.attention_implementation(backend="gpu") == "cudnn"
+    with pytest.raises(HFError, match="attention=cudnn cannot soft-cap attention scores") as e:
+        hf.model(FIXTURES / "gemma2/single", attention="cudnn")
+    _one_line(e)
+
+
+@pytest.mark.parametrize("name", ["qwen3_window", "gemma3"])
+def test_cudnn_runs_each_layers_window_as_its_kernel_constant(monkeypatch, name):
     """cuDNN takes a window as a compile-time constant: with layers of two windows each
     runs its own (lax.switch). Run here by JAX's XLA attention given the same static
-    ``local_window_size`` cuDNN gets (CPU has no cuDNN): transformers' logits."""
-    path = FIXTURES / "qwen3_window/single"
+    ``local_window_size`` (and Gemma 3's scale) cuDNN gets (CPU has no cuDNN):
+    transformers' logits."""
+    path = FIXTURES / name / "single"
     ref = np.load(path / "reference.npz")
     model = hf.model(path, seq_len=24, attention="cudnn")
     real, seen = jax.nn.dot_product_attention, []
@@ -237,7 +323,7 @@ def test_cudnn_runs_each_layers_window_as_its_kernel_constant(monkeypatch):
     assert sorted(seen, key=str) == [(7, 0), None]  # one branch a window, traced once
 
 
-@pytest.mark.parametrize("name", WINDOWED)
+@pytest.mark.parametrize("name", [*WINDOWED, *NEW])
 def test_cached_decoding_respects_the_window(name):
     """A prefill of 8 reference tokens, then one at a time up to 24 (past the window of
     8): every position's logits are transformers', as the full forward's are."""
@@ -255,31 +341,43 @@ def test_cached_decoding_respects_the_window(name):
     np.testing.assert_allclose(np.stack(got), ref["logits"][1, 7:], atol=1e-4, rtol=0)
 
 
-def test_qwen3_with_windows_saves_as_transformers_reads_it(tmp_path):
+@pytest.mark.parametrize(
+    "name,tensor",
+    [
+        ("qwen3_window", "model.layers.2.self_attn.k_norm.weight"),
+        ("smollm3", "model.layers.1.mlp.down_proj.weight"),
+        ("gemma2", "model.layers.2.post_feedforward_layernorm.weight"),
+        ("gemma3", "model.layers.2.self_attn.q_norm.weight"),
+    ],
+)
+def test_qwen3_with_windows_saves_as_transformers_reads_it(tmp_path, name, tensor):
     """Loaded at stage 3, saved: the source's config (layer_types, use_sliding_window,
-    sliding_window, attention_bias) and every tensor name transformers has (q_norm and
-    k_norm included), the bf16 bits unchanged; read back, the same model."""
-    src = FIXTURES / "qwen3_window/single"
+    sliding_window, attention_bias, no_rope_layers, soft-caps, rope_parameters) and
+    every tensor name transformers has (q_norm, k_norm, the sandwich norms), the bits
+    unchanged (saved in the source's dtype); read back, the same model."""
+    src = FIXTURES / name / "single"
     model = hf.model(src, seq_len=24)
-    engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(8), stage=3)
-    out = hf.save(tmp_path / "out", model, engine, hf.load(src, engine, model))
-    config = json.loads((out / "config.json").read_text())
     source = json.loads((src / "config.json").read_text())
-    for key in ("architectures", "layer_types", "use_sliding_window", "sliding_window"):
-        assert config[key] == source[key], key
-    assert config["attention_bias"] is True and config["tie_word_embeddings"] is True
+    engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(8), stage=3)
+    state = hf.load(src, engine, model)
+    out = hf.save(tmp_path / "out", model, engine, state, dtype=source["dtype"])
+    config = json.loads((out / "config.json").read_text())
+    assert config == {**source, "torch_dtype": source["dtype"]}
+    if name == "qwen3_window":
+        assert config["attention_bias"] is True and config["tie_word_embeddings"] is True
     saved, want = hf.Weights(out), hf.Weights(src)
     assert set(saved.where) == set(want.where)
-    assert "model.layers.2.self_attn.k_norm.weight" in saved.where
-    for name in want.where:
-        np.testing.assert_array_equal(saved.tensor(name), want.tensor(name))
+    assert tensor in saved.where
+    for t in want.where:
+        np.testing.assert_array_equal(saved.tensor(t), want.tensor(t))
     assert hf.model(out, seq_len=24).config == model.config
 
 
 def test_a_model_built_here_with_qk_norms_or_windows_saves_as_qwen3_or_mistral(tmp_path):
     """No source config.json: q/k norms write Qwen3 (with its layer_types), a window on
-    every layer without biases Mistral; read back, the same config. A per-layer window
-    no architecture holds is refused in one line."""
+    every layer without biases Mistral, no-rope layers SmolLM3, Gemma's norms Gemma 2
+    (Gemma 3 with q/k norms, its rope per layer type); read back, the same config.
+    What no architecture holds is refused in one line."""
     from jaxzero.models.llama import LlamaConfig
 
     base = LlamaConfig(
@@ -296,8 +394,21 @@ def test_a_model_built_here_with_qk_norms_or_windows_saves_as_qwen3_or_mistral(t
         base, qk_norm=True, sliding_window=4, layer_types=("full_attention", "sliding_attention")
     )
     mistral = dataclasses.replace(base, sliding_window=4)
+    smollm3 = dataclasses.replace(qwen3, qk_norm=False, no_rope_layers=(1, 0))
+    gemma = dict(norm_offset=True, sandwich_norms=True, embed_scale=True, query_pre_attn_scalar=8.0)
+    gemma2 = dataclasses.replace(
+        qwen3, qk_norm=False, **gemma, hidden_act="gelu_pytorch_tanh", attn_logit_softcapping=5.0
+    )
+    linear = {"rope_type": "linear", "factor": 2.0}
+    gemma3 = dataclasses.replace(qwen3, **gemma, rope_local_base_freq=100.0, rope_scaling=linear)
     engine = lambda m: m.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
-    for cfg, arch in ((qwen3, "Qwen3ForCausalLM"), (mistral, "MistralForCausalLM")):
+    for cfg, arch in (
+        (qwen3, "Qwen3ForCausalLM"),
+        (mistral, "MistralForCausalLM"),
+        (smollm3, "SmolLM3ForCausalLM"),
+        (gemma2, "Gemma2ForCausalLM"),
+        (gemma3, "Gemma3ForCausalLM"),
+    ):
         model = Llama(cfg)
         e = engine(model)
         params = jax.tree.map(np.asarray, model.init(jax.random.key(0)))
@@ -315,11 +426,26 @@ def test_a_model_built_here_with_qk_norms_or_windows_saves_as_qwen3_or_mistral(t
     with pytest.raises(HFError, match="no supported architecture has sliding windows") as ex:
         hf.save(tmp_path / "mixed", mixed, e, state)
     _one_line(ex)
+    gemma3_json = json.loads((tmp_path / "Gemma3ForCausalLM" / "config.json").read_text())
+    assert gemma3_json["rope_parameters"] == {
+        "full_attention": {**linear, "rope_theta": 10000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    }
+    for bad, match in (
+        (dataclasses.replace(gemma2, embed_scale=False), "this model lacks embed_scale"),
+        (dataclasses.replace(gemma3, attn_logit_softcapping=5.0), "does not apply attn_logit"),
+        (dataclasses.replace(base, hidden_act="gelu_pytorch_tanh"), "without Gemma's norms"),
+    ):
+        with pytest.raises(HFError, match=match) as ex:
+            hf.hf_config(bad, "float32")
+        _one_line(ex)
 
 
-def test_a_qwen3_window_fine_tune_starts_from_the_windowed_checkpoint(tmp_path):
-    """jaxzero train --init-from hf:qwen3_window (seq_len 16 > its window of 8), 2 steps
-    on 2 devices: the first step's loss is the windowed model's on the first batch."""
+@pytest.mark.parametrize("name", ["qwen3_window", *(n.split("/")[0] for n in NEW)])
+def test_a_qwen3_window_fine_tune_starts_from_the_windowed_checkpoint(tmp_path, name):
+    """jaxzero train --init-from hf:DIR (seq_len 16 > its window of 8; Qwen3, SmolLM3,
+    Gemma 2 and 3), 2 steps on 2 devices: the first step's loss is the windowed model's
+    on the first batch."""
     from jaxzero import cli
     from jaxzero.train import data as data_lib
 
@@ -328,7 +454,7 @@ def test_a_qwen3_window_fine_tune_starts_from_the_windowed_checkpoint(tmp_path):
     rows = [{"text": words(int(rng.integers(12, 40)))} for _ in range(80)]
     data = tmp_path / "text.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    src, tok = FIXTURES / "qwen3_window/single", FIXTURES / "llama_gqa/single"
+    src, tok = FIXTURES / name / "single", FIXTURES / "llama_gqa/single"
     argv = ["train", "--init-from", f"hf:{src}", "--data", str(data), "--tokenizer", str(tok)]
     for item in (
         "model.seq_len=16",
@@ -348,7 +474,7 @@ def test_a_qwen3_window_fine_tune_starts_from_the_windowed_checkpoint(tmp_path):
         c.train, 16, 8, 0, slice(None), c.train_mask, c.eos, c.train_docs
     ).batch(0)
     model = hf.model(src, seq_len=16)
-    assert model.config.windows == (8, FULL, 8)
+    assert model.config.windows is not None and 8 in model.config.windows
     loss = model.loss_fn(jax.tree.map(np.asarray, hf.read_params(src, model)), batch)
     loss = float(loss if np.ndim(loss) == 0 else loss.total / loss.weight)
     np.testing.assert_allclose(first["loss"], loss, rtol=1e-5)
@@ -565,7 +691,10 @@ def test_bad_directories_are_refused_in_one_line(tmp_path):
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    supported = "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM"
+    supported = (
+        "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, "
+        "SmolLM3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM"
+    )
     with pytest.raises(HFError, match=f"GPT2LMHeadModel is not supported.*{supported}") as e:
         hf.model(gpt2)
     _one_line(e)
@@ -575,7 +704,7 @@ def test_bad_directories_are_refused_in_one_line(tmp_path):
         "Qwen3MoeForCausalLM",
         "MixtralForCausalLM",
         "GptOssForCausalLM",
-        "Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration",  # multimodal
         "Qwen2_5_VLForConditionalGeneration",  # multimodal
     ):
         with pytest.raises(HFError, match=f"^architecture {arch} is not supported: .*{supported}$"):
@@ -587,7 +716,7 @@ def test_bad_directories_are_refused_in_one_line(tmp_path):
     chunked = ["sliding_attention", "chunked_attention", "full_attention"]
     with pytest.raises(HFError, match="layer 1 is 'chunked_attention', which is not supported"):
         llama_config({**qwen3, "layer_types": chunked})
-    with pytest.raises(HFError, match="use_sliding_window is false or sliding_window null"):
+    with pytest.raises(HFError, match="sliding_attention layers but no sliding_window"):
         llama_config({**qwen3, "sliding_window": None})
     with pytest.raises(HFError, match="layer_types must list one type for each of the 3 layers"):
         llama_config({**qwen3, "layer_types": ["full_attention"]})

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: Llama, Qwen2, Qwen3 and Mistral, any stage, any mesh.
+"""Hugging Face checkpoints in and out: Llama, Qwen2, Qwen3, Mistral, SmolLM3, Gemma 2
+and Gemma 3 (text), any stage, any mesh.
 
     model = jaxzero.hf.model("path/to/Llama-3.2-1B")               # reads config.json
     engine = model.engine(optax.adamw(1e-5), stage=3)

@@ -68,6 +68,8 @@ def causal_attention(
     segment_ids_BxS: jax.Array | None = None,
     window: jax.Array | None = None,
     windows: tuple[int, ...] = (),
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal multi-head attention with the implementation ``choice`` resolves to.
 
@@ -83,8 +85,15 @@ def causal_attention(
     (static): XLA masks with the traced value, cuDNN's kernel takes its window as a
     compile-time constant, so with several values each layer runs the kernel of its own
     (``lax.switch``, one branch a value).
+
+    ``scale`` multiplies the scores (None: ``1/sqrt(head_dim)``); ``softcap`` caps them
+    at ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2's
+    ``attn_logit_softcapping``). Neither fused kernel has a cap: soft-capped attention
+    is XLA's (:func:`capped_attention`) under ``"auto"``, and ``"cudnn"`` is refused.
     """
-    impl = attention_impl(choice, q_BxSxHxK.dtype)
+    if softcap is not None and choice == "cudnn":
+        raise ValueError(SOFTCAP_REFUSAL)
+    impl = "xla" if softcap is not None else attention_impl(choice, q_BxSxHxK.dtype)
     mask = None
     if segment_ids_BxS is not None:
         mask = segment_ids_BxS[:, None, :, None] == segment_ids_BxS[:, None, None, :]
@@ -98,11 +107,22 @@ def causal_attention(
             v_BxSxHxK,
             mask=mask,
             is_causal=True,
+            scale=scale,
             implementation=i,
             local_window_size=None if w is None or w >= FULL else (w - 1, 0),
         )
 
     def xla() -> jax.Array:
+        if softcap is not None:
+            t, s = q_BxSxHxK.shape[1], k_BxSxHxK.shape[1]
+            behind_TxS = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
+            allowed = behind_TxS >= 0
+            if window is not None:
+                allowed = allowed & (behind_TxS < window)
+            allowed_Bx1xTxS = allowed[None, None] if mask is None else mask & allowed[None, None]
+            return capped_attention(
+                q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, allowed_Bx1xTxS, scale, softcap
+            )
         if window is None:
             return attend("xla", mask)
         t, s = q_BxSxHxK.shape[1], k_BxSxHxK.shape[1]
@@ -133,6 +153,40 @@ def causal_attention(
             )
             return xla()
     return cudnn() if impl == "cudnn" else xla()
+
+
+SOFTCAP_REFUSAL = (
+    "attention=cudnn cannot soft-cap attention scores (attn_logit_softcapping): "
+    "use auto or xla, which run XLA's attention with the cap"
+)
+
+
+def capped_attention(
+    q_BxTxHxK: jax.Array,
+    k_BxSxGxK: jax.Array,
+    v_BxSxGxK: jax.Array,
+    allowed_Bx1xTxS: jax.Array,
+    scale: float | None,
+    softcap: float,
+) -> jax.Array:
+    """XLA attention whose scores are soft-capped, as ``transformers``' eager Gemma 2:
+    ``softcap * tanh(q.k * scale / softcap)`` in the inputs' dtype, then the mask, a
+    softmax in fp32, the weights back in the inputs' dtype. ``allowed`` (bool) is the
+    whole mask (causal and any window or segments); G key/value heads serve H query
+    heads in groups."""
+    b, t, h, d = q_BxTxHxK.shape
+    g = k_BxSxGxK.shape[2]
+    q_BxTxGxRxK = q_BxTxHxK.reshape(b, t, g, h // g, d)
+    scale = d**-0.5 if scale is None else scale
+    scores = jnp.einsum("btgrk,bsgk->bgrts", q_BxTxGxRxK, k_BxSxGxK) * jnp.asarray(
+        scale, q_BxTxHxK.dtype
+    )
+    scores_BxGxRxTxS = softcap * jnp.tanh(scores / softcap)
+    allowed = allowed_Bx1xTxS[:, :, None]  # B x 1 x 1 x T x S over the groups
+    scores_f32 = jnp.where(allowed, scores_BxGxRxTxS.astype(jnp.float32), -jnp.inf)
+    weights = jax.nn.softmax(scores_f32, axis=-1).astype(q_BxTxHxK.dtype)
+    out_BxTxGxRxK = jnp.einsum("bgrts,bsgk->btgrk", weights, v_BxSxGxK)
+    return out_BxTxGxRxK.reshape(b, t, h, d)
 
 
 def positions(tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None) -> jax.Array:
@@ -176,12 +230,14 @@ class LayerCache:
         k_BxTxGxK: jax.Array,
         v_BxTxGxK: jax.Array,
         window: jax.Array | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> tuple[jax.Array, LayerCache]:
         """Attention of T new tokens (positions ``start .. start+T-1``) to every position
         up to their own: theirs, written into the cache first, and the earlier ones held
         there. Slots past a token's position (never written, or stale) are masked, and
         with a ``window`` (as :func:`causal_attention`'s) those ``window`` or more
-        positions before it."""
+        positions before it; ``scale`` and ``softcap`` as :func:`causal_attention`'s."""
         at = (0, self.start, 0, 0)
         k = jax.lax.dynamic_update_slice(self.k, k_BxTxGxK.astype(self.k.dtype), at)
         v = jax.lax.dynamic_update_slice(self.v, v_BxTxGxK.astype(self.v.dtype), at)
@@ -191,9 +247,12 @@ class LayerCache:
         if window is not None:
             mask_TxW = mask_TxW & (behind_TxW < window)
         # XLA's: cuDNN's fused kernel gains nothing on a few query rows and refuses masks
-        out = jax.nn.dot_product_attention(
-            q_BxTxHxK, k, v, mask=mask_TxW[None, None], implementation="xla"
-        )
+        if softcap is not None:
+            out = capped_attention(q_BxTxHxK, k, v, mask_TxW[None, None], scale, softcap)
+        else:
+            out = jax.nn.dot_product_attention(
+                q_BxTxHxK, k, v, mask=mask_TxW[None, None], scale=scale, implementation="xla"
+            )
         return out, LayerCache(k, v, self.start)
 
 

@@ -1,5 +1,6 @@
-"""The Llama family (Llama 2/3.x, Qwen2, Qwen3, Mistral) in Flax NNX, layers stacked and
-scanned: one decoder, whose options are what the families differ by.
+"""The Llama family (Llama 2/3.x, Qwen2, Qwen3, Mistral, SmolLM3, Gemma 2, Gemma 3 text)
+in Flax NNX, layers stacked and scanned: one decoder, whose options are what the
+families differ by (the layers: :mod:`jaxzero.models.llama_layers`).
 
 It computes what ``transformers``' ``LlamaForCausalLM`` computes, so Hugging Face
 checkpoints load without any permutation (:mod:`jaxzero.hf`): RMSNorm in fp32,
@@ -8,10 +9,12 @@ rotary embeddings with the half-split ``rotate_half`` (``rope_theta``, ``llama3`
 all-projection (Llama ``attention_bias``) biases, tied or untied embeddings; Qwen3's
 ``q_norm``/``k_norm`` (an RMSNorm over each head's ``head_dim`` of q and k, after the
 projections and before rope); sliding-window attention on every layer (Mistral) or
-on some (Qwen2/Qwen3 ``layer_types``), the window of each layer passed as data
-scanned with the layers. Each weight keeps the Hugging Face name and orientation
-(``q_proj/weight`` is ``out x in``), so reading or writing a checkpoint is a rename,
-never a transpose.
+on some (``layer_types``); SmolLM3's layers without rope; Gemma's ``1 + weight``
+RMSNorm, sandwich norms, GeGLU, embedding scale, attention scale and soft-caps, and
+Gemma 3's rope base of its sliding layers. What differs between layers (the window,
+the rotary table) is data scanned with the layers. Each weight keeps the Hugging Face
+name and orientation (``q_proj/weight`` is ``out x in``), so reading or writing a
+checkpoint is a rename, never a transpose.
 
 The model knows one thing about sharding: each layer goes through
 :func:`jaxzero.nnx.use` right where it runs. The decoder layers are one stacked
@@ -29,27 +32,34 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxzero import loss as loss_lib
 from jaxzero.hooks import remat_layer, use_params
 from jaxzero.models.common import (
     ATTENTION,
     FULL,
     REMAT_POLICIES,
+    SOFTCAP_REFUSAL,
     KVCache,
     LayerCache,
-    causal_attention,
+    attention_impl,
     new_cache,
     positions,
     token_loss,
 )
-from jaxzero.models.lora import QUANTIZED, LoraConfig, check_rank
+from jaxzero.models.llama_layers import (
+    ACTIVATIONS,
+    LINEARS,
+    DecoderLayer,
+    Embedding,
+    RMSNorm,
+)
+from jaxzero.models.lora import QUANTIZED, LoraConfig
 from jaxzero.models.lora import trainable as lora_trainable
 from jaxzero.models.protocol import ReferenceModel
-from jaxzero.models.quant import dequantize, quantize_traced
-from jaxzero.models.rope import ROPE_TYPES, apply_rotary, rope_frequencies, rotary
+from jaxzero.models.rope import ROPE_TYPES, inverse_frequencies, rope_frequencies, rotary
 from jaxzero.nnx import bind, split, use
 
 SLIDING, FULL_ATTENTION = "sliding_attention", "full_attention"  # transformers' layer_types
+ROPES = ("global", "local", "none")  # a layer's rotary embedding (LlamaConfig.ropes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +74,14 @@ class LlamaConfig:
     latest tokens, itself included (``transformers``' convention); ``layer_types``
     (``"full_attention"`` or ``"sliding_attention"`` a layer) says which layers are
     windowed, None: all of them (Mistral).
+    ``no_rope_layers`` (SmolLM3) says which layers rotate q and k (1) and which do not
+    (0); ``rope_local_base_freq`` (Gemma 3) is the rope base of the sliding layers
+    (default rope, no scaling), ``rope_theta``/``rope_scaling`` the full layers'.
+    Gemma's options: ``norm_offset``, ``sandwich_norms``, ``embed_scale`` (the scale in
+    the activations' dtype, as ``transformers`` casts it), ``hidden_act``
+    ``"gelu_pytorch_tanh"``, ``query_pre_attn_scalar`` and the two soft-caps. No fused
+    attention kernel soft-caps scores: such a model runs XLA's attention
+    (:meth:`attention_implementation`).
     ``seq_len`` is the training and sampling window, not a limit of the weights.
     """
 
@@ -85,6 +103,15 @@ class LlamaConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    no_rope_layers: tuple[int, ...] | None = None  # SmolLM3: 1 rotary, 0 none, a layer
+    rope_local_base_freq: float | None = None  # Gemma 3: the sliding layers' rope base
+    hidden_act: str = "silu"  # the gated MLP's: silu (SwiGLU) | gelu_pytorch_tanh (GeGLU)
+    norm_offset: bool = False  # Gemma: RMSNorm scales by 1 + weight, in fp32
+    sandwich_norms: bool = False  # Gemma 2/3: the attention's and MLP's outputs normed too
+    embed_scale: bool = False  # Gemma: the embeddings times sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # Gemma: scores times its ^-1/2 (None: head_dim)
+    attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(score / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(logit / cap)
     initializer_range: float = 0.02
     seq_len: int = 128
     remat: str = "none"  # activation checkpointing of each layer: none | full | dots
@@ -146,6 +173,28 @@ class LlamaConfig:
                 )
             if SLIDING in types and w is None:
                 raise ValueError(f"layer_types has {SLIDING} layers but no sliding_window")
+        if self.no_rope_layers is not None:
+            object.__setattr__(self, "no_rope_layers", tuple(self.no_rope_layers))
+            flags = self.no_rope_layers or ()
+            if len(flags) != self.num_hidden_layers or any(f not in (0, 1) for f in flags):
+                raise ValueError(
+                    f"no_rope_layers must be {self.num_hidden_layers} flags of 0 or 1, got {flags}"
+                )
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {self.hidden_act!r} is not supported: use one of {list(ACTIVATIONS)}"
+            )
+        for name in (
+            "rope_local_base_freq",
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+        ):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v <= 0):
+                raise ValueError(f"LlamaConfig.{name} must be a positive number or None, got {v!r}")
+        if self.attn_logit_softcapping is not None and self.attention == "cudnn":
+            raise ValueError(SOFTCAP_REFUSAL)
 
     @property
     def kv_heads(self) -> int:
@@ -165,183 +214,28 @@ class LlamaConfig:
         out = tuple(self.sliding_window if t == SLIDING else FULL for t in types)
         return out if any(w != FULL for w in out) else None
 
+    @property
+    def ropes(self) -> tuple[str, ...]:
+        """Each layer's rotary embedding: ``"global"`` (``rope_theta``, ``rope_scaling``),
+        ``"local"`` (``rope_local_base_freq``: Gemma 3's sliding layers) or ``"none"``
+        (SmolLM3's layers of ``no_rope_layers`` 0)."""
+        windows = self.windows or (FULL,) * self.num_hidden_layers
+        local = self.rope_local_base_freq is not None
+        flags = self.no_rope_layers or (1,) * self.num_hidden_layers
+        return tuple(
+            "none" if not f else "local" if local and w != FULL else "global"
+            for f, w in zip(flags, windows, strict=True)
+        )
 
-# --------------------------------------------------------------------------- modules
-
-
-class Linear(nnx.Module):
-    """``x @ weight.T + bias`` with ``weight`` stored ``out x in``, as PyTorch stores it;
-    with a LoRA ``rank``, plus ``scale * (x @ lora_A.T) @ lora_B.T`` (:mod:`jaxzero.models.lora`:
-    A ``r x in`` drawn as peft draws it, B ``out x r`` at zero)."""
-
-    def __init__(
-        self,
-        d_in: int,
-        d_out: int,
-        bias: bool,
-        std: float,
-        rngs: nnx.Rngs,
-        rank: int = 0,
-        scale: float = 1.0,
-        quant: str | None = None,
-        dropout: float = 0.0,
-    ):
-        w = std * jax.random.normal(rngs.params(), (d_out, d_in))
-        self.quant = quant
-        if quant is None:
-            self.weight = nnx.Param(w)
-        else:  # QLoRA's frozen base: codes and block scales (jaxzero.models.quant)
-            q = quantize_traced(w, quant)  # a fresh model; a checkpoint's: hf.load
-            self.weight_codes, self.weight_scale = nnx.Param(q["codes"]), nnx.Param(q["scale"])
-        self.bias = nnx.Param(jnp.zeros(d_out)) if bias else None
-        bound = 1.0 / d_in**0.5
-        draw = lambda: jax.random.uniform(rngs.params(), (rank, d_in), minval=-bound, maxval=bound)
-        self.lora_A = nnx.Param(draw()) if rank else None
-        self.lora_B = nnx.Param(jnp.zeros((d_out, rank))) if rank else None
-        self.scale, self.dropout = scale, dropout
-
-    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-        """``rng``: the loss's key (a mask per row), for dropout on the adapter's input."""
-        if self.quant is None:
-            w = self.weight[...].astype(x.dtype)
-        else:  # dequantized here, one layer at a time (scan over layers)
-            q = {"codes": self.weight_codes[...], "scale": self.weight_scale[...]}
-            w = dequantize(q, self.quant, x.dtype)
-        y = jnp.einsum("...i,oi->...o", x, w)
-        if self.lora_A is not None and self.lora_B is not None:
-            xa = loss_lib.dropout(x, self.dropout, rng)
-            a = jnp.einsum("...i,ri->...r", xa, self.lora_A[...].astype(x.dtype))
-            y = y + self.scale * jnp.einsum("...r,or->...o", a, self.lora_B[...].astype(x.dtype))
-        return y if self.bias is None else y + self.bias[...].astype(x.dtype)
-
-
-def _linear(
-    cfg: LlamaConfig,
-    lora: LoraConfig | None,
-    name: str,
-    d_in: int,
-    d_out: int,
-    bias: bool,
-    rngs: nnx.Rngs,
-) -> Linear:
-    """The projection ``name`` (``self_attn.q_proj``), with adapters if LoRA targets it."""
-    std = cfg.initializer_range
-    if lora is None or not lora.matches(name):
-        return Linear(d_in, d_out, bias, std, rngs)
-    check_rank(lora, name, d_in, d_out)
-    return Linear(
-        d_in, d_out, bias, std, rngs, lora.rank, lora.scale, lora.base_dtype, lora.dropout
-    )
-
-
-def _keys(rng: jax.Array | None, n: int) -> list[jax.Array | None]:
-    """``n`` keys of the loss's ``rng`` (each a mask per row), or ``n`` Nones."""
-    return [None if rng is None else jax.random.fold_in(rng, i) for i in range(n)]
-
-
-# every linear module of a decoder layer, by the name peft and transformers give it
-LINEARS = tuple(f"self_attn.{p}_proj" for p in "qkvo") + tuple(
-    f"mlp.{p}_proj" for p in ("gate", "up", "down")
-)
-
-
-class RMSNorm(nnx.Module):
-    """``weight * (x / rms(x))``, the statistics in fp32, the result in ``x``'s dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        self.weight, self.eps = nnx.Param(jnp.ones(dim)), eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
-
-
-class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
-        d, h, kv, k = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
-        self.q_proj = _linear(cfg, lora, "self_attn.q_proj", d, h * k, cfg.qkv_bias, rngs)
-        self.k_proj = _linear(cfg, lora, "self_attn.k_proj", d, kv * k, cfg.qkv_bias, rngs)
-        self.v_proj = _linear(cfg, lora, "self_attn.v_proj", d, kv * k, cfg.qkv_bias, rngs)
-        self.o_proj = _linear(cfg, lora, "self_attn.o_proj", h * k, d, cfg.o_bias, rngs)
-        # Qwen3: over each head's head_dim, the model's eps
-        self.q_norm = RMSNorm(k, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.heads, self.kv_heads, self.head_dim, self.impl = h, kv, k, cfg.attention
-        self.windows = cfg.windows or ()  # the values a layer's window takes (static)
-
-    def __call__(
-        self,
-        x_BxSxD: jax.Array,
-        cos: jax.Array,
-        sin: jax.Array,
-        segment_ids_BxS: jax.Array | None = None,
-        cache: LayerCache | None = None,
-        rng: jax.Array | None = None,
-        window: jax.Array | None = None,
-    ) -> tuple[jax.Array, LayerCache | None]:
-        """With a ``cache`` (sampling) the tokens attend to it instead, and it comes
-        back with their (rotated) keys and values written in. ``window``: this layer's
-        sliding window (an int32 scalar; None: full causal attention)."""
-        b, s, _ = x_BxSxD.shape
-        r = _keys(rng, 4)
-        q = self.q_proj(x_BxSxD, r[0]).reshape(b, s, self.heads, self.head_dim)
-        k = self.k_proj(x_BxSxD, r[1]).reshape(b, s, self.kv_heads, self.head_dim)
-        v = self.v_proj(x_BxSxD, r[2]).reshape(b, s, self.kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # before rope, as Qwen3
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # grouped-query: the kv heads are shared
-        if cache is None:
-            out_BxSxHxK = causal_attention(
-                q, k, v, self.impl, segment_ids_BxS, window, self.windows
-            )
-        else:
-            out_BxSxHxK, cache = cache.attend(q, k, v, window)
-        return self.o_proj(out_BxSxHxK.reshape(b, s, self.heads * self.head_dim), r[3]), cache
-
-
-class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
-        d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = _linear(cfg, lora, "mlp.gate_proj", d, f, bias, rngs)
-        self.up_proj = _linear(cfg, lora, "mlp.up_proj", d, f, bias, rngs)
-        self.down_proj = _linear(cfg, lora, "mlp.down_proj", f, d, bias, rngs)
-
-    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-        r = _keys(rng, 3)
-        return self.down_proj(jax.nn.silu(self.gate_proj(x, r[0])) * self.up_proj(x, r[1]), r[2])
-
-
-class DecoderLayer(nnx.Module):
-    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rngs, lora)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, rngs, lora)
-
-    def __call__(
-        self,
-        x: jax.Array,
-        cos: jax.Array,
-        sin: jax.Array,
-        segment_ids_BxS: jax.Array | None = None,
-        cache: LayerCache | None = None,
-        rng: jax.Array | None = None,
-        window: jax.Array | None = None,
-    ) -> tuple[jax.Array, LayerCache | None]:
-        r = _keys(rng, 2)
-        h = self.input_layernorm(x)
-        y, cache = self.self_attn(h, cos, sin, segment_ids_BxS, cache, r[0], window)
-        x = x + y
-        return x + self.mlp(self.post_attention_layernorm(x), r[1]), cache
-
-
-class Embedding(nnx.Module):
-    def __init__(self, vocab: int, dim: int, std: float, rngs: nnx.Rngs):
-        self.weight = nnx.Param(std * jax.random.normal(rngs.params(), (vocab, dim)))
+    def attention_implementation(
+        self, dtype: Any = jnp.bfloat16, backend: str | None = None
+    ) -> str:
+        """The attention the layers run with inputs of ``dtype``: ``"cudnn"`` (fused) or
+        ``"xla"``. Soft-capped scores (``attn_logit_softcapping``) are XLA's whatever
+        ``attention`` says (``"cudnn"`` is refused): no fused kernel caps them."""
+        if self.attn_logit_softcapping is not None:
+            return "xla"
+        return attention_impl(self.attention, dtype, backend)
 
 
 class LlamaModule(nnx.Module):
@@ -362,7 +256,7 @@ class LlamaModule(nnx.Module):
             return DecoderLayer(cfg, rngs, lora)
 
         self.layers = make_layers(rngs)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -381,36 +275,84 @@ class LlamaModule(nnx.Module):
         precision). ``rng``: the loss's key, for LoRA's dropout (None: none)."""
         cfg = self.cfg
         embed = use(self.embed_tokens).weight[...]
-        x_BxSxD = embed[tokens_BxS]
-        cos, sin = rotary(positions(tokens_BxS, segment_ids_BxS), rope_frequencies(cfg))
+        x_BxSxD = self._embed(embed, tokens_BxS)
+        rope = self._rotary(positions(tokens_BxS, segment_ids_BxS))
 
         # flax types split's result as variadic: two filters give exactly two states
         graphdef, stacked, rest = nnx.split(self.layers, nnx.Param, ...)  # type: ignore[misc]
 
-        def layer(x, params_index_window):
-            params, i, *window = params_index_window
+        def layer(x, params_index_per_layer):
+            params, i, per_layer = params_index_per_layer
             layer = nnx.merge(graphdef, use_params(params), rest)
             key = None if rng is None else jax.random.fold_in(rng, i)  # a key a layer
-            return layer(x, cos, sin, segment_ids_BxS, None, key, *window)[0], None
+            cos, sin, window = self._layer_inputs(rope, per_layer)
+            return layer(x, cos, sin, segment_ids_BxS, None, key, window)[0], None
 
         layer = remat_layer(layer, REMAT_POLICIES[cfg.remat])  # stage 3: re-gather in backward
         index = jnp.arange(cfg.num_hidden_layers)
-        x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, (stacked, index, *self._windows()))
+        x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, (stacked, index, self._per_layer()))
         return self._logits(embed, x_BxSxD)
 
-    def _windows(self) -> tuple[jax.Array, ...]:
-        """Each layer's window as data scanned with the layers (one int32 a layer), or
-        nothing when no layer has one (the layers then run plain causal attention)."""
-        windows = self.cfg.windows
-        return () if windows is None else (jnp.asarray(windows, jnp.int32),)
+    def _embed(self, embed_VxD: jax.Array, tokens_BxS: jax.Array) -> jax.Array:
+        """The tokens' embeddings; Gemma's times sqrt(hidden_size), a scale rounded to
+        the embeddings' dtype first as ``transformers`` rounds it."""
+        x_BxSxD = embed_VxD[tokens_BxS]
+        if not self.cfg.embed_scale:
+            return x_BxSxD
+        return x_BxSxD * jnp.asarray(self.cfg.hidden_size**0.5, jnp.float32).astype(x_BxSxD.dtype)
+
+    def _rotary(self, pos_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``cos``, ``sin`` of each rotary table the layers use, stacked
+        (``R x B x S x K``, in the order of :data:`ROPES`); "none" is the identity
+        (``cos`` 1, ``sin`` 0: q and k pass unchanged)."""
+        cfg, out = self.cfg, []
+        for kind in self._tables():
+            if kind == "none":
+                shape = (*pos_BxS.shape, cfg.head_size)
+                out.append((jnp.ones(shape, jnp.float32), jnp.zeros(shape, jnp.float32)))
+                continue
+            local = cfg.rope_local_base_freq
+            if kind == "local" and local is not None:
+                inv = inverse_frequencies(cfg.head_size, local)
+            else:
+                inv = rope_frequencies(cfg)
+            out.append(rotary(pos_BxS, inv))
+        return jnp.stack([c for c, _ in out]), jnp.stack([s for _, s in out])
+
+    def _tables(self) -> list[str]:
+        used = set(self.cfg.ropes)
+        return [kind for kind in ROPES if kind in used]
+
+    def _per_layer(self) -> dict[str, jax.Array]:
+        """What differs between layers, as data scanned with them (one int32 a layer):
+        the attention window, when a layer has one, and the rotary table, when the
+        layers use several (else nothing: every layer the same program)."""
+        out = {}
+        if self.cfg.windows is not None:
+            out["window"] = jnp.asarray(self.cfg.windows, jnp.int32)
+        tables = self._tables()
+        if len(tables) > 1:
+            out["rope"] = jnp.asarray([tables.index(k) for k in self.cfg.ropes], jnp.int32)
+        return out
+
+    @staticmethod
+    def _layer_inputs(
+        rope: tuple[jax.Array, jax.Array], per_layer: dict[str, jax.Array]
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """A layer's ``cos``, ``sin`` and window from its scanned :meth:`_per_layer`."""
+        table = per_layer.get("rope", 0)
+        return rope[0][table], rope[1][table], per_layer.get("window")
 
     def _logits(self, embed_VxD: jax.Array, x_BxSxD: jax.Array) -> jax.Array:
-        """Final norm and the LM head (tied: the embedding), fp32 logits."""
+        """Final norm and the LM head (tied: the embedding), fp32 logits; Gemma 2's
+        soft-capped (``final_logit_softcapping``)."""
         x_BxSxD = use(self.norm)(x_BxSxD)
         head_VxD = embed_VxD if self.lm_head is None else use(self.lm_head).weight[...]
-        return jnp.einsum("bsd,vd->bsv", x_BxSxD, head_VxD.astype(x_BxSxD.dtype)).astype(
+        logits = jnp.einsum("bsd,vd->bsv", x_BxSxD, head_VxD.astype(x_BxSxD.dtype)).astype(
             jnp.float32
         )
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
     def decode(
         self, tokens_BxT: jax.Array, start: jax.Array, cache: KVCache, last: jax.Array
@@ -420,17 +362,18 @@ class LlamaModule(nnx.Module):
         and the cache with them in. The layers are :meth:`__call__`'s."""
         embed = self.embed_tokens.weight[...]
         pos_BxT = jnp.broadcast_to(start + jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
-        cos, sin = rotary(pos_BxT, rope_frequencies(self.cfg))
+        rope = self._rotary(pos_BxT)
         graphdef, stacked, rest = nnx.split(self.layers, nnx.Param, ...)  # type: ignore[misc]
 
-        def layer(x, params_kv_window):
-            params, k, v, *window = params_kv_window
+        def layer(x, params_kv_per_layer):
+            params, k, v, per_layer = params_kv_per_layer
             kv = LayerCache(k, v, start)
-            x, kv = nnx.merge(graphdef, params, rest)(x, cos, sin, None, kv, None, *window)
+            cos, sin, window = self._layer_inputs(rope, per_layer)
+            x, kv = nnx.merge(graphdef, params, rest)(x, cos, sin, None, kv, None, window)
             return x, (kv.k, kv.v)
 
-        xs = (stacked, *cache, *self._windows())
-        x_BxTxD, cache = jax.lax.scan(layer, embed[tokens_BxT], xs)
+        xs = (stacked, *cache, self._per_layer())
+        x_BxTxD, cache = jax.lax.scan(layer, self._embed(embed, tokens_BxT), xs)
         x_Bx1xD = jax.lax.dynamic_slice_in_dim(x_BxTxD, last, 1, axis=1)
         return self._logits(embed, x_Bx1xD)[:, 0], cache
 
@@ -449,6 +392,7 @@ class Llama(ReferenceModel):
         layers/self_attn/{q,k}_norm/weight             L x head_dim  (qk_norm only)
         layers/mlp/{gate,up,down}_proj/weight          L x out x in
         layers/{input,post_attention}_layernorm/weight L x D
+        layers/{pre,post}_feedforward_layernorm/weight L x D  (sandwich_norms only)
         norm/weight              D
         lm_head/weight           V x D   (untied only)
 

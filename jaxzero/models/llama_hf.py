@@ -11,7 +11,12 @@ The architectures are one decoder with options (:data:`ARCHITECTURES`): what eac
 puts on its projections, whether it has Qwen3's q/k norms, and where it keeps its
 sliding window (Mistral: ``sliding_window`` on every layer; Qwen2/Qwen3:
 ``use_sliding_window`` with ``sliding_window``, and ``layer_types`` or, before
-``transformers`` 5, ``max_window_layers``).
+``transformers`` 5, ``max_window_layers``; Gemma 2/3: ``layer_types``, or every
+second / sixth layer full; SmolLM3: ``layer_types``, or the no-rope layers when
+``use_sliding_window``). SmolLM3 adds ``no_rope_layers``; Gemma 2 and 3 their norms,
+GeGLU, embedding scale, attention scale and soft-caps, Gemma 3 a rope base of its
+sliding layers (``rope_parameters`` keyed by layer type in ``transformers`` 5,
+``rope_local_base_freq`` before).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 
 from jaxzero.errors import Error
 from jaxzero.models.llama import FULL_ATTENTION, SLIDING, LlamaConfig
+from jaxzero.models.llama_layers import ACTIVATIONS
 from jaxzero.models.rope import ROPE_TYPES
 
 __all__ = ["HFError", "hf_config", "hf_names", "llama_config"]
@@ -37,24 +43,78 @@ class Family:
     biases, ``(q/k/v, o)`` fixed or None when ``attention_bias`` decides both; Qwen3's
     q/k norms; where its sliding window is kept (``None``: it has none, ``"all"``:
     ``sliding_window`` on every layer, ``"layers"``: Qwen2's and Qwen3's
-    ``use_sliding_window``/``layer_types``/``max_window_layers``); and whether it has
-    ``mlp_bias``."""
+    ``use_sliding_window``/``layer_types``/``max_window_layers``, ``"types"``: Gemma's
+    ``layer_types`` or one full layer in every ``pattern`` (Gemma 3: its config's
+    ``sliding_window_pattern``, default 6), ``"nope"``: SmolLM3's
+    ``layer_types`` or its no-rope layers); whether it has ``mlp_bias``; SmolLM3's
+    ``no_rope_layers``; Gemma's norms, GeGLU and scales (``gemma``), whether it applies
+    ``attn_logit_softcapping`` (Gemma 2; ``transformers``' Gemma 3 reads the key and
+    ignores it), Gemma 3's local rope base; and the values its ``transformers`` config
+    class gives keys a ``config.json`` lacks."""
 
     model_type: str
     biases: tuple[bool, bool] | None
     qk_norm: bool = False
     window: str | None = None
     mlp_bias: bool = False
+    no_rope: bool = False
+    gemma: bool = False
+    attn_softcap: bool = False
+    local_rope: bool = False
+    pattern: int = 0
+    defaults: tuple[tuple[str, Any], ...] = ()
 
 
+_GEMMA = (
+    ("head_dim", 256),
+    ("hidden_activation", "gelu_pytorch_tanh"),
+    ("query_pre_attn_scalar", 256),
+    ("sliding_window", 4096),
+    ("tie_word_embeddings", True),
+)
 # the one list of what jaxzero reads (and refuses everything else by name)
 ARCHITECTURES = {
     "LlamaForCausalLM": Family("llama", None, mlp_bias=True),
     "Qwen2ForCausalLM": Family("qwen2", (True, False), window="layers"),
     "Qwen3ForCausalLM": Family("qwen3", None, qk_norm=True, window="layers"),
     "MistralForCausalLM": Family("mistral", (False, False), window="all"),
+    "SmolLM3ForCausalLM": Family(
+        "smollm3",
+        None,
+        window="nope",
+        mlp_bias=True,
+        no_rope=True,
+        defaults=(("rope_theta", 2e6), ("tie_word_embeddings", True)),
+    ),
+    "Gemma2ForCausalLM": Family(
+        "gemma2",
+        None,
+        window="types",
+        gemma=True,
+        attn_softcap=True,
+        pattern=2,
+        defaults=(*_GEMMA, ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)),
+    ),
+    "Gemma3ForCausalLM": Family(
+        "gemma3_text",
+        None,
+        qk_norm=True,
+        window="types",
+        gemma=True,
+        local_rope=True,
+        defaults=(*_GEMMA, ("rope_theta", 1e6), ("rope_local_base_freq", 1e4)),
+    ),
 }
 SUPPORTED = ", ".join(ARCHITECTURES)
+# LlamaConfig's fields of Gemma's options (False or None: off)
+GEMMA_FIELDS = (
+    "norm_offset",
+    "sandwich_norms",
+    "embed_scale",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+)
 MAX_WINDOW_LAYERS = 28  # transformers' default for Qwen2 and Qwen3
 
 
@@ -121,8 +181,16 @@ def _windows(raw: dict[str, Any], family: Family) -> tuple[int | None, tuple[str
     layers = raw.get("num_hidden_layers")
     if not isinstance(layers, int):  # llama_config refuses it
         return None, None
-    types = raw.get("layer_types") if family.window == "layers" else None
-    if types is None:  # Mistral: every layer; before transformers 5: from max_window_layers on
+    types = raw.get("layer_types") if family.window != "all" else None
+    if types is None and family.window == "types":  # Gemma: one full layer in every pattern
+        # Gemma 3 reads the pattern from sliding_window_pattern; Gemma 2 alternates
+        every = raw.get("sliding_window_pattern", 6) if family.local_rope else family.pattern
+        types = [SLIDING if (i + 1) % every else FULL_ATTENTION for i in range(layers)]
+    elif types is None and family.window == "nope":  # SmolLM3: the no-rope layers, if any
+        rope = _no_rope_layers(raw, layers)
+        on = raw.get("use_sliding_window", False) and window is not None
+        types = [SLIDING if on and not r else FULL_ATTENTION for r in rope]
+    elif types is None:  # Mistral: every layer; before transformers 5: from max_window_layers on
         first = raw.get("max_window_layers", MAX_WINDOW_LAYERS) if family.window == "layers" else 0
         types = [
             SLIDING if window is not None and i >= first else FULL_ATTENTION for i in range(layers)
@@ -137,8 +205,8 @@ def _windows(raw: dict[str, Any], family: Family) -> tuple[int | None, tuple[str
             )
     if SLIDING in types and window is None:
         raise HFError(
-            f"layer_types has {SLIDING} layers but use_sliding_window is false or "
-            "sliding_window null: transformers cannot run it either"
+            f"layer_types has {SLIDING} layers but no sliding_window (null, or "
+            "use_sliding_window false): transformers cannot run it either"
         )
     if window is not None and (
         not isinstance(window, int) or isinstance(window, bool) or window < 1
@@ -149,16 +217,78 @@ def _windows(raw: dict[str, Any], family: Family) -> tuple[int | None, tuple[str
     return window, (None if FULL_ATTENTION not in types else tuple(types))
 
 
+def _no_rope_layers(raw: dict[str, Any], layers: int) -> list[int]:
+    """SmolLM3's flag a layer (1: rotary, 0: none): ``no_rope_layers`` (its first
+    ``layers``, as ``transformers`` indexes it), or every ``no_rope_layer_interval``-th
+    layer without."""
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        every = raw.get("no_rope_layer_interval", 4)
+        return [int((i + 1) % every != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) < layers or any(f not in (0, 1) for f in flags):
+        raise HFError(f"no_rope_layers must list a 0 or 1 for each of the {layers} layers")
+    return [int(f) for f in flags[:layers]]
+
+
+def _gemma3_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """``(rope_theta, rope_scaling, rope_local_base_freq)`` of Gemma 3: the full
+    layers' and the sliding layers' from ``rope_parameters`` keyed by layer type
+    (``transformers`` 5), or ``rope_theta``/``rope_scaling`` and
+    ``rope_local_base_freq`` (earlier)."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and (FULL_ATTENTION in params or SLIDING in params):
+        full = {"rope_theta": raw["rope_theta"], **(params.get(FULL_ATTENTION) or {})}
+        local = {"rope_theta": raw["rope_local_base_freq"], **(params.get(SLIDING) or {})}
+        theta, scaling = _rope({"rope_parameters": full})
+        local_theta, local_scaling = _rope({"rope_parameters": local})
+        if local_scaling is not None:
+            raise HFError(
+                f"rope_parameters.{SLIDING}: rope type {local_scaling['rope_type']!r} is not "
+                "supported on Gemma 3's sliding layers (jaxzero has default there)"
+            )
+        return theta, scaling, local_theta
+    theta, scaling = _rope(raw)
+    return theta, scaling, float(raw["rope_local_base_freq"])
+
+
+def _gemma(raw: dict[str, Any], family: Family) -> dict[str, Any]:
+    """The :class:`LlamaConfig` fields of Gemma's options (none for the others)."""
+    if not family.gemma:
+        return {}
+    if raw.get("use_bidirectional_attention"):
+        raise HFError("use_bidirectional_attention=true is not supported: jaxzero is causal")
+
+    def cap(key: str) -> float | None:
+        return None if raw.get(key) is None else float(raw[key])
+
+    return dict(
+        norm_offset=True,
+        sandwich_norms=True,
+        embed_scale=True,
+        query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]),
+        attn_logit_softcapping=cap("attn_logit_softcapping") if family.attn_softcap else None,
+        final_logit_softcapping=cap("final_logit_softcapping"),
+    )
+
+
 def llama_config(raw: dict[str, Any], **overrides: Any) -> LlamaConfig:
     """The :class:`LlamaConfig` of a ``config.json`` (already parsed); ``overrides`` set
     jaxzero's own fields (``seq_len``, ``remat``, ``attention``)."""
     arch = architecture(raw)
     family = ARCHITECTURES[arch]
+    raw = {**dict(family.defaults), **raw}
     biases = family.biases
-    if raw.get("hidden_act", "silu") != "silu":
-        raise HFError(f"hidden_act {raw['hidden_act']!r} is not supported (SwiGLU needs silu)")
+    act = raw.get("hidden_activation", raw.get("hidden_act", "silu"))
+    if family.gemma:  # transformers' Gemma reads hidden_activation, not hidden_act
+        act = raw["hidden_activation"]
+    if act not in ACTIVATIONS:
+        raise HFError(f"activation {act!r} is not supported (jaxzero has {', '.join(ACTIVATIONS)})")
     window, layer_types = _windows(raw, family)
-    theta, scaling = _rope(raw)
+    local_theta = None
+    if family.local_rope:
+        theta, scaling, local_theta = _gemma3_rope(raw)
+    else:
+        theta, scaling = _rope(raw)
     bias = bool(raw.get("attention_bias", False))
     qkv_bias, o_bias = biases if biases is not None else (bias, bias)
     try:
@@ -186,9 +316,16 @@ def llama_config(raw: dict[str, Any], **overrides: Any) -> LlamaConfig:
         qk_norm=family.qk_norm,
         sliding_window=window,
         layer_types=layer_types,
+        hidden_act=act,
         initializer_range=float(raw.get("initializer_range", 0.02)),
         seq_len=min(max_pos, 2048),
+        **_gemma(raw, family),
     )
+    if family.no_rope and isinstance(fields["num_hidden_layers"], int):
+        flags = _no_rope_layers(raw, fields["num_hidden_layers"])
+        fields["no_rope_layers"] = None if all(flags) else tuple(flags)
+    if local_theta is not None and window is not None:
+        fields["rope_local_base_freq"] = local_theta
     fields.update(overrides)
     try:
         return LlamaConfig(**fields)
@@ -209,7 +346,9 @@ def hf_config(cfg: LlamaConfig, dtype: str, source: dict[str, Any] | None = None
     arch = _architecture_of(cfg)
     family = ARCHITECTURES[arch]
     rope = {"rope_type": "default", **(cfg.rope_scaling or {})}
-    skip = ("qkv_bias", "o_bias", "rope_scaling", "seq_len", "remat", "attention", "qk_norm")
+    skip: tuple[str, ...] = ("qkv_bias", "o_bias", "rope_scaling", "seq_len", "remat")
+    skip = (*skip, "attention", "qk_norm")
+    skip = (*skip, *GEMMA_FIELDS, "no_rope_layers", "rope_local_base_freq", "hidden_act")
     out = {
         "architectures": [arch],
         "model_type": family.model_type,
@@ -228,10 +367,10 @@ def hf_config(cfg: LlamaConfig, dtype: str, source: dict[str, Any] | None = None
         out.pop("attention_bias")
     if not family.mlp_bias:
         out.pop("mlp_bias")
+    windows = cfg.windows or ()
+    types = [SLIDING if w == cfg.sliding_window else FULL_ATTENTION for w in windows]
+    types = types or [FULL_ATTENTION] * cfg.num_hidden_layers
     if family.window == "layers":
-        windows = cfg.windows or ()
-        types = [SLIDING if w == cfg.sliding_window else FULL_ATTENTION for w in windows]
-        types = types or [FULL_ATTENTION] * cfg.num_hidden_layers
         leading_full = next((i for i, t in enumerate(types) if t == SLIDING), len(types))
         out.update(
             use_sliding_window=bool(windows),
@@ -243,9 +382,42 @@ def hf_config(cfg: LlamaConfig, dtype: str, source: dict[str, Any] | None = None
     elif family.window is None:
         out.pop("sliding_window")
         out.pop("layer_types")
-    else:  # every layer windowed
+    elif family.window == "all":  # every layer windowed
         out["sliding_window"] = cfg.sliding_window if cfg.windows else None
         out.pop("layer_types")
+    else:  # SmolLM3, Gemma: layer_types (Gemma's masks want a window even if no layer has one)
+        unused = None if family.window == "nope" else cfg.max_position_embeddings
+        out.update(
+            sliding_window=cfg.sliding_window if windows else unused,
+            layer_types=types,
+        )
+    if family.no_rope:
+        out.update(
+            no_rope_layers=list(cfg.no_rope_layers or (1,) * cfg.num_hidden_layers),
+            use_sliding_window=bool(windows),
+            # SmolLM3Config's defaults are its own tokenizer's ids, past a smaller vocabulary
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    if family.gemma:
+        scalar = cfg.query_pre_attn_scalar or cfg.head_size
+        out.pop("hidden_act")
+        out.update(
+            hidden_activation=cfg.hidden_act,
+            # an int in transformers' Gemma configs
+            query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+            attn_logit_softcapping=cfg.attn_logit_softcapping,
+            final_logit_softcapping=cfg.final_logit_softcapping,
+        )
+    if family.local_rope:  # a rope a layer type; transformers 4's spelling too
+        full = {**rope, "rope_theta": cfg.rope_theta}
+        local = cfg.rope_local_base_freq
+        sliding = full if local is None else {"rope_type": "default", "rope_theta": local}
+        out.update(
+            rope_parameters={FULL_ATTENTION: full, SLIDING: sliding},
+            rope_local_base_freq=sliding["rope_theta"],
+        )
     return out
 
 
@@ -253,6 +425,21 @@ def _architecture_of(cfg: LlamaConfig) -> str:
     """The architecture that holds exactly ``cfg`` (a model built here, with no source
     config.json), or one line saying none does."""
     windows = cfg.windows
+    gemma = [f for f in GEMMA_FIELDS if getattr(cfg, f)]
+    if gemma:
+        return _gemma_of(cfg, gemma)
+    if cfg.hidden_act != "silu" or cfg.rope_local_base_freq is not None:
+        raise HFError(
+            "no supported architecture has hidden_act or rope_local_base_freq without "
+            "Gemma's norms (norm_offset, sandwich_norms, embed_scale)"
+        )
+    if cfg.no_rope_layers is not None:
+        if cfg.qk_norm or cfg.qkv_bias != cfg.o_bias:
+            raise HFError(
+                "SmolLM3 (no_rope_layers) has no q/k norms, and biases on all of q, k, v, o "
+                "or on none"
+            )
+        return "SmolLM3ForCausalLM"
     if cfg.o_bias and not cfg.qkv_bias:
         raise HFError("no supported architecture has an o_proj bias without q/k/v biases")
     if cfg.qk_norm:
@@ -272,6 +459,28 @@ def _architecture_of(cfg: LlamaConfig) -> str:
         )
     if cfg.mlp_bias and not ARCHITECTURES[arch].mlp_bias:
         raise HFError(f"{arch} has no mlp_bias: only LlamaForCausalLM does")
+    return arch
+
+
+def _gemma_of(cfg: LlamaConfig, gemma: list[str]) -> str:
+    """Gemma 2 or Gemma 3 (q/k norms) when ``cfg`` has all of Gemma's norms and nothing
+    either lacks, or one line saying what does not fit."""
+    needed = ("norm_offset", "sandwich_norms", "embed_scale")
+    missing = [f for f in needed if f not in gemma]
+    if missing:
+        raise HFError(f"Gemma has {', '.join(needed)} together: this model lacks {missing[0]}")
+    arch = "Gemma3ForCausalLM" if cfg.qk_norm else "Gemma2ForCausalLM"
+    if cfg.qkv_bias != cfg.o_bias or cfg.mlp_bias or cfg.no_rope_layers is not None:
+        raise HFError(
+            f"{arch} has biases on all of q, k, v, o or on none, no mlp_bias and no no_rope_layers"
+        )
+    if arch == "Gemma3ForCausalLM" and cfg.attn_logit_softcapping is not None:
+        raise HFError(
+            "Gemma3ForCausalLM does not apply attn_logit_softcapping in transformers "
+            "(q/k norms with soft-capped scores is no supported architecture)"
+        )
+    if arch == "Gemma2ForCausalLM" and cfg.rope_local_base_freq is not None:
+        raise HFError("Gemma2ForCausalLM has one rope base (rope_local_base_freq: Gemma 3's)")
     return arch
 
 

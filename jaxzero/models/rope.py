@@ -1,6 +1,7 @@
-"""Rotary position embeddings as ``transformers`` computes them (Llama, Qwen2, Mistral):
-the inverse frequencies with ``rope_theta`` and ``linear`` or ``llama3`` scaling, and
-the half-split ``rotate_half`` rotation. Training and cached sampling both use them."""
+"""Rotary position embeddings as ``transformers`` computes them (Llama, Qwen2, Mistral,
+Gemma): the inverse frequencies with ``rope_theta`` and ``linear`` or ``llama3``
+scaling, and the half-split ``rotate_half`` rotation. Training and cached sampling both
+use them."""
 
 from __future__ import annotations
 
@@ -15,11 +16,20 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def rope_frequencies(cfg: Any) -> np.ndarray:
-    """Inverse frequencies (``head_dim / 2``, fp32), computed as ``transformers`` does."""
-    dim = cfg.head_size
+    """Inverse frequencies (``head_dim / 2``, fp32) of ``cfg.rope_theta`` and
+    ``cfg.rope_scaling``, computed as ``transformers`` does."""
+    return inverse_frequencies(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
+
+
+def inverse_frequencies(
+    dim: int, theta: float, scaling: dict[str, Any] | None = None
+) -> np.ndarray:
+    """Inverse frequencies (``dim / 2``, fp32) of base ``theta``, scaled by ``scaling``
+    (``transformers``' dict, None: default): Gemma 3's local layers have a base of
+    their own."""
     exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv = (np.float32(1.0) / np.float32(cfg.rope_theta) ** exponent).astype(np.float32)
-    rs = cfg.rope_scaling or {}
+    inv = (np.float32(1.0) / np.float32(theta) ** exponent).astype(np.float32)
+    rs = scaling or {}
     kind = rs.get("rope_type", "default")
     if kind == "linear":
         inv = inv / np.float32(rs["factor"])

@@ -1,0 +1,234 @@
+"""The layers of the one Llama-family decoder (:mod:`jaxzero.models.llama`): the
+projections (with LoRA adapters), RMSNorm, attention, the gated MLP and the decoder
+layer, each keeping the Hugging Face names and orientations of its weights.
+
+What the families differ by are options of these layers, read from
+:class:`~jaxzero.models.llama.LlamaConfig`: Qwen3's and Gemma 3's q/k norms, Gemma's
+``1 + weight`` RMSNorm, GeGLU, sandwich norms, attention scale and soft-capped scores.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxzero import loss as loss_lib
+from jaxzero.models.common import LayerCache, causal_attention
+from jaxzero.models.lora import LoraConfig, check_rank
+from jaxzero.models.quant import dequantize, quantize_traced
+from jaxzero.models.rope import apply_rotary
+
+if TYPE_CHECKING:
+    from jaxzero.models.llama import LlamaConfig
+
+# the gated MLP's activation by transformers' name (hidden_act / hidden_activation):
+# SwiGLU (Llama, Qwen, Mistral, SmolLM3) or GeGLU with the tanh GELU (Gemma)
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+class Linear(nnx.Module):
+    """``x @ weight.T + bias`` with ``weight`` stored ``out x in``, as PyTorch stores it;
+    with a LoRA ``rank``, plus ``scale * (x @ lora_A.T) @ lora_B.T`` (:mod:`jaxzero.models.lora`:
+    A ``r x in`` drawn as peft draws it, B ``out x r`` at zero)."""
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        bias: bool,
+        std: float,
+        rngs: nnx.Rngs,
+        rank: int = 0,
+        scale: float = 1.0,
+        quant: str | None = None,
+        dropout: float = 0.0,
+    ):
+        w = std * jax.random.normal(rngs.params(), (d_out, d_in))
+        self.quant = quant
+        if quant is None:
+            self.weight = nnx.Param(w)
+        else:  # QLoRA's frozen base: codes and block scales (jaxzero.models.quant)
+            q = quantize_traced(w, quant)  # a fresh model; a checkpoint's: hf.load
+            self.weight_codes, self.weight_scale = nnx.Param(q["codes"]), nnx.Param(q["scale"])
+        self.bias = nnx.Param(jnp.zeros(d_out)) if bias else None
+        bound = 1.0 / d_in**0.5
+        draw = lambda: jax.random.uniform(rngs.params(), (rank, d_in), minval=-bound, maxval=bound)
+        self.lora_A = nnx.Param(draw()) if rank else None
+        self.lora_B = nnx.Param(jnp.zeros((d_out, rank))) if rank else None
+        self.scale, self.dropout = scale, dropout
+
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+        """``rng``: the loss's key (a mask per row), for dropout on the adapter's input."""
+        if self.quant is None:
+            w = self.weight[...].astype(x.dtype)
+        else:  # dequantized here, one layer at a time (scan over layers)
+            q = {"codes": self.weight_codes[...], "scale": self.weight_scale[...]}
+            w = dequantize(q, self.quant, x.dtype)
+        y = jnp.einsum("...i,oi->...o", x, w)
+        if self.lora_A is not None and self.lora_B is not None:
+            xa = loss_lib.dropout(x, self.dropout, rng)
+            a = jnp.einsum("...i,ri->...r", xa, self.lora_A[...].astype(x.dtype))
+            y = y + self.scale * jnp.einsum("...r,or->...o", a, self.lora_B[...].astype(x.dtype))
+        return y if self.bias is None else y + self.bias[...].astype(x.dtype)
+
+
+def _linear(
+    cfg: LlamaConfig,
+    lora: LoraConfig | None,
+    name: str,
+    d_in: int,
+    d_out: int,
+    bias: bool,
+    rngs: nnx.Rngs,
+) -> Linear:
+    """The projection ``name`` (``self_attn.q_proj``), with adapters if LoRA targets it."""
+    std = cfg.initializer_range
+    if lora is None or not lora.matches(name):
+        return Linear(d_in, d_out, bias, std, rngs)
+    check_rank(lora, name, d_in, d_out)
+    return Linear(
+        d_in, d_out, bias, std, rngs, lora.rank, lora.scale, lora.base_dtype, lora.dropout
+    )
+
+
+def _keys(rng: jax.Array | None, n: int) -> list[jax.Array | None]:
+    """``n`` keys of the loss's ``rng`` (each a mask per row), or ``n`` Nones."""
+    return [None if rng is None else jax.random.fold_in(rng, i) for i in range(n)]
+
+
+# every linear module of a decoder layer, by the name peft and transformers give it
+LINEARS = tuple(f"self_attn.{p}_proj" for p in "qkvo") + tuple(
+    f"mlp.{p}_proj" for p in ("gate", "up", "down")
+)
+
+
+class RMSNorm(nnx.Module):
+    """``weight * (x / rms(x))``, the statistics in fp32, the result in ``x``'s dtype.
+
+    ``offset`` (Gemma): ``(1 + weight) * (x / rms(x))`` all in fp32, cast at the end, as
+    ``transformers``' Gemma RMSNorm; the weight is stored as Hugging Face stores it (0
+    is the identity), so a checkpoint loads as it is.
+    """
+
+    def __init__(self, dim: int, eps: float, offset: bool = False):
+        self.weight = nnx.Param(jnp.zeros(dim) if offset else jnp.ones(dim))
+        self.eps, self.offset = eps, offset
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+def _norm(cfg: LlamaConfig, dim: int) -> RMSNorm:
+    return RMSNorm(dim, cfg.rms_norm_eps, cfg.norm_offset)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+        d, h, kv, k = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
+        self.q_proj = _linear(cfg, lora, "self_attn.q_proj", d, h * k, cfg.qkv_bias, rngs)
+        self.k_proj = _linear(cfg, lora, "self_attn.k_proj", d, kv * k, cfg.qkv_bias, rngs)
+        self.v_proj = _linear(cfg, lora, "self_attn.v_proj", d, kv * k, cfg.qkv_bias, rngs)
+        self.o_proj = _linear(cfg, lora, "self_attn.o_proj", h * k, d, cfg.o_bias, rngs)
+        # Qwen3, Gemma 3: over each head's head_dim, the model's eps and norm form
+        self.q_norm = _norm(cfg, k) if cfg.qk_norm else None
+        self.k_norm = _norm(cfg, k) if cfg.qk_norm else None
+        self.heads, self.kv_heads, self.head_dim, self.impl = h, kv, k, cfg.attention
+        self.windows = cfg.windows or ()  # the values a layer's window takes (static)
+        # Gemma: scores scaled by query_pre_attn_scalar^-1/2 (None: head_dim's), capped
+        q_scalar = cfg.query_pre_attn_scalar
+        self.scale = None if q_scalar is None else float(q_scalar) ** -0.5
+        self.softcap = cfg.attn_logit_softcapping
+
+    def __call__(
+        self,
+        x_BxSxD: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        segment_ids_BxS: jax.Array | None = None,
+        cache: LayerCache | None = None,
+        rng: jax.Array | None = None,
+        window: jax.Array | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        """With a ``cache`` (sampling) the tokens attend to it instead, and it comes
+        back with their (rotated) keys and values written in. ``window``: this layer's
+        sliding window (an int32 scalar; None: full causal attention)."""
+        b, s, _ = x_BxSxD.shape
+        r = _keys(rng, 4)
+        q = self.q_proj(x_BxSxD, r[0]).reshape(b, s, self.heads, self.head_dim)
+        k = self.k_proj(x_BxSxD, r[1]).reshape(b, s, self.kv_heads, self.head_dim)
+        v = self.v_proj(x_BxSxD, r[2]).reshape(b, s, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # before rope, as Qwen3
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # grouped-query: the kv heads are shared
+        if cache is None:
+            out_BxSxHxK = causal_attention(
+                q, k, v, self.impl, segment_ids_BxS, window, self.windows, self.scale, self.softcap
+            )
+        else:
+            out_BxSxHxK, cache = cache.attend(q, k, v, window, self.scale, self.softcap)
+        return self.o_proj(out_BxSxHxK.reshape(b, s, self.heads * self.head_dim), r[3]), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+        d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = _linear(cfg, lora, "mlp.gate_proj", d, f, bias, rngs)
+        self.up_proj = _linear(cfg, lora, "mlp.up_proj", d, f, bias, rngs)
+        self.down_proj = _linear(cfg, lora, "mlp.down_proj", f, d, bias, rngs)
+        self.act = ACTIVATIONS[cfg.hidden_act]
+
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+        r = _keys(rng, 3)
+        return self.down_proj(self.act(self.gate_proj(x, r[0])) * self.up_proj(x, r[1]), r[2])
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)). With ``sandwich_norms``
+    (Gemma 2/3) each branch is normed on its way out too: x + norm(attn(norm(x))), then
+    x + norm(mlp(norm(x))); ``post_attention_layernorm`` is then the attention's output
+    norm (Hugging Face's names: the MLP's input norm is ``pre_feedforward_layernorm``)."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+        d = cfg.hidden_size
+        self.input_layernorm = _norm(cfg, d)
+        self.self_attn = Attention(cfg, rngs, lora)
+        self.post_attention_layernorm = _norm(cfg, d)
+        self.pre_feedforward_layernorm = _norm(cfg, d) if cfg.sandwich_norms else None
+        self.post_feedforward_layernorm = _norm(cfg, d) if cfg.sandwich_norms else None
+        self.mlp = MLP(cfg, rngs, lora)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        segment_ids_BxS: jax.Array | None = None,
+        cache: LayerCache | None = None,
+        rng: jax.Array | None = None,
+        window: jax.Array | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        r = _keys(rng, 2)
+        h = self.input_layernorm(x)
+        y, cache = self.self_attn(h, cos, sin, segment_ids_BxS, cache, r[0], window)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x = x + y
+            return x + self.mlp(self.post_attention_layernorm(x), r[1]), cache
+        x = x + self.post_attention_layernorm(y)
+        y = self.mlp(self.pre_feedforward_layernorm(x), r[1])
+        return x + self.post_feedforward_layernorm(y), cache
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, std: float, rngs: nnx.Rngs):
+        self.weight = nnx.Param(std * jax.random.normal(rngs.params(), (vocab, dim)))
