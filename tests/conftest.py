@@ -59,6 +59,7 @@ MODULES = {
     "test_config": "unit",
     "test_data": "unit",
     "test_decode": "equivalence",
+    "test_deltanet": "equivalence",
     "test_distributed": "unit",
     "test_ema": "equivalence",
     "test_docs": "system",

@@ -335,3 +335,16 @@ def test_gpu_check_tiny_runs_every_check_in_its_own_process(tmp_path):
     assert float(big["host_bytes"]) > 0 and float(big["per_param_ratio"]) > 0
     assert all(int(r["int8_ops_in_hlo"]) > 0 for r in rows[6:])
     assert "== gpu_check summary" in out.stdout and "x the one without" in out.stdout
+
+
+def test_deltanet_speed_tiny_tables_both_mixers_and_their_peaks(tmp_path):
+    out = _run("deltanet_speed.py", "--tiny", "--min-time", "0", "--out", str(tmp_path))
+    rows = list(csv.DictReader((tmp_path / "deltanet_speed.csv").open()))
+    assert [(r["mixer"], r["seq"]) for r in rows] == [
+        ("deltanet", "64"),
+        ("attention", "64"),
+        ("deltanet", "256"),
+        ("attention", "256"),
+    ]
+    assert all(float(r["tokens_per_s"]) > 0 and int(r["temp_bytes"]) > 0 for r in rows)
+    assert "x per 4x S" in out and rows[0]["recorded"] == "measured"
