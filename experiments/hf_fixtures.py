@@ -17,10 +17,13 @@ with a window of 8, head_dim 8, GQA 4/1, biases on q/k/v/o, tied embeddings, sin
 only), smollm3 (bf16, 3 layers, layer 1 without rope and windowed), gemma2 (fp32, 3
 layers sliding/full/sliding, soft-caps low enough to bind) and gemma3 (bf16, 3 layers
 sliding/sliding/full, q/k norms, a rope base a layer type, the full layers' linearly
-scaled). Every weight is redrawn at a scale that makes attention non-uniform (biases and
-norm gains included; q/k norm gains wider), so rope, biases and norms all move the
-logits, and a window shorter than the 24 reference tokens moves them too; each
-soft-cap is checked to move them (without it, the same weights).
+scaled), qwen3_5 (bf16, Qwen3.5 text: 4 layers, 3 Gated DeltaNet and 1 full attention,
+2 key heads for 4 value heads, a quarter of head_dim 16 rotated, gated attention output;
+the decay and write strength each checked to move the logits). Every weight is
+redrawn at a scale that makes attention non-uniform (biases and norm gains included;
+q/k norm gains wider), so rope, biases and norms all move the logits, and a window
+shorter than the 24 reference tokens moves them too; each soft-cap is checked to move
+them (without it, the same weights).
 reference.npz holds `tokens` (int32, 2x24) and `logits` (float32, 2x24xV) from the
 directory loaded back in float32, eager attention.
 
@@ -32,6 +35,13 @@ loads a directory that jaxzero saved to the same logits:
         [--only NAME ...]
     /path/to/venv-with-torch/bin/python -m experiments.hf_fixtures check SAVED_DIR \\
         REFERENCE_NPZ [--atol 1e-4]
+
+qwen3_5/single/ also holds grads.npz: transformers' loss on the reference tokens (the
+mean next-token cross-entropy, fp32, eager) and its gradient by torch autograd, every
+parameter under its checkpoint name (float32). Generating the model writes it; `grads`
+writes it alone from the committed weights:
+
+    /path/to/venv-with-torch/bin/python -m experiments.hf_fixtures grads [--only qwen3_5]
 """
 
 from __future__ import annotations
@@ -61,6 +71,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     SmolLM3Config,
@@ -228,6 +240,25 @@ def gemma3() -> PreTrainedModel:
     return Gemma3ForCausalLM(config)
 
 
+def qwen3_5() -> PreTrainedModel:
+    """Qwen3.5 text: 3 Gated DeltaNet layers then a full-attention one (the default
+    full_attention_interval 4), 2 key heads serving 4 value heads, head_dim 16 with a
+    quarter rotated, the attention output gated."""
+    config = Qwen3_5TextConfig(
+        **{**SIZES, "num_hidden_layers": 4},
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+    )
+    return Qwen3_5ForCausalLM(config)
+
+
 # name: (builder, seed, saved dtype, layouts)
 MODELS = {
     "llama_gqa": (llama_gqa, 0, torch.bfloat16, ("single", "sharded")),
@@ -240,7 +271,12 @@ MODELS = {
     "smollm3": (smollm3, 7, torch.bfloat16, ("single",)),
     "gemma2": (gemma2, 8, torch.float32, ("single",)),
     "gemma3": (gemma3, 9, torch.bfloat16, ("single",)),
+    "qwen3_5": (qwen3_5, 10, torch.bfloat16, ("single",)),
 }
+
+
+# models whose single/ also gets grads.npz (one training step's gradients, torch autograd)
+GRADS = ("qwen3_5",)
 
 
 def reference_tokens(vocab: int) -> np.ndarray:
@@ -249,11 +285,21 @@ def reference_tokens(vocab: int) -> np.ndarray:
 
 def randomize(model: PreTrainedModel) -> None:
     """Redraw every parameter (norm gains around 1, the rest around 0) from the torch seed;
-    Gemma's norms scale by 1 + weight, so theirs are drawn around 0."""
-    one = 0.0 if model.config.model_type.startswith("gemma") else 1.0
+    Gemma's and Qwen3.5's norms scale by 1 + weight, so theirs are drawn around 0 (but
+    Qwen3.5's gated DeltaNet norm, a plain weight). Qwen3.5's DeltaNet: A = exp(A_log)
+    in [0.05, 2] and dt_bias ~ N(0, 1), so the per-token decay exp(g) spreads over
+    (0.1, 1) by head and token rather than sitting at one value."""
+    centred = model.config.model_type.startswith(("gemma", "qwen3_5"))
+    one = 0.0 if centred else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied weights come once
-            if "q_norm" in name or "k_norm" in name:
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.05, 2.0).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p))
+            elif "linear_attn.norm" in name:  # Qwen3_5RMSNormGated: weight * x, not (1 + w)
+                p.copy_(1.0 + NORM_STD * torch.randn_like(p))
+            elif "q_norm" in name or "k_norm" in name:
                 p.copy_(one + QK_NORM_STD * torch.randn_like(p))
             elif "norm" in name:
                 p.copy_(one + NORM_STD * torch.randn_like(p))
@@ -354,6 +400,25 @@ def write_reference(directory: pathlib.Path, vocab: int) -> np.ndarray:
     return logits
 
 
+def write_grads(directory: pathlib.Path, vocab: int) -> float:
+    """One training step's truth (``grads.npz``): transformers' loss on the reference
+    tokens (``labels = tokens``: the mean next-token cross-entropy over the 2 x 23
+    predicted tokens, fp32, eager attention) and its gradient by torch autograd, a
+    float32 array a parameter under its checkpoint name, with ``loss`` beside them."""
+    model = load(directory, attn_implementation="eager")
+    tokens = torch.from_numpy(reference_tokens(vocab))
+    model.zero_grad()
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    params = dict(model.named_parameters())  # tied weights come once
+    missing = [n for n, p in params.items() if p.grad is None or not p.grad.abs().max() > 0]
+    if missing:
+        raise RuntimeError(f"{directory}: no gradient reaches {missing[:3]}")
+    grads = {n: p.grad.detach().float().numpy() for n, p in params.items()}
+    write_npz(directory / "grads.npz", loss=np.float32(loss.item()), **grads)
+    return float(loss.item())
+
+
 def describe_head(directory: pathlib.Path, shipped: torch.Tensor) -> str:
     """Which tensor the loaded model uses as its output head (and as its input embedding)."""
     model = load(directory, attn_implementation="eager")
@@ -414,8 +479,32 @@ def check_softcap(directory: pathlib.Path, logits: np.ndarray) -> None:
             raise RuntimeError(f"{key} leaves the logits unchanged")
 
 
+def check_decay(directory: pathlib.Path, logits: np.ndarray) -> None:
+    """Qwen3.5's reference logits against the same weights with the DeltaNet decay off
+    (A_log very negative: exp(g) = 1) and with its write strength at one half (the b
+    projection zero): each must move them, or the decay and beta would not be tested."""
+    config = json.loads((directory / "config.json").read_text())
+    if config["model_type"] != "qwen3_5_text":
+        return
+    tokens = reference_tokens(VOCAB)
+    for what, suffix, value in (("decay", "A_log", -30.0), ("beta", "in_proj_b.weight", 0.0)):
+        model = load(directory, attn_implementation="eager")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(suffix):
+                    p.fill_(value)
+        diff = float(np.abs(logits - logits_of(model, tokens)).max())
+        print(f"  DeltaNet {what} off ({suffix} = {value}): max |logits - reference| = {diff:.4g}")
+        if diff < 1e-2:
+            raise RuntimeError(f"the DeltaNet {what} leaves the logits unchanged")
+
+
 def check_rope(model: PreTrainedModel) -> None:
     cfg = model.config
+    if "partial_rotary_factor" in cfg.rope_parameters:  # Qwen3.5: a part of each head
+        inv = model.model.rotary_emb.inv_freq.float()
+        print(f"  rope {cfg.rope_parameters}: inv_freq {inv.numpy().round(6).tolist()}")
+        return
     if "full_attention" in cfg.rope_parameters:  # Gemma 3: a rope a layer type
         for kind, params in cfg.rope_parameters.items():
             inv = getattr(model.model.rotary_emb, f"{kind}_inv_freq").float()
@@ -456,6 +545,9 @@ def generate_one(name: str, out: pathlib.Path) -> None:
         if name == "llama_gqa" and layout == "single":
             save_tokenizer(directory)
         logits[layout] = write_reference(directory, model.config.vocab_size)
+        if name in GRADS and layout == "single":
+            loss = write_grads(directory, model.config.vocab_size)
+            print(f"  grads.npz: loss {loss:.6f} and its gradient by torch autograd")
         files = sorted(p.name for p in directory.iterdir())
         print(f"  {layout}: max |logits| = {np.abs(logits[layout]).max():.4f}; files {files}")
     if "sharded" in logits:
@@ -465,6 +557,7 @@ def generate_one(name: str, out: pathlib.Path) -> None:
         print(f"  {name}/sharded: {describe_head(out / name / 'sharded', stray)}")
     check_window(out / name / "single", logits["single"])
     check_softcap(out / name / "single", logits["single"])
+    check_decay(out / name / "single", logits["single"])
     config = json.loads((out / name / "single" / "config.json").read_text())
     rope = {k: v for k, v in config.items() if "rope" in k or "theta" in k}
     print(f"  config.json rope keys: {rope}")
@@ -495,12 +588,21 @@ vocab {VOCAB}, hidden {SIZES["hidden_size"]}, intermediate {SIZES["intermediate_
   soft-caps {ATTN_CAP} on the scores and {FINAL_CAP} on the logits, both binding, fp32,
   `single/` only), `gemma3/` (Gemma 3 text, 3 layers sliding/sliding/full, window
   {WINDOW}, head_dim 16, GQA 4/1, q/k norms, the full layer's rope linear x4 on base
-  1e6, the sliding layers' default rope on base 1e4, bf16, `single/` only). Gemma's
-  norm weights are drawn around 0 (it scales by 1 + weight).
+  1e6, the sliding layers' default rope on base 1e4, bf16, `single/` only), `qwen3_5/`
+  (Qwen3.5 text: 4 layers, 3 Gated DeltaNet `linear_attention` then one
+  `full_attention`, 2 key heads of 8 serving 4 value heads of 8, conv kernel 4; the full
+  layer GQA 4/2, head_dim 16 with a quarter rotated, q/k norms, its output gated;
+  `A_log` = log U(0.05, 2), `dt_bias` ~ N(0, 1): the decay and the write strength each
+  move the logits; bf16, `single/` only). Gemma's and Qwen3.5's norm weights are drawn
+  around 0 (they scale by 1 + weight), Qwen3.5's gated DeltaNet norm around 1.
 - `single/` is one `model.safetensors`; `sharded/` is 2-4 shards plus
   `model.safetensors.index.json`.
 - `reference.npz` in each directory: `tokens` (int32, 2x24) and the float32 `logits`
   (2x24xV) transformers computes from that directory loaded in float32 (eager attention).
+- `qwen3_5/single/grads.npz`: one training step's truth, transformers' loss on those
+  tokens (`labels = tokens`: the mean next-token cross-entropy, fp32, eager) as `loss` and
+  its gradient by torch autograd, a float32 array a parameter under its checkpoint name
+  (`python -m experiments.hf_fixtures grads` writes it alone from the committed weights).
 
 Regenerate (needs torch + transformers, not jaxzero; `--only NAME`, repeatable, writes
 those models alone and leaves this file as it is):
@@ -545,6 +647,15 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--atol", type=float, default=1e-4)
         a = p.parse_args(argv[1:])
         return check(a.saved, a.reference, a.atol)
+    if argv[:1] == ["grads"]:  # grads.npz from the committed weights, nothing else written
+        p = argparse.ArgumentParser(prog="hf_fixtures.py grads", description=write_grads.__doc__)
+        p.add_argument("--out", type=pathlib.Path, default=OUT)
+        p.add_argument("--only", action="append", choices=list(GRADS))
+        a = p.parse_args(argv[1:])
+        for name in a.only or GRADS:
+            loss = write_grads(a.out / name / "single", VOCAB)
+            print(f"{a.out / name / 'single' / 'grads.npz'}: loss {loss:.6f}")
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("mode", nargs="?", choices=["generate"], default="generate")
     p.add_argument("--out", type=pathlib.Path, default=OUT)

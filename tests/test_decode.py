@@ -1,6 +1,7 @@
 """Sampling with a key/value cache (:func:`jaxzero.models.common.generate`): along a sampled
 sequence, past the window too, each step's logits are the full forward's over the tokens
-the cache holds, for the GPT (Linen) and the Llama (NNX, grouped-query); the Llama's
+the cache holds, for the GPT (Linen) and the Llama (NNX, grouped-query; with Qwen3.5's
+linear-attention layers, whose cache is a state and a conv window); the Llama's
 cached logits are ``transformers``' (rotary positions); an EOS token ends sampling, in
 ``generate`` and in the end-of-run sample."""
 
@@ -36,7 +37,24 @@ TINY_LLAMA = LlamaConfig(
     qkv_bias=True,
     seq_len=WINDOW,
 )
-MODELS = {"gpt": GPT(TINY_GPT), "llama": Llama(TINY_LLAMA)}
+# Qwen3.5: linear-attention layers (their state and conv window cached) between full ones
+TINY_QWEN3_5 = dataclasses.replace(
+    TINY_LLAMA,
+    num_hidden_layers=4,
+    head_dim=8,
+    qkv_bias=False,
+    qk_norm=True,
+    norm_offset=True,
+    attn_output_gate=True,
+    partial_rotary_factor=0.5,
+    layer_types=("linear_attention", "full_attention") * 2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=6,
+    linear_value_head_dim=5,
+    linear_conv_kernel_dim=3,
+)
+MODELS = {"gpt": GPT(TINY_GPT), "llama": Llama(TINY_LLAMA), "qwen3_5": Llama(TINY_QWEN3_5)}
 
 
 def _params(model):
@@ -50,7 +68,8 @@ def test_cached_logits_are_the_full_forwards_along_a_sampled_sequence(name, prom
     """16 tokens after a prompt shorter or longer than the 8-token window: each step's
     context is the sequence's suffix (the prompt's last 8 at most; when the window is
     full, its later half, 4 tokens, from position 0 again), and its logits are
-    ``apply``'s at the context's last position."""
+    ``apply``'s at the context's last position (Qwen3.5: the padding of a prefill leaves
+    the DeltaNet states and conv windows as they were, position 0 starts them afresh)."""
     model = MODELS[name]
     params = _params(model)
     prompt = np.arange(prompt_len, dtype=np.int32) * 5 % 64

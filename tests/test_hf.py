@@ -41,6 +41,7 @@ DIRS = [
     "smollm3/single",
     "gemma2/single",
     "gemma3/single",
+    "qwen3_5/single",
 ]
 WINDOWED = ["mistral_window/single", "qwen3_window/single"]  # sliding window 8 < 24 tokens
 # SmolLM3 (a no-rope layer, windowed), Gemma 2 (soft-caps), Gemma 3 (a rope base a layer type)
@@ -74,6 +75,37 @@ def test_logits_match_transformers(name, stage):
     loss = float(engine.eval_loss(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}))
     want = cross_entropy(ref["logits"][:, :-1], ref["tokens"][:, 1:])
     assert abs(loss - want) < 1e-5 * max(1.0, abs(want)), (loss, want)
+
+
+def test_qwen3_5_training_gradients_match_torch_autograd():
+    """One training step's gradients: jax.grad of the model's loss (the mean next-token
+    cross-entropy of the reference tokens, fp32) against transformers' loss and its torch
+    autograd gradients (grads.npz, experiments/hf_fixtures.py), every param mapped back
+    to its checkpoint name(s) by hf_names: the DeltaNet's A_log, dt_bias, conv1d, gated
+    norm and in/out projections, the full layer's gated q_proj and q/k norms, the
+    embeddings and the head, within 1e-4."""
+    from jaxzero.models.llama_hf import hf_names, is_stacked
+    from jaxzero.partition import path_str
+
+    path = FIXTURES / "qwen3_5/single"
+    ref, want = np.load(path / "reference.npz"), dict(np.load(path / "grads.npz"))
+    tokens = ref["tokens"]
+    model = hf.model(path, seq_len=23)
+    params = jax.tree.map(np.asarray, hf.read_params(path, model))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}  # transformers' shift
+    loss, grads = jax.value_and_grad(model.loss_fn)(params, batch)
+    np.testing.assert_allclose(float(loss), want.pop("loss").item(), rtol=1e-6)
+    got = {}
+    for p, g in jax.tree_util.tree_leaves_with_path(grads):
+        name = path_str(p)
+        names = hf_names(name, model.config)
+        parts = list(np.asarray(g)) if is_stacked(name) else [np.asarray(g)]
+        got.update(zip(names, parts, strict=True))
+    assert sorted(got) == sorted(want)  # every parameter, none twice
+    worst = max(float(np.abs(got[n] - want[n]).max()) for n in want)
+    print(f"max |jax - torch| over every gradient: {worst:.3g}")
+    assert worst < 1e-4, worst
+    assert min(float(np.abs(want[n]).max()) for n in want) > 1e-6  # each one moves
 
 
 @pytest.mark.unit
@@ -177,6 +209,33 @@ def test_smollm3_and_gemma_configs_read_as_transformers_means_them():
         llama_config({**smol, "no_rope_layers": [1, 0]})
     with pytest.raises(HFError, match="activation 'gelu' is not supported"):
         llama_config({**read("gemma2"), "hidden_activation": "gelu"})
+
+
+@pytest.mark.unit
+def test_qwen3_5_config_reads_as_transformers_means_it():
+    """Qwen3.5: its layer_types (or one full layer in every full_attention_interval),
+    linear-attention shapes, partial rope in rope_parameters (mrope's keys changing
+    nothing for text), the gated attention output and (1 + w) norms; an arrangement the
+    decoder does not scan is refused in one line naming it."""
+    raw = json.loads((FIXTURES / "qwen3_5/single/config.json").read_text())
+    cfg = llama_config(raw)
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert (cfg.interval, cfg.attention_layers, cfg.linear_attention_layers) == (4, (3,), (0, 1, 2))
+    assert (cfg.partial_rotary_factor, cfg.rotary_dim, cfg.head_size) == (0.25, 4, 16)
+    assert cfg.attn_output_gate and cfg.norm_offset and cfg.qk_norm and not cfg.sandwich_norms
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (2, 4)
+    assert cfg.windows is None and not cfg.embed_scale
+    every = {k: v for k, v in raw.items() if k != "layer_types"}
+    assert llama_config({**every, "num_hidden_layers": 8}).attention_layers == (3, 7)
+    interval2 = {**every, "full_attention_interval": 2}
+    assert llama_config(interval2).layer_types == ("linear_attention", "full_attention") * 2
+    mrope = {**raw["rope_parameters"], "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+    assert llama_config({**raw, "rope_parameters": mrope}) == cfg
+    with pytest.raises(HFError, match=r"layer_types \['full_attention', 'linear_attention', ") as e:
+        llama_config({**raw, "layer_types": ["full_attention"] + ["linear_attention"] * 3})
+    _one_line(e)
+    with pytest.raises(HFError, match="layer 1 is 'sliding_attention', which is not supported"):
+        llama_config({**raw, "layer_types": ["linear_attention", "sliding_attention"] * 2})
 
 
 # --------------------------------------------------------------------------- round trip
@@ -323,10 +382,11 @@ def test_cudnn_runs_each_layers_window_as_its_kernel_constant(monkeypatch, name)
     assert sorted(seen, key=str) == [(7, 0), None]  # one branch a window, traced once
 
 
-@pytest.mark.parametrize("name", [*WINDOWED, *NEW])
+@pytest.mark.parametrize("name", [*WINDOWED, *NEW, "qwen3_5/single"])
 def test_cached_decoding_respects_the_window(name):
     """A prefill of 8 reference tokens, then one at a time up to 24 (past the window of
-    8): every position's logits are transformers', as the full forward's are."""
+    8): every position's logits are transformers', as the full forward's are (Qwen3.5:
+    the DeltaNet layers' states and conv windows carried from token to token)."""
     path = FIXTURES / name
     ref = np.load(path / "reference.npz")
     model = hf.model(path, seq_len=24)
@@ -348,6 +408,7 @@ def test_cached_decoding_respects_the_window(name):
         ("smollm3", "model.layers.1.mlp.down_proj.weight"),
         ("gemma2", "model.layers.2.post_feedforward_layernorm.weight"),
         ("gemma3", "model.layers.2.self_attn.q_norm.weight"),
+        ("qwen3_5", "model.layers.1.linear_attn.A_log"),
     ],
 )
 def test_qwen3_with_windows_saves_as_transformers_reads_it(tmp_path, name, tensor):
@@ -376,7 +437,8 @@ def test_qwen3_with_windows_saves_as_transformers_reads_it(tmp_path, name, tenso
 def test_a_model_built_here_with_qk_norms_or_windows_saves_as_qwen3_or_mistral(tmp_path):
     """No source config.json: q/k norms write Qwen3 (with its layer_types), a window on
     every layer without biases Mistral, no-rope layers SmolLM3, Gemma's norms Gemma 2
-    (Gemma 3 with q/k norms, its rope per layer type); read back, the same config.
+    (Gemma 3 with q/k norms, its rope per layer type), linear-attention layers Qwen3.5;
+    read back, the same config.
     What no architecture holds is refused in one line."""
     from jaxzero.models.llama import LlamaConfig
 
@@ -401,6 +463,19 @@ def test_a_model_built_here_with_qk_norms_or_windows_saves_as_qwen3_or_mistral(t
     )
     linear = {"rope_type": "linear", "factor": 2.0}
     gemma3 = dataclasses.replace(qwen3, **gemma, rope_local_base_freq=100.0, rope_scaling=linear)
+    qwen3_5 = dataclasses.replace(
+        base,
+        qk_norm=True,
+        norm_offset=True,
+        attn_output_gate=True,
+        partial_rotary_factor=0.5,
+        layer_types=("linear_attention", "full_attention"),
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=4,
+        linear_value_head_dim=4,
+        linear_conv_kernel_dim=2,
+    )
     engine = lambda m: m.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(1), stage=0)
     for cfg, arch in (
         (qwen3, "Qwen3ForCausalLM"),
@@ -408,6 +483,7 @@ def test_a_model_built_here_with_qk_norms_or_windows_saves_as_qwen3_or_mistral(t
         (smollm3, "SmolLM3ForCausalLM"),
         (gemma2, "Gemma2ForCausalLM"),
         (gemma3, "Gemma3ForCausalLM"),
+        (qwen3_5, "Qwen3_5ForCausalLM"),
     ):
         model = Llama(cfg)
         e = engine(model)
@@ -435,17 +511,23 @@ def test_a_model_built_here_with_qk_norms_or_windows_saves_as_qwen3_or_mistral(t
         (dataclasses.replace(gemma2, embed_scale=False), "this model lacks embed_scale"),
         (dataclasses.replace(gemma3, attn_logit_softcapping=5.0), "does not apply attn_logit"),
         (dataclasses.replace(base, hidden_act="gelu_pytorch_tanh"), "without Gemma's norms"),
+        (dataclasses.replace(qwen3_5, norm_offset=False), "this model lacks norm_offset"),
+        (dataclasses.replace(base, partial_rotary_factor=0.5), "partial_rotary_factor != 1"),
     ):
         with pytest.raises(HFError, match=match) as ex:
             hf.hf_config(bad, "float32")
         _one_line(ex)
 
 
-@pytest.mark.parametrize("name", ["qwen3_window", *(n.split("/")[0] for n in NEW)])
+@pytest.mark.system  # the CLI end to end: our own Python over either JAX line (one lane)
+@pytest.mark.parametrize(
+    "name", ["qwen3_window", *(n.split("/")[0] for n in NEW), "qwen3_5", "qwen3_5-lora"]
+)
 def test_a_qwen3_window_fine_tune_starts_from_the_windowed_checkpoint(tmp_path, name):
     """jaxzero train --init-from hf:DIR (seq_len 16 > its window of 8; Qwen3, SmolLM3,
-    Gemma 2 and 3), 2 steps on 2 devices: the first step's loss is the windowed model's
-    on the first batch."""
+    Gemma 2 and 3; Qwen3.5's linear-attention layers, fully and with LoRA on every
+    projection of both layer kinds), 2 steps on 2 devices: the first step's loss is the
+    checkpoint's model's on the first (packed) batch."""
     from jaxzero import cli
     from jaxzero.train import data as data_lib
 
@@ -454,9 +536,12 @@ def test_a_qwen3_window_fine_tune_starts_from_the_windowed_checkpoint(tmp_path, 
     rows = [{"text": words(int(rng.integers(12, 40)))} for _ in range(80)]
     data = tmp_path / "text.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lora = name.endswith("-lora")  # fresh adapters (B = 0): the base's loss at step 1
+    name = name.removesuffix("-lora")
     src, tok = FIXTURES / name / "single", FIXTURES / "llama_gqa/single"
     argv = ["train", "--init-from", f"hf:{src}", "--data", str(data), "--tokenizer", str(tok)]
     for item in (
+        *(["lora.rank=2"] if lora else []),
         "model.seq_len=16",
         "train.steps=2",
         "train.batch_size=8",
@@ -474,10 +559,41 @@ def test_a_qwen3_window_fine_tune_starts_from_the_windowed_checkpoint(tmp_path, 
         c.train, 16, 8, 0, slice(None), c.train_mask, c.eos, c.train_docs
     ).batch(0)
     model = hf.model(src, seq_len=16)
-    assert model.config.windows is not None and 8 in model.config.windows
+    if name == "qwen3_5":
+        assert model.config.interval == 4 and "segment_ids" in batch  # packed documents
+    else:
+        assert model.config.windows is not None and 8 in model.config.windows
     loss = model.loss_fn(jax.tree.map(np.asarray, hf.read_params(src, model)), batch)
     loss = float(loss if np.ndim(loss) == 0 else loss.total / loss.weight)
     np.testing.assert_allclose(first["loss"], loss, rtol=1e-5)
+    if lora:
+        _qwen3_5_lora_exports(tmp_path / "qw3", src, model, batch["inputs"][:2])
+
+
+def _qwen3_5_lora_exports(run: Path, src: Path, model: Llama, tokens: np.ndarray) -> None:
+    """A Qwen3.5 LoRA run exported: --format peft names each adapter by its model layer
+    (linear_attn on layers 0-2, self_attn on 3), read back by the base's config; --format
+    hf merges them into the base (fp32: bf16 would round away updates of the adapters'
+    size), the logits of base + adapter."""
+    from jaxzero import cli
+    from jaxzero.hf import peft
+
+    for fmt in ("peft", "hf"):
+        argv = ["export", str(run), "--out", str(run / fmt), "--format", fmt, "--dtype", "fp32"]
+        assert cli.main(argv) == 0
+    keys = set(safetensors.SafetensorsFile(run / "peft" / peft.WEIGHTS).names())
+    assert "base_model.model.model.layers.2.linear_attn.in_proj_z.lora_B.weight" in keys
+    assert "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight" in keys
+    adapter = peft.read_adapter(run / "peft", model.config)
+    m = hf.model(src, lora=adapter.config, seq_len=16)
+    engine = m.engine(optax.sgd(0.0), mesh=jaxzero.make_mesh(1))
+    params = engine.gather_params(hf.load(src, engine, m, adapter=adapter))
+    with_adapter = np.asarray(m.apply(params, tokens))
+    merged = hf.model(run / "hf", seq_len=16)
+    out = np.asarray(merged.apply(hf.read_params(run / "hf", merged), tokens))
+    np.testing.assert_allclose(out, with_adapter, atol=1e-4, rtol=0)
+    plain = np.asarray(model.apply(hf.read_params(src, model), tokens))
+    assert np.abs(with_adapter - plain).max() > 1e-2  # the adapters trained
 
 
 def test_a_model_built_here_saves_as_its_architecture(tmp_path):
@@ -693,7 +809,7 @@ def test_bad_directories_are_refused_in_one_line(tmp_path):
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     supported = (
         "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, "
-        "SmolLM3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM"
+        "SmolLM3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3_5ForCausalLM"
     )
     with pytest.raises(HFError, match=f"GPT2LMHeadModel is not supported.*{supported}") as e:
         hf.model(gpt2)
@@ -706,6 +822,9 @@ def test_bad_directories_are_refused_in_one_line(tmp_path):
         "GptOssForCausalLM",
         "Gemma3ForConditionalGeneration",  # multimodal
         "Qwen2_5_VLForConditionalGeneration",  # multimodal
+        "Qwen3_5ForConditionalGeneration",  # Qwen3.5 with its vision tower
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3NextForCausalLM",
     ):
         with pytest.raises(HFError, match=f"^architecture {arch} is not supported: .*{supported}$"):
             llama_config({**qwen3, "architectures": [arch]})

@@ -111,6 +111,114 @@ def test_windows_and_qk_norms_train_like_one_device(options):
     assert abs(full.loss_fn(params, data[0]) - ref_losses[0]) > 5e-3  # the window counts
 
 
+# Qwen3.5's options: 2 groups of (linear attention, full attention), 2 key heads for 4
+# value heads, half of head_dim 8 rotated, the attention output gated, (1 + w) norms
+QWEN3_5 = dataclasses.replace(
+    TINY,
+    num_hidden_layers=4,
+    head_dim=8,
+    qkv_bias=False,
+    qk_norm=True,
+    norm_offset=True,
+    attn_output_gate=True,
+    partial_rotary_factor=0.5,
+    layer_types=("linear_attention", "full_attention") * 2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=6,
+    linear_value_head_dim=5,
+    linear_conv_kernel_dim=3,
+)
+
+
+def _packed(batches: list[dict]) -> list[dict]:
+    """The batches as packed rows: two documents a row, split at a row's own place."""
+    out = []
+    for i, b in enumerate(batches):
+        rows, s = b["inputs"].shape
+        cut = 2 + (np.arange(rows)[:, None] + i) % (s - 3)
+        out.append({**b, "segment_ids": (np.arange(s)[None, :] >= cut).astype(np.int32)})
+    return out
+
+
+def test_qwen3_5_trains_like_one_device():
+    """Linear-attention layers scanned in groups with the attention layers, at stage 3
+    with 2 micro-batches and remat on 8 devices (each kind's layers gathered where they
+    run) over packed documents: one device's losses and params. The documents matter
+    (the DeltaNet state and conv restart at each)."""
+    cfg = dataclasses.replace(QWEN3_5, remat="full")
+    model = Llama(cfg)
+    params = params_of(Llama, cfg)
+    assert set(params) >= {"layers", "linear_layers"}
+    assert params["linear_layers"]["linear_attn"]["conv1d"]["weight"].shape == (
+        2,
+        2 * 12 + 20,
+        1,
+        3,
+    )
+    assert params["layers"]["self_attn"]["q_proj"]["weight"].shape == (2, 2 * 6 * 8, 36)
+    # SGD, not Adam: the decay projection (in_proj_a) has gradients of 1e-7 to 1e-9 at
+    # this init, around Adam's eps, where Adam turns fp32 summation order into update
+    # noise (one device with 2 micro-batches lands 1.8e-4 from one without); SGD's
+    # update is the gradient, equal to 1e-5 whatever the order
+    tx, data = optax.sgd(1.0), _packed(_batches(3))
+    ref_losses, ref_params = train_reference(model.loss_fn, params, data, tx)
+    engine = model.engine(tx, mesh=jaxzero.make_mesh(8), stage=3, micro_batches=2)
+    state = engine.init(params)
+    losses = []
+    for b in data:
+        state, metrics = engine.step(state, b)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert rel_diff(engine.gather_params(state), ref_params) < 1e-4
+    unpacked = {k: v for k, v in data[0].items() if k != "segment_ids"}
+    assert abs(model.loss_fn(params, unpacked) - ref_losses[0]) > 1e-3
+
+
+@pytest.mark.unit
+def test_qwen3_5_fields_are_checked():
+    """Linear-attention layers only in Qwen3.5's arrangement, named in one line when not."""
+    with pytest.raises(ValueError, match=r"layer_types \['full_attention', 'linear_attention'"):
+        dataclasses.replace(QWEN3_5, layer_types=("full_attention", "linear_attention") * 2)
+    with pytest.raises(ValueError, match="the layers a multiple of the interval"):
+        dataclasses.replace(
+            QWEN3_5,
+            num_hidden_layers=5,
+            layer_types=("linear_attention", "full_attention") * 2 + ("linear_attention",),
+        )
+    with pytest.raises(ValueError, match="not a multiple of linear_num_key_heads 3"):
+        dataclasses.replace(QWEN3_5, linear_num_key_heads=3)
+    with pytest.raises(ValueError, match="linear_attention layers do not go with no_rope_layers"):
+        dataclasses.replace(QWEN3_5, no_rope_layers=(1, 0, 1, 1))
+    with pytest.raises(ValueError, match=r"the rotary part of head_dim 8 \(1\) must be even"):
+        dataclasses.replace(QWEN3_5, partial_rotary_factor=0.125)
+    assert (QWEN3_5.interval, QWEN3_5.attention_layers, QWEN3_5.rotary_dim) == (2, (1, 3), 4)
+    assert QWEN3_5.linear_attention_layers == (0, 2) and TINY.interval == 0
+
+
+@pytest.mark.unit
+def test_qwen3_5_params_and_flops_are_counted():
+    """Each DeltaNet layer's params as transformers has them (projections, conv taps,
+    dt_bias, A_log, the gated norm), the gated q_proj twice as wide; FLOPs per token: 6 x
+    the matmul params, attention's 12·L·S·H·K over the 2 attention layers, and the chunked
+    delta rule's 3·H·(C·(6K + 4V) + 2C²/3 + 6·K·V) over the 2 linear ones (C = seq_len 8 <
+    64: ``deltanet.rule_flops_per_token``, written out here)."""
+    model = Llama(QWEN3_5)
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    d, f, h, g, kd, vd = 36, 52, 4, 2, 6, 5
+    conv = 2 * g * kd + h * vd
+    mixer = d * conv + d * h * vd + 2 * d * h + conv * 3 + 2 * h + vd + h * vd * d
+    common = 3 * d * f + 2 * d
+    assert model.num_params(shapes["linear_layers"]) == 2 * (mixer + common)
+    attention = d * 2 * 6 * 8 + 2 * d * 2 * 8 + 6 * 8 * d + 2 * 8
+    assert model.num_params(shapes["layers"]) == 2 * (attention + common)
+    n = model.num_params(shapes)
+    lookup = QWEN3_5.vocab_size * d
+    rule = h * (8 * (6 * kd + 4 * vd) + 2 * 8 * 8 / 3 + 6 * kd * vd)
+    want = 6 * (n - lookup) + 12 * 2 * 8 * 6 * 8 + 3 * 2 * rule
+    assert model.flops_per_token() == pytest.approx(want, rel=1e-12)
+
+
 @pytest.mark.unit
 def test_window_fields_are_checked():
     with pytest.raises(ValueError, match="sliding_window must be a positive integer"):

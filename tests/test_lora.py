@@ -16,6 +16,7 @@ import pytest
 
 from jaxzero import cli, hf, make_mesh
 from jaxzero.hf import peft
+from jaxzero.hf.safetensors import SafetensorsFile
 from jaxzero.models.llama import Llama
 from jaxzero.models.llama_hf import HFError
 from jaxzero.models.lora import LoraConfig
@@ -207,6 +208,68 @@ def test_peft_export_of_a_full_fine_tune_is_one_line(tmp_path, capsys):
         export_peft(tmp_path, meta, tmp_path / "out", "fp32")
 
 
+@pytest.mark.unit
+def test_peft_export_of_a_qwen3_5_run_numbers_layers_by_its_checkpoint(tmp_path, monkeypatch):
+    """A Qwen3.5 LoRA run (8 layers: attention on 3 and 7) with adapters on the attention
+    stack only, whose base directory is gone: --format peft names them by the model's
+    layers 3 and 7, which the checkpoint's own param tree says (the stacks' sizes), never
+    by their stack index (0, 1: the linear-attention layers, silently, before); a tree
+    whose stacks fit no arrangement is refused in one line."""
+    import dataclasses
+
+    from jaxzero.partition import path_str
+    from jaxzero.train import merged
+    from jaxzero.train.export import ExportError, export_peft
+
+    src = HF / "qwen3_5" / "single"
+    cfg = hf.model(src).config
+    cfg = dataclasses.replace(cfg, num_hidden_layers=8, layer_types=cfg.layer_types * 2)
+    lora = LoraConfig(rank=2, alpha=4, targets=("q_proj", "v_proj"))
+    shapes = jax.eval_shape(Llama(cfg, lora=lora).init, jax.random.key(0))
+    tree = [(path_str(p), tuple(x.shape)) for p, x in jax.tree_util.tree_leaves_with_path(shapes)]
+    meta = {
+        "param_tree": [
+            {"path": [["k", k] for k in n.split("/")], "shape": list(s), "trainable": t}
+            for n, s in tree
+            for t in [n.rsplit("/", 1)[-1] in ("lora_A", "lora_B")]
+        ],
+        "leaves": {},
+    }
+    rng = np.random.default_rng(0)
+    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in tree if "lora_" in n}
+    assert sorted(tensors) == [
+        f"layers/self_attn/{m}/lora_{ab}" for m in ("q_proj", "v_proj") for ab in "AB"
+    ]
+    assert tensors["layers/self_attn/q_proj/lora_A"].shape[0] == 2  # the attention stack
+    record = {"path": str(tmp_path / "gone"), "rank": 2, "alpha": 4.0}
+    record |= {"targets": ["q_proj", "v_proj"], "use_rslora": False}
+    monkeypatch.setattr(merged, "lora_of", lambda _: record)
+    monkeypatch.setattr(merged, "adapters", lambda *_: tensors)
+    assert merged.stack_layers(meta) == {
+        "layers": (3, 7),
+        "linear_layers": (0, 1, 2, 4, 5, 6),
+    }
+    out = export_peft(tmp_path / "step", meta, tmp_path / "peft", "fp32")
+    keys = set(SafetensorsFile(out / peft.WEIGHTS).names())
+    assert keys == {
+        f"base_model.model.model.layers.{i}.self_attn.{m}.lora_{ab}.weight"
+        for i in (3, 7)
+        for m in ("q_proj", "v_proj")
+        for ab in "AB"
+    }
+    back = peft.read_adapter(out, cfg)
+    for k, x in tensors.items():
+        np.testing.assert_array_equal(back.tensors[k], x)
+    odd = [e for e in meta["param_tree"] if e["path"][0][1] == "linear_layers"]
+    for e in odd:
+        e["shape"][0] = 5  # 2 + 5 layers: no group of interval layers
+    with pytest.raises(ExportError, match="does not say which model layer") as ex:
+        export_peft(tmp_path / "step", meta, tmp_path / "peft2", "fp32")
+    assert "\n" not in str(ex.value)
+    with pytest.raises(HFError, match="need layers="):
+        peft.write_adapter(tmp_path / "x", lora, {"linear_layers/a/lora_A": np.zeros((1, 2))}, None)
+
+
 @pytest.fixture(scope="module")
 def wide_base(tmp_path_factory) -> Path:
     """A bf16 Hugging Face directory whose projections take multiples of 64 inputs (a
@@ -320,3 +383,37 @@ def test_adapter_dropout_is_a_mask_per_row_on_any_device_count():
     assert np.max(np.abs(one - run(1, 1, 0.0))) > 1e-4
     with pytest.raises(ValueError, match=r"lora.dropout must be in \[0, 1\)"):
         LoraConfig(dropout=1.0)
+
+
+@pytest.mark.unit
+def test_qwen3_5_adapters_map_each_layer_to_its_stack(tmp_path):
+    """LoRA on every projection of Qwen3.5's two layer kinds (peft's names: the DeltaNet's
+    in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj too): written as PEFT keys of
+    the model's own layer indices (the linear-attention layers 0-2, attention layer 3),
+    read back into the two stacks by the base's config."""
+    src = HF / "qwen3_5" / "single"
+    base = hf.model(src)
+    model = hf.model(src, lora=LoraConfig(rank=2, alpha=4))
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    tensors = {
+        k: rng.standard_normal(v.shape).astype(np.float32)
+        for k, v in peft.adapters_of(jax.tree.map(lambda s: np.zeros(s.shape), params)).items()
+    }
+    assert "linear_layers/linear_attn/in_proj_a/lora_A" in tensors
+    assert tensors["layers/self_attn/q_proj/lora_B"].shape == (1, 2 * 4 * 16, 2)
+    peft.write_adapter(tmp_path, model.lora, tensors, str(src), layers=base.config)
+    keys = set(SafetensorsFile(tmp_path / peft.WEIGHTS).names())
+    for i in range(3):
+        assert f"base_model.model.model.layers.{i}.linear_attn.in_proj_qkv.lora_A.weight" in keys
+        assert f"base_model.model.model.layers.{i}.mlp.up_proj.lora_B.weight" in keys
+    assert "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight" in keys
+    assert not any("layers.3.linear_attn" in k or "layers.0.self_attn" in k for k in keys)
+    config = json.loads((tmp_path / peft.CONFIG).read_text())
+    assert {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"} <= set(
+        config["target_modules"]
+    )
+    back = peft.read_adapter(tmp_path, base.config)
+    assert set(back.tensors) == set(tensors)
+    for k, x in tensors.items():
+        np.testing.assert_array_equal(back.tensors[k], x)

@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints in and out: Llama, Qwen2, Qwen3, Mistral, SmolLM3, Gemma 2
-and Gemma 3 (text), any stage, any mesh.
+"""Hugging Face checkpoints in and out: Llama, Qwen2, Qwen3, Mistral, SmolLM3, Gemma 2,
+Gemma 3 (text) and Qwen3.5 (text), any stage, any mesh.
 
     model = jaxzero.hf.model("path/to/Llama-3.2-1B")               # reads config.json
     engine = model.engine(optax.adamw(1e-5), stage=3)
@@ -44,6 +44,7 @@ from jaxzero.models.llama_hf import (
     HFError,
     hf_config,
     hf_names,
+    is_stacked,
     llama_config,
     read_json,
 )
@@ -154,8 +155,8 @@ def _sources(m: Llama, weights: Weights, layouts: list[LeafLayout]) -> dict[str,
     cfg = m.config
     out = {}
     for lay in layouts:
-        names = hf_names(lay.path, cfg.num_hidden_layers)
-        want = lay.shape[1:] if lay.path.startswith("layers/") else lay.shape
+        names = hf_names(lay.path, cfg)
+        want = lay.shape[1:] if is_stacked(lay.path) else lay.shape
         for name in names:
             shape = weights.shape(name)
             if shape != want:
@@ -211,7 +212,7 @@ def _reader(path: Path, m: Llama, adapter: Adapter | None = None, seed: int = 0)
             part = "codes" if lay.path.endswith("_codes") else "scale"
             return quantize(rows, kind)[part][..., index[-1]]
         srcs = names[lay.path]
-        stacked = lay.path.startswith("layers/")
+        stacked = is_stacked(lay.path)
         parts = srcs[index[0]] if stacked else srcs[:1]
         try:
             out = [weights.tensor(n)[index[1:] if stacked else index] for n in parts]
@@ -366,7 +367,8 @@ def write_model(
     """Write a Hugging Face model directory from params given one at a time.
 
     ``leaves`` are ``(jaxzero param path, logical shape)`` in the order ``arrays``
-    yields them (fp32 or any float; stacked ``layers/...`` params whole). The tokenizer
+    yields them (fp32 or any float; stacked ``layers/...`` and ``linear_layers/...``
+    params whole). The tokenizer
     files come from ``tokenizer`` (default: the model's source directory, ``m.hf_dir``).
     What ``path`` may replace, and how it is built beside it and moved into place
     whole, is :mod:`jaxzero.modeldir`'s rule; the source directory and ``protected``
@@ -385,16 +387,15 @@ def write_model(
         tok_files = modeldir.tokenizer_files(source if tokenizer is None else tokenizer)
     except modeldir.ModelDirError as e:
         raise HFError(str(e)) from None
-    layers = m.config.num_hidden_layers
     entries = []
     for leaf, shape in leaves:
-        stacked = leaf.startswith("layers/")
-        for name in hf_names(leaf, layers):
+        stacked = is_stacked(leaf)
+        for name in hf_names(leaf, m.config):
             entries.append((name, np_dtype, tuple(shape[1:] if stacked else shape)))
 
     def tensors() -> Iterator[np.ndarray]:
         for (leaf, _), x in zip(leaves, arrays, strict=True):
-            for part in x if leaf.startswith("layers/") else [x]:
+            for part in x if is_stacked(leaf) else [x]:
                 yield np.asarray(part).astype(np_dtype)
 
     shards = _plan(entries, max_shard_size)

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import numpy as np
 
 from jaxzero.hf.safetensors import SafetensorsFile
 from jaxzero.hf.safetensors import write as write_safetensors
+from jaxzero.models.llama import LlamaConfig
 from jaxzero.models.llama_hf import HFError
 from jaxzero.models.lora import MARK, LoraConfig
 from jaxzero.partition import path_str
@@ -72,8 +74,20 @@ class Adapter:
     base: str | None
 
 
-def read_adapter(path: str | Path) -> Adapter:
-    """A PEFT LoRA adapter directory (as ``save_pretrained`` wrote it)."""
+def _stack_of(layer: int, layers: LlamaConfig | None) -> tuple[str, int]:
+    """The stack that holds the model's layer ``layer`` and its index there: every layer
+    is in ``layers`` unless the config (``layers``) has linear-attention layers
+    (Qwen3.5), which ``linear_layers`` holds."""
+    if layers is None or not layers.interval:
+        return "layers", layer
+    stack = "linear_layers" if layer in layers.linear_attention_layers else "layers"
+    return stack, layers.stack_layers(stack).index(layer)
+
+
+def read_adapter(path: str | Path, layers: LlamaConfig | None = None) -> Adapter:
+    """A PEFT LoRA adapter directory (as ``save_pretrained`` wrote it); ``layers``: the
+    base's config, which says which stack each layer's tensors go to (needed for
+    Qwen3.5's two layer kinds; None: every layer in ``layers``)."""
     path = Path(path)
     if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
         raise HFError(f"{path} is not a PEFT adapter: it needs {CONFIG} and {WEIGHTS}")
@@ -93,16 +107,22 @@ def read_adapter(path: str | Path) -> Adapter:
         if m is None:
             raise HFError(f"{path}: tensor {key!r} is not a decoder layer's lora_A/lora_B")
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-        name = "layers/" + module.replace(".", "/") + "/" + ab
-        per_layer.setdefault(name, {})[layer] = np.asarray(f.tensor(key), np.float32)
-    tensors = {}
-    for name, layers in sorted(per_layer.items()):
-        if sorted(layers) != list(range(len(layers))):
+        if layers is not None and layer >= layers.num_hidden_layers:
             raise HFError(
-                f"{path}: {name} is in layers {sorted(layers)}: jaxzero adapts every layer "
+                f"{path}: tensor {key!r} is of layer {layer}; the base has "
+                f"{layers.num_hidden_layers} layers"
+            )
+        stack, index = _stack_of(layer, layers)
+        name = f"{stack}/" + module.replace(".", "/") + "/" + ab
+        per_layer.setdefault(name, {})[index] = np.asarray(f.tensor(key), np.float32)
+    tensors = {}
+    for name, by_index in sorted(per_layer.items()):
+        if sorted(by_index) != list(range(len(by_index))):
+            raise HFError(
+                f"{path}: {name} is in layers {sorted(by_index)}: jaxzero adapts every layer "
                 "alike (its layers are stacked)"
             )
-        tensors[name] = np.stack([layers[i] for i in range(len(layers))])
+        tensors[name] = np.stack([by_index[i] for i in range(len(by_index))])
     modules = sorted({n.split("/", 1)[1].rsplit("/", 1)[0].replace("/", ".") for n in tensors})
     if not modules:
         raise HFError(f"{path}: {WEIGHTS} holds no LoRA tensors")
@@ -134,10 +154,24 @@ def check_adapter(adapter: Adapter, shapes: dict[str, tuple[int, ...]], where: s
         raise HFError(f"{where}: the adapter lacks {missing[:3]} the model adapts")
 
 
-def peft_key(name: str, layer: int) -> str:
-    """The PEFT tensor name of layer ``layer`` of jaxzero's ``layers/.../lora_A``."""
-    module = name.split("/", 1)[1].rsplit("/", 1)[0].replace("/", ".")
-    return f"{PREFIX}model.layers.{layer}.{module}.{name.rsplit('/', 1)[1]}.weight"
+# which model layer each entry of a stack is: the model's config, or ``{stack: layers}``
+# (what a checkpoint records, :func:`jaxzero.train.merged.stack_layers`)
+Layers = LlamaConfig | Mapping[str, Sequence[int]]
+
+
+def peft_key(name: str, layer: int, layers: Layers | None = None) -> str:
+    """The PEFT tensor name of entry ``layer`` of jaxzero's stacked ``layers/.../lora_A``
+    (or ``linear_layers/...``: ``layers``, the base's config or the stacks' layers, maps
+    the stack's entry to the model's layer; None: the same index, every layer in
+    ``layers``)."""
+    stack, rest = name.split("/", 1)
+    module = rest.rsplit("/", 1)[0].replace("/", ".")
+    if layers is None:
+        index = layer
+    else:
+        held = layers.stack_layers(stack) if isinstance(layers, LlamaConfig) else layers[stack]
+        index = held[layer]
+    return f"{PREFIX}model.layers.{index}.{module}.{name.rsplit('/', 1)[1]}.weight"
 
 
 def write_adapter(
@@ -146,19 +180,27 @@ def write_adapter(
     tensors: dict[str, np.ndarray],
     base: str | None,
     dtype: Any = np.float32,
+    layers: Layers | None = None,
 ) -> None:
     """Write ``tensors`` (jaxzero's stacked ``.../lora_A`` / ``lora_B``, host arrays)
-    as a PEFT adapter directory that ``PeftModel.from_pretrained`` loads over ``base``.
-    The directory is created; files in it of these two names are replaced atomically,
-    nothing else in it is touched."""
+    as a PEFT adapter directory that ``PeftModel.from_pretrained`` loads over ``base``
+    (``layers``: the base's config or the stacks' layers, mapping Qwen3.5's two stacks
+    to its layers; required for a model with ``linear_layers``, whose attention layers
+    are not the first ones). The directory is created; files in it of these two names
+    are replaced atomically, nothing else in it is touched."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     names = sorted(n for n in tensors if n.rsplit("/", 1)[-1] in MARK)
+    if layers is None and any(n.startswith("linear_layers/") for n in names):
+        raise HFError(
+            "write_adapter: adapters of linear_layers (Qwen3.5) need layers= (the base's "
+            "config) to name each by its model layer"
+        )
+    path.mkdir(parents=True, exist_ok=True)
     entries, arrays = [], []
     for name in names:
         x = tensors[name]
         for i in range(x.shape[0]):
-            entries.append((peft_key(name, i), np.dtype(dtype), tuple(x.shape[1:])))
+            entries.append((peft_key(name, i, layers), np.dtype(dtype), tuple(x.shape[1:])))
             arrays.append(np.asarray(x[i], dtype))
     write_safetensors(path / WEIGHTS, entries, iter(arrays), {"format": "pt"})
     modules = sorted({n.split("/", 1)[1].rsplit("/", 1)[0].split("/")[-1] for n in names})

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 from jaxzero.loss import Weighted
+from jaxzero.models import deltanet
 
 REMAT_POLICIES = {
     "none": None,
@@ -256,7 +257,63 @@ class LayerCache:
         return out, LayerCache(k, v, self.start)
 
 
-KVCache = tuple[jax.Array, jax.Array]  # every layer's keys and values, L x B x W x G x K
+class LinearCache:
+    """One linear-attention (Gated DeltaNet) layer's sampling state: the delta rule's
+    state (``B x H x K x V``, fp32) and the conv's last ``width - 1`` inputs
+    (``B x (W-1) x C``), with the position this call's tokens start at and how many of
+    them are real (``valid``: a prefill is padded to a power of two, and the padding
+    must leave both as they were, where attention's cache merely masks it).
+
+    At position 0 a sequence starts afresh (:func:`decode_steps` runs the later half
+    of a full window again from 0): the state and window then count as zero, whatever
+    the buffers hold. Built inside the traced decode step; each method returns the
+    cache with this call's tokens in.
+    """
+
+    def __init__(
+        self, state_BxHxKxV: jax.Array, window_BxWxC: jax.Array, start: jax.Array, valid: jax.Array
+    ):
+        self.state, self.window, self.start, self.valid = state_BxHxKxV, window_BxWxC, start, valid
+
+    def conv(self, x_BxTxC: jax.Array, w_CxW: jax.Array) -> tuple[jax.Array, LinearCache]:
+        """The causal conv (SiLU) of the tokens after the window; the window comes back
+        as the last ``width - 1`` inputs up to the last real token."""
+        window = jnp.where(self.start == 0, 0, self.window).astype(x_BxTxC.dtype)
+        y_BxTxC, _ = deltanet.conv1d_step(x_BxTxC, window, w_CxW)
+        seen = jnp.concatenate([window, x_BxTxC], axis=1)
+        kept = jax.lax.dynamic_slice_in_dim(seen, self.valid, window.shape[1], axis=1)
+        return y_BxTxC, LinearCache(
+            self.state, kept.astype(self.window.dtype), self.start, self.valid
+        )
+
+    def recur(
+        self,
+        q_BxTxGxK: jax.Array,
+        k_BxTxGxK: jax.Array,
+        v_BxTxHxV: jax.Array,
+        g_BxTxH: jax.Array,
+        beta_BxTxH: jax.Array,
+    ) -> tuple[jax.Array, LinearCache]:
+        """The gated delta rule of the tokens from the held state (the padding: no decay,
+        no write, so the state after it is the last real token's)."""
+        real_1xTx1 = (jnp.arange(g_BxTxH.shape[1]) < self.valid)[None, :, None]
+        g_BxTxH = jnp.where(real_1xTx1, g_BxTxH, 0)
+        beta_BxTxH = jnp.where(real_1xTx1, beta_BxTxH, 0)
+        state = jnp.where(self.start == 0, 0, self.state)
+        if q_BxTxGxK.shape[1] == 1:
+            o, state = deltanet.recurrent_gated_delta_rule(
+                q_BxTxGxK, k_BxTxGxK, v_BxTxHxV, g_BxTxH, beta_BxTxH, state
+            )
+        else:
+            o, state = deltanet.gated_delta_rule(
+                q_BxTxGxK, k_BxTxGxK, v_BxTxHxV, g_BxTxH, beta_BxTxH, state_BxHxKxV=state
+            )
+        return o, LinearCache(state.astype(self.state.dtype), self.window, self.start, self.valid)
+
+
+# every attention layer's keys and values (L x B x W x G x K); a model with linear-attention
+# layers adds their delta-rule states and conv windows (LinearCache's, stacked)
+KVCache = tuple[jax.Array, ...]
 
 
 def new_cache(layers: int, window: int, kv_heads: int, head_dim: int, dtype: Any) -> KVCache:

@@ -1,6 +1,6 @@
-"""The Llama family (Llama 2/3.x, Qwen2, Qwen3, Mistral, SmolLM3, Gemma 2, Gemma 3 text)
-in Flax NNX, layers stacked and scanned: one decoder, whose options are what the
-families differ by (the layers: :mod:`jaxzero.models.llama_layers`).
+"""The Llama family (Llama 2/3.x, Qwen2, Qwen3, Mistral, SmolLM3, Gemma 2, Gemma 3 text,
+Qwen3.5 text) in Flax NNX, layers stacked and scanned: one decoder, whose options are
+what the families differ by (the layers: :mod:`jaxzero.models.llama_layers`).
 
 It computes what ``transformers``' ``LlamaForCausalLM`` computes, so Hugging Face
 checkpoints load without any permutation (:mod:`jaxzero.hf`): RMSNorm in fp32,
@@ -10,16 +10,18 @@ all-projection (Llama ``attention_bias``) biases, tied or untied embeddings; Qwe
 ``q_norm``/``k_norm`` (an RMSNorm over each head's ``head_dim`` of q and k, after the
 projections and before rope); sliding-window attention on every layer (Mistral) or
 on some (``layer_types``); SmolLM3's layers without rope; Gemma's ``1 + weight``
-RMSNorm, sandwich norms, GeGLU, embedding scale, attention scale and soft-caps, and
-Gemma 3's rope base of its sliding layers. What differs between layers (the window,
-the rotary table) is data scanned with the layers. Each weight keeps the Hugging Face
-name and orientation (``q_proj/weight`` is ``out x in``), so reading or writing a
-checkpoint is a rename, never a transpose.
+RMSNorm, sandwich norms, GeGLU, embedding scale, attention scale and soft-caps,
+Gemma 3's rope base of its sliding layers; Qwen3.5's Gated DeltaNet (linear
+attention) layers between its full ones, its gated attention output and partial rope.
+What differs between layers (the window, the rotary table) is data scanned with the
+layers. Each weight keeps the Hugging Face name and orientation (``q_proj/weight`` is
+``out x in``), so reading or writing a checkpoint is a rename, never a transpose.
 
 The model knows one thing about sharding: each layer goes through
 :func:`jaxzero.nnx.use` right where it runs. The decoder layers are one stacked
 module (a leading layer dim on every param) run by ``lax.scan``, so stage 3 gathers
-one layer at a time and the program has one layer body whatever the depth.
+one layer at a time and the program has one layer body whatever the depth (with
+Qwen3.5's two layer kinds, one body of each, two stacks scanned in groups).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxzero.hooks import remat_layer, use_params
+from jaxzero.models import deltanet
 from jaxzero.models.common import (
     ATTENTION,
     FULL,
@@ -40,6 +43,7 @@ from jaxzero.models.common import (
     SOFTCAP_REFUSAL,
     KVCache,
     LayerCache,
+    LinearCache,
     attention_impl,
     new_cache,
     positions,
@@ -47,10 +51,11 @@ from jaxzero.models.common import (
 )
 from jaxzero.models.llama_layers import (
     ACTIVATIONS,
-    LINEARS,
+    CHUNK,
     DecoderLayer,
     Embedding,
     RMSNorm,
+    linears,
 )
 from jaxzero.models.lora import QUANTIZED, LoraConfig
 from jaxzero.models.lora import trainable as lora_trainable
@@ -59,7 +64,9 @@ from jaxzero.models.rope import ROPE_TYPES, inverse_frequencies, rope_frequencie
 from jaxzero.nnx import bind, split, use
 
 SLIDING, FULL_ATTENTION = "sliding_attention", "full_attention"  # transformers' layer_types
+LINEAR_ATTENTION = "linear_attention"  # Qwen3.5's Gated DeltaNet layers
 ROPES = ("global", "local", "none")  # a layer's rotary embedding (LlamaConfig.ropes)
+STACKS = ("layers", "linear_layers")  # the stacked layers: attention's, linear attention's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +89,13 @@ class LlamaConfig:
     ``"gelu_pytorch_tanh"``, ``query_pre_attn_scalar`` and the two soft-caps. No fused
     attention kernel soft-caps scores: such a model runs XLA's attention
     (:meth:`attention_implementation`).
+    Qwen3.5's options: ``layer_types`` with ``"linear_attention"`` layers (Gated
+    DeltaNet, :class:`~jaxzero.models.llama_layers.GatedDeltaNet`, of the ``linear_*``
+    shapes) in groups of ``interval - 1`` before each full-attention layer (the only
+    arrangement ``transformers`` writes: ``full_attention_interval``; any other is
+    refused), ``attn_output_gate`` (q_proj also gives a gate a head, the attention's
+    output times its sigmoid) and ``partial_rotary_factor`` (rope on the first
+    ``head_dim * factor`` dims of each head); its norms are ``norm_offset``'s.
     ``seq_len`` is the training and sampling window, not a limit of the weights.
     """
 
@@ -112,6 +126,13 @@ class LlamaConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: scores times its ^-1/2 (None: head_dim)
     attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(score / cap)
     final_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(logit / cap)
+    partial_rotary_factor: float = 1.0  # Qwen3.5: rope on this fraction of each head
+    attn_output_gate: bool = False  # Qwen3.5: attention's output times sigmoid(gate)
+    linear_num_key_heads: int = 16  # Qwen3.5's linear-attention layers (transformers' defaults)
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
     initializer_range: float = 0.02
     seq_len: int = 128
     remat: str = "none"  # activation checkpointing of each layer: none | full | dots
@@ -140,8 +161,14 @@ class LlamaConfig:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple "
                 f"of num_key_value_heads {self.kv_heads}"
             )
-        if self.head_size % 2:
-            raise ValueError(f"head_dim {self.head_size} must be even for rotary embeddings")
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 1:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {f!r}")
+        if self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ValueError(
+                f"the rotary part of head_dim {self.head_size} ({self.rotary_dim}) must be "
+                "even for rotary embeddings"
+            )
         if self.seq_len > self.max_position_embeddings:
             raise ValueError(
                 f"seq_len {self.seq_len} exceeds max_position_embeddings "
@@ -166,13 +193,16 @@ class LlamaConfig:
                 raise ValueError(
                     f"layer_types has {len(types)} entries for {self.num_hidden_layers} layers"
                 )
-            bad = [t for t in types if t not in (FULL_ATTENTION, SLIDING)]
+            bad = [t for t in types if t not in (FULL_ATTENTION, SLIDING, LINEAR_ATTENTION)]
             if bad:
                 raise ValueError(
-                    f"layer type {bad[0]!r} is not supported: use {FULL_ATTENTION} or {SLIDING}"
+                    f"layer type {bad[0]!r} is not supported: use {FULL_ATTENTION}, "
+                    f"{SLIDING} or {LINEAR_ATTENTION}"
                 )
             if SLIDING in types and w is None:
                 raise ValueError(f"layer_types has {SLIDING} layers but no sliding_window")
+            if LINEAR_ATTENTION in types:
+                self._check_linear()
         if self.no_rope_layers is not None:
             object.__setattr__(self, "no_rope_layers", tuple(self.no_rope_layers))
             flags = self.no_rope_layers or ()
@@ -195,6 +225,72 @@ class LlamaConfig:
                 raise ValueError(f"LlamaConfig.{name} must be a positive number or None, got {v!r}")
         if self.attn_logit_softcapping is not None and self.attention == "cudnn":
             raise ValueError(SOFTCAP_REFUSAL)
+
+    def _check_linear(self) -> None:
+        """Linear-attention layers: in the one arrangement the decoder scans (groups of
+        ``interval - 1`` linear layers and one full: no sliding layer), with no rope
+        option of the other families' that ``transformers``' Qwen3.5 lacks, and positive
+        shapes."""
+        types = self.layer_types or ()
+        k = self.interval
+        group = (LINEAR_ATTENTION,) * (k - 1) + (FULL_ATTENTION,)
+        if not k or len(types) % k or types != group * (len(types) // k):
+            raise ValueError(
+                f"layer_types {list(types)} is not supported: jaxzero's linear_attention layers "
+                "come in groups of interval - 1 before each full_attention layer (Qwen3.5's "
+                "full_attention_interval), the layers a multiple of the interval"
+            )
+        if self.no_rope_layers is not None or self.rope_local_base_freq is not None:
+            raise ValueError(
+                f"{LINEAR_ATTENTION} layers do not go with no_rope_layers or "
+                "rope_local_base_freq (no supported architecture has both)"
+            )
+        for name in (
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel_dim",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {v!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads {self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads {self.linear_num_key_heads}"
+            )
+
+    @property
+    def interval(self) -> int:
+        """Layers per group of linear-attention layers and the full one after them
+        (Qwen3.5's ``full_attention_interval``); 0: no linear-attention layers."""
+        types = self.layer_types or ()
+        if LINEAR_ATTENTION not in types or FULL_ATTENTION not in types:
+            return 0
+        return types.index(FULL_ATTENTION) + 1
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The indices of the layers with (softmax) attention: the ``layers`` stack."""
+        types = self.layer_types or (FULL_ATTENTION,) * self.num_hidden_layers
+        return tuple(i for i, t in enumerate(types) if t != LINEAR_ATTENTION)
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        """The indices of the linear-attention layers: the ``linear_layers`` stack."""
+        types = self.layer_types or ()
+        return tuple(i for i, t in enumerate(types) if t == LINEAR_ATTENTION)
+
+    def stack_layers(self, stack: str) -> tuple[int, ...]:
+        """The model's layer indices that the stack ``stack`` (:data:`STACKS`) holds."""
+        return self.linear_attention_layers if stack == "linear_layers" else self.attention_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head that rope rotates: ``int(head_dim * partial_rotary_factor)``
+        as ``transformers`` computes it (all of them but for Qwen3.5)."""
+        return int(self.head_size * self.partial_rotary_factor)
 
     @property
     def kv_heads(self) -> int:
@@ -241,21 +337,32 @@ class LlamaConfig:
 class LlamaModule(nnx.Module):
     """The whole causal LM as one NNX module; ``layers`` holds every decoder layer's
     params stacked on a leading dim (made with ``nnx.vmap``, run with ``lax.scan``);
-    ``lora`` adds adapters to the projections it targets (:mod:`jaxzero.models.lora`)."""
+    ``lora`` adds adapters to the projections it targets (:mod:`jaxzero.models.lora`).
+
+    With linear-attention layers (Qwen3.5) the two kinds' params differ, so each kind
+    is a stack of its own: ``layers`` the attention layers, ``linear_layers`` the
+    Gated DeltaNet ones; the forward scans groups of ``interval`` layers (an inner scan
+    over the group's linear layers, then its attention layer), one program per kind
+    whatever the depth, each layer's params gathered where it runs."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
         self.cfg = cfg
         if lora is not None:
-            lora.targets_in([*LINEARS, "lm_head"])  # refuses targets that match nothing
+            lora.targets_in([*linears(cfg), "lm_head"])  # refuses targets that match nothing
         std = cfg.initializer_range
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, std, rngs)
 
-        @nnx.split_rngs(splits=cfg.num_hidden_layers)
-        @nnx.vmap(in_axes=0, out_axes=0)
-        def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(cfg, rngs, lora)
+        def stack(n: int, linear: bool) -> DecoderLayer:
+            @nnx.split_rngs(splits=n)
+            @nnx.vmap(in_axes=0, out_axes=0)
+            def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
+                return DecoderLayer(cfg, rngs, lora, linear)
 
-        self.layers = make_layers(rngs)
+            return make_layers(rngs)
+
+        self.layers = stack(len(cfg.attention_layers), False)
+        linear = cfg.linear_attention_layers
+        self.linear_layers = stack(len(linear), True) if linear else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = (
             None
@@ -289,8 +396,36 @@ class LlamaModule(nnx.Module):
             return layer(x, cos, sin, segment_ids_BxS, None, key, window)[0], None
 
         layer = remat_layer(layer, REMAT_POLICIES[cfg.remat])  # stage 3: re-gather in backward
-        index = jnp.arange(cfg.num_hidden_layers)
-        x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, (stacked, index, self._per_layer()))
+        index = jnp.asarray(cfg.attention_layers, jnp.int32)
+        if self.linear_layers is None:
+            x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, (stacked, index, self._per_layer()))
+            return self._logits(embed, x_BxSxD)
+
+        lin_def, lin_stacked, lin_rest = nnx.split(self.linear_layers, nnx.Param, ...)  # type: ignore[misc]
+
+        def linear_layer(x, params_index):
+            params, i = params_index
+            layer = nnx.merge(lin_def, use_params(params), lin_rest)
+            key = None if rng is None else jax.random.fold_in(rng, i)
+            return layer(x, None, None, segment_ids_BxS, None, key)[0], None
+
+        linear_layer = remat_layer(linear_layer, REMAT_POLICIES[cfg.remat])
+        linear_index = jnp.asarray(cfg.linear_attention_layers, jnp.int32)
+        k = cfg.interval - 1  # linear layers a group
+
+        def group(x, params_index_per_layer_group):
+            *full, g = params_index_per_layer_group
+            # this group's linear layers: a view of the stack's leading dim (use_params
+            # gathers each where it runs; the sharded dims stay whole)
+            block = jax.tree.map(
+                lambda a: jax.lax.dynamic_slice_in_dim(a, g * k, k), (lin_stacked, linear_index)
+            )
+            x, _ = jax.lax.scan(linear_layer, x, block)
+            return layer(x, tuple(full))
+
+        groups = jnp.arange(len(cfg.attention_layers), dtype=jnp.int32)
+        xs = (stacked, index, self._per_layer(), groups)
+        x_BxSxD, _ = jax.lax.scan(group, x_BxSxD, xs)
         return self._logits(embed, x_BxSxD)
 
     def _embed(self, embed_VxD: jax.Array, tokens_BxS: jax.Array) -> jax.Array:
@@ -308,12 +443,12 @@ class LlamaModule(nnx.Module):
         cfg, out = self.cfg, []
         for kind in self._tables():
             if kind == "none":
-                shape = (*pos_BxS.shape, cfg.head_size)
+                shape = (*pos_BxS.shape, cfg.rotary_dim)
                 out.append((jnp.ones(shape, jnp.float32), jnp.zeros(shape, jnp.float32)))
                 continue
             local = cfg.rope_local_base_freq
             if kind == "local" and local is not None:
-                inv = inverse_frequencies(cfg.head_size, local)
+                inv = inverse_frequencies(cfg.rotary_dim, local)
             else:
                 inv = rope_frequencies(cfg)
             out.append(rotary(pos_BxS, inv))
@@ -372,10 +507,52 @@ class LlamaModule(nnx.Module):
             x, kv = nnx.merge(graphdef, params, rest)(x, cos, sin, None, kv, None, window)
             return x, (kv.k, kv.v)
 
-        xs = (stacked, *cache, self._per_layer())
-        x_BxTxD, cache = jax.lax.scan(layer, self._embed(embed, tokens_BxT), xs)
+        x_BxTxD = self._embed(embed, tokens_BxT)
+        if self.linear_layers is None:
+            xs = (stacked, *cache, self._per_layer())
+            x_BxTxD, cache = jax.lax.scan(layer, x_BxTxD, xs)
+        else:
+            x_BxTxD, cache = self._decode_groups(x_BxTxD, start, cache, last, layer, stacked)
         x_Bx1xD = jax.lax.dynamic_slice_in_dim(x_BxTxD, last, 1, axis=1)
         return self._logits(embed, x_Bx1xD)[:, 0], cache
+
+    def _decode_groups(
+        self,
+        x_BxTxD: jax.Array,
+        start: jax.Array,
+        cache: KVCache,
+        last: jax.Array,
+        layer: Any,
+        stacked: Any,
+    ) -> tuple[jax.Array, KVCache]:
+        """:meth:`decode`'s layers with linear-attention ones, in :meth:`__call__`'s
+        groups: the attention layers with their keys and values (``layer``), the linear
+        ones with their states and conv windows (:class:`LinearCache`; the tokens past
+        ``last`` are a prefill's padding, which they skip)."""
+        assert self.linear_layers is not None
+        k_cache, v_cache, states, windows = cache
+        lin_def, lin_stacked, lin_rest = nnx.split(self.linear_layers, nnx.Param, ...)  # type: ignore[misc]
+        k = self.cfg.interval - 1
+        groups = len(self.cfg.attention_layers)
+        by_group = lambda a: a.reshape(groups, k, *a.shape[1:])
+
+        def linear_layer(x, params_state_window):
+            params, state, window = params_state_window
+            lc = LinearCache(state, window, start, last + 1)
+            x, lc = nnx.merge(lin_def, params, lin_rest)(x, None, None, None, lc)
+            return x, (lc.state, lc.window)
+
+        def group(x, xs):
+            params, k_c, v_c, per_layer, linear = xs
+            x, linear = jax.lax.scan(linear_layer, x, linear)
+            x, kv = layer(x, (params, k_c, v_c, per_layer))
+            return x, (*kv, *linear)
+
+        linear = jax.tree.map(by_group, (lin_stacked, states, windows))
+        xs = (stacked, k_cache, v_cache, self._per_layer(), linear)
+        x_BxTxD, (k_c, v_c, st, win) = jax.lax.scan(group, x_BxTxD, xs)
+        flat = lambda a: a.reshape(groups * k, *a.shape[2:])
+        return x_BxTxD, (k_c, v_c, flat(st), flat(win))
 
 
 # --------------------------------------------------------------------------- protocol
@@ -396,6 +573,17 @@ class Llama(ReferenceModel):
         norm/weight              D
         lm_head/weight           V x D   (untied only)
 
+    With linear-attention layers (Qwen3.5) ``layers/...`` holds the attention layers
+    (``L`` their count, ``q_proj`` twice as wide with ``attn_output_gate``) and
+    ``linear_layers/...`` the others, with the same norms and MLP and in attention's
+    place::
+
+        linear_layers/linear_attn/in_proj_{qkv,z,b,a}/weight   L' x out x in
+        linear_layers/linear_attn/conv1d/weight                L' x C x 1 x width
+        linear_layers/linear_attn/{dt_bias,A_log}              L' x H
+        linear_layers/linear_attn/norm/weight                  L' x value_dim
+        linear_layers/linear_attn/out_proj/weight              L' x D x (H x value_dim)
+
     Example:
       >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
       ...                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -406,7 +594,7 @@ class Llama(ReferenceModel):
       (1, 8, 64)
     """
 
-    STACKED = r"^layers/"
+    STACKED = r"^(linear_)?layers/"
     # the Hugging Face directory and config.json it came from (jaxzero.hf.model, or a
     # run's model.hf_config): hf.save writes that architecture and copies its files
     hf_dir: Path | None = None
@@ -464,9 +652,30 @@ class Llama(ReferenceModel):
         return token_loss(logits, batch)
 
     def attention_shape(self) -> tuple[int, int]:
-        """``(layers, heads x head_dim)``: attention's FLOPs (:meth:`flops_per_token`)."""
+        """``(layers, heads x head_dim)``: attention's FLOPs (:meth:`flops_per_token`),
+        over the layers with (softmax) attention."""
         c = self.config
-        return c.num_hidden_layers, c.num_attention_heads * c.head_size
+        return len(c.attention_layers), c.num_attention_heads * c.head_size
+
+    def flops_per_token(self, num_params: int | None = None, frozen: int = 0) -> float:
+        """:meth:`ReferenceModel.flops_per_token` (6 x the matmul params, attention's
+        12·L·S·H·K over the attention layers) plus, for Qwen3.5's linear-attention
+        layers, :meth:`linear_rule_flops`: their projections and conv are among the
+        params, their mixing is the chunked delta rule's, linear in the sequence."""
+        return super().flops_per_token(num_params, frozen) + self.linear_rule_flops()
+
+    def linear_rule_flops(self) -> float:
+        """Training FLOPs a token of the linear-attention layers' gated delta rule beyond
+        their projections: 3 (forward and backward) x L' x
+        :func:`jaxzero.models.deltanet.rule_flops_per_token`
+        (``H·(C·(6K + 4V) + 2C²/3 + 6·K·V)``, chunks of ``C = min(64, seq_len)`` tokens as
+        the layer runs it); 0 without them."""
+        c = self.config
+        n = len(c.linear_attention_layers)
+        if not n:
+            return 0.0
+        h, k, v = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        return 3.0 * n * deltanet.rule_flops_per_token(h, k, v, min(CHUNK, c.seq_len))
 
     def lookup_params(self) -> int:
         """An untied input embedding is a lookup, not a matmul (tied: it is the head)."""
@@ -475,10 +684,20 @@ class Llama(ReferenceModel):
 
     def new_cache(self, params: dict[str, Any]) -> KVCache:
         """An empty key/value cache over the ``seq_len`` window (sampling), grouped-query:
-        one slot per key/value head, not per query head."""
+        one slot per key/value head, not per query head; with linear-attention layers
+        (Qwen3.5) also their delta-rule states (fp32) and conv windows (``width - 1``
+        inputs), zero: :class:`~jaxzero.models.common.LinearCache`'s, stacked."""
         c = self.config
         dtype = params["embed_tokens"]["weight"].dtype
-        return new_cache(c.num_hidden_layers, c.seq_len, c.kv_heads, c.head_size, dtype)
+        kv = new_cache(len(c.attention_layers), c.seq_len, c.kv_heads, c.head_size, dtype)
+        n = len(c.linear_attention_layers)
+        if not n:
+            return kv
+        h, kd, vd = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        channels = 2 * c.linear_num_key_heads * kd + h * vd
+        state = jnp.zeros((n, 1, h, kd, vd), jnp.float32)
+        window = jnp.zeros((n, 1, c.linear_conv_kernel_dim - 1, channels), dtype)
+        return (*kv, state, window)
 
     def decode(self, params: dict[str, Any], *step: Any) -> tuple[jax.Array, KVCache]:
         """One step of cached sampling with these params (:meth:`LlamaModule.decode`)."""

@@ -16,7 +16,11 @@ second / sixth layer full; SmolLM3: ``layer_types``, or the no-rope layers when
 ``use_sliding_window``). SmolLM3 adds ``no_rope_layers``; Gemma 2 and 3 their norms,
 GeGLU, embedding scale, attention scale and soft-caps, Gemma 3 a rope base of its
 sliding layers (``rope_parameters`` keyed by layer type in ``transformers`` 5,
-``rope_local_base_freq`` before).
+``rope_local_base_freq`` before). Qwen3.5 (text) adds its Gated DeltaNet layers
+(``layer_types`` of ``linear_attention``/``full_attention``, or one full layer in every
+``full_attention_interval``), their ``linear_*`` shapes, the gated attention output,
+``partial_rotary_factor`` (in ``rope_parameters``; its ``mrope_*`` keys change nothing
+for text, whose three position rows are equal) and the ``1 + weight`` norms.
 """
 
 from __future__ import annotations
@@ -27,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from jaxzero.errors import Error
-from jaxzero.models.llama import FULL_ATTENTION, SLIDING, LlamaConfig
+from jaxzero.models.llama import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING, STACKS, LlamaConfig
 from jaxzero.models.llama_layers import ACTIVATIONS
 from jaxzero.models.rope import ROPE_TYPES
 
-__all__ = ["HFError", "hf_config", "hf_names", "llama_config"]
+__all__ = ["HFError", "hf_config", "hf_names", "is_stacked", "llama_config"]
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -49,8 +53,9 @@ class Family:
     ``layer_types`` or its no-rope layers); whether it has ``mlp_bias``; SmolLM3's
     ``no_rope_layers``; Gemma's norms, GeGLU and scales (``gemma``), whether it applies
     ``attn_logit_softcapping`` (Gemma 2; ``transformers``' Gemma 3 reads the key and
-    ignores it), Gemma 3's local rope base; and the values its ``transformers`` config
-    class gives keys a ``config.json`` lacks."""
+    ignores it), Gemma 3's local rope base; Qwen3.5's linear-attention layers, gated
+    attention output, partial rope and ``1 + weight`` norms (``hybrid``); and the values
+    its ``transformers`` config class gives keys a ``config.json`` lacks."""
 
     model_type: str
     biases: tuple[bool, bool] | None
@@ -62,6 +67,7 @@ class Family:
     attn_softcap: bool = False
     local_rope: bool = False
     pattern: int = 0
+    hybrid: bool = False
     defaults: tuple[tuple[str, Any], ...] = ()
 
 
@@ -104,7 +110,31 @@ ARCHITECTURES = {
         local_rope=True,
         defaults=(*_GEMMA, ("rope_theta", 1e6), ("rope_local_base_freq", 1e4)),
     ),
+    "Qwen3_5ForCausalLM": Family(
+        "qwen3_5_text",
+        None,
+        qk_norm=True,
+        hybrid=True,
+        defaults=(
+            ("head_dim", 256),
+            ("num_key_value_heads", 4),
+            ("partial_rotary_factor", 0.25),
+            ("linear_conv_kernel_dim", 4),
+            ("linear_key_head_dim", 128),
+            ("linear_value_head_dim", 128),
+            ("linear_num_key_heads", 16),
+            ("linear_num_value_heads", 32),
+        ),
+    ),
 }
+# LlamaConfig's fields of Qwen3.5's linear-attention layers, as config.json names them
+LINEAR_FIELDS = (
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
 SUPPORTED = ", ".join(ARCHITECTURES)
 # LlamaConfig's fields of Gemma's options (False or None: off)
 GEMMA_FIELDS = (
@@ -137,19 +167,61 @@ def read_json(path: Path) -> dict[str, Any]:
     return value
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """``(rope_theta, rope_scaling)`` from either spelling; ``None`` scaling: default."""
+# rope_parameters' keys that are not the scaling's: Qwen3.5's partial rope, and its
+# multimodal rope's sections, which give text (three equal position rows) plain rope
+_NOT_SCALING = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def _rope(raw: dict[str, Any], partial: bool = False) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` from either spelling; ``None`` scaling: default.
+    ``partial``: the family reads ``partial_rotary_factor`` (Qwen3.5), else it must be 1."""
     params = dict(raw.get("rope_parameters") or {})
     legacy = dict(raw.get("rope_scaling") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    scaling = {k: v for k, v in (params or legacy).items() if k != "rope_theta"}
+    scaling = {k: v for k, v in (params or legacy).items() if k not in _NOT_SCALING}
     kind = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
     if kind not in ROPE_TYPES:
         raise HFError(f"rope type {kind!r} is not supported (jaxzero has {', '.join(ROPE_TYPES)})")
-    if params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
+    if not partial and _partial_rotary_factor(raw) != 1.0:
         raise HFError("partial_rotary_factor != 1 is not supported")
     return float(theta), (None if kind == "default" else {"rope_type": kind, **scaling})
+
+
+def _partial_rotary_factor(raw: dict[str, Any]) -> float:
+    """The fraction of each head rope rotates: ``rope_parameters``' (transformers 5) or
+    the top level's."""
+    params = raw.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+
+
+def _qwen3_5(raw: dict[str, Any], family: Family) -> dict[str, Any]:
+    """The :class:`LlamaConfig` fields of Qwen3.5's options (none for the others): its
+    ``layer_types`` (or one full layer in every ``full_attention_interval``, as
+    ``transformers`` fills them), the linear layers' shapes, the gated attention output,
+    partial rope and ``1 + weight`` norms."""
+    if not family.hybrid:
+        return {}
+    layers = raw.get("num_hidden_layers")
+    types = raw.get("layer_types")
+    if types is None and isinstance(layers, int):
+        every = raw.get("full_attention_interval", 4)
+        types = [LINEAR_ATTENTION if (i + 1) % every else FULL_ATTENTION for i in range(layers)]
+    if not isinstance(types, list | tuple) or (isinstance(layers, int) and len(types) != layers):
+        raise HFError(f"{CONFIG}: layer_types must list one type for each of the {layers} layers")
+    for i, t in enumerate(types):
+        if t not in (FULL_ATTENTION, LINEAR_ATTENTION):
+            raise HFError(
+                f"layer_types: layer {i} is {t!r}, which is not supported "
+                f"(jaxzero's Qwen3.5 has {LINEAR_ATTENTION} and {FULL_ATTENTION})"
+            )
+    return dict(
+        layer_types=tuple(types),
+        norm_offset=True,
+        attn_output_gate=True,
+        partial_rotary_factor=_partial_rotary_factor(raw),
+        **{name: raw[name] for name in LINEAR_FIELDS},
+    )
 
 
 def architecture(raw: dict[str, Any]) -> str:
@@ -288,7 +360,7 @@ def llama_config(raw: dict[str, Any], **overrides: Any) -> LlamaConfig:
     if family.local_rope:
         theta, scaling, local_theta = _gemma3_rope(raw)
     else:
-        theta, scaling = _rope(raw)
+        theta, scaling = _rope(raw, partial=family.hybrid)
     bias = bool(raw.get("attention_bias", False))
     qkv_bias, o_bias = biases if biases is not None else (bias, bias)
     try:
@@ -321,6 +393,7 @@ def llama_config(raw: dict[str, Any], **overrides: Any) -> LlamaConfig:
         seq_len=min(max_pos, 2048),
         **_gemma(raw, family),
     )
+    fields.update(_qwen3_5(raw, family))  # its layer_types: linear and full attention
     if family.no_rope and isinstance(fields["num_hidden_layers"], int):
         flags = _no_rope_layers(raw, fields["num_hidden_layers"])
         fields["no_rope_layers"] = None if all(flags) else tuple(flags)
@@ -349,6 +422,7 @@ def hf_config(cfg: LlamaConfig, dtype: str, source: dict[str, Any] | None = None
     skip: tuple[str, ...] = ("qkv_bias", "o_bias", "rope_scaling", "seq_len", "remat")
     skip = (*skip, "attention", "qk_norm")
     skip = (*skip, *GEMMA_FIELDS, "no_rope_layers", "rope_local_base_freq", "hidden_act")
+    skip = (*skip, "partial_rotary_factor", "attn_output_gate", *LINEAR_FIELDS)
     out = {
         "architectures": [arch],
         "model_type": family.model_type,
@@ -410,6 +484,15 @@ def hf_config(cfg: LlamaConfig, dtype: str, source: dict[str, Any] | None = None
             attn_logit_softcapping=cfg.attn_logit_softcapping,
             final_logit_softcapping=cfg.final_logit_softcapping,
         )
+    if family.hybrid:  # Qwen3.5: its layer types, linear layers' shapes, partial rope
+        out.update(
+            layer_types=list(cfg.layer_types or [FULL_ATTENTION] * cfg.num_hidden_layers),
+            rope_parameters={
+                **out["rope_parameters"],
+                "partial_rotary_factor": cfg.partial_rotary_factor,
+            },
+            **{name: getattr(cfg, name) for name in LINEAR_FIELDS},
+        )
     if family.local_rope:  # a rope a layer type; transformers 4's spelling too
         full = {**rope, "rope_theta": cfg.rope_theta}
         local = cfg.rope_local_base_freq
@@ -425,6 +508,13 @@ def _architecture_of(cfg: LlamaConfig) -> str:
     """The architecture that holds exactly ``cfg`` (a model built here, with no source
     config.json), or one line saying none does."""
     windows = cfg.windows
+    if cfg.interval or cfg.attn_output_gate:
+        return _qwen3_5_of(cfg)
+    if cfg.partial_rotary_factor != 1.0:
+        raise HFError(
+            "no supported architecture but Qwen3.5 (linear_attention layers, attn_output_gate) "
+            "has partial_rotary_factor != 1"
+        )
     gemma = [f for f in GEMMA_FIELDS if getattr(cfg, f)]
     if gemma:
         return _gemma_of(cfg, gemma)
@@ -462,6 +552,21 @@ def _architecture_of(cfg: LlamaConfig) -> str:
     return arch
 
 
+def _qwen3_5_of(cfg: LlamaConfig) -> str:
+    """Qwen3.5 when ``cfg`` has its options together (gated attention output, q/k norms,
+    ``1 + weight`` norms) and nothing it lacks, or one line saying what does not fit."""
+    needed = ("attn_output_gate", "qk_norm", "norm_offset")
+    missing = [f for f in needed if not getattr(cfg, f)]
+    other = [f for f in GEMMA_FIELDS if f != "norm_offset" and getattr(cfg, f)]
+    if missing or other or cfg.qkv_bias != cfg.o_bias or cfg.mlp_bias or cfg.windows:
+        raise HFError(
+            f"Qwen3_5ForCausalLM has {', '.join(needed)} together, biases on all of q, k, v, o "
+            "or on none, and no mlp_bias, sliding windows or Gemma's other options: "
+            f"this model {'lacks ' + missing[0] if missing else 'has more'}"
+        )
+    return "Qwen3_5ForCausalLM"
+
+
 def _gemma_of(cfg: LlamaConfig, gemma: list[str]) -> str:
     """Gemma 2 or Gemma 3 (q/k norms) when ``cfg`` has all of Gemma's norms and nothing
     either lacks, or one line saying what does not fit."""
@@ -487,10 +592,18 @@ def _gemma_of(cfg: LlamaConfig, gemma: list[str]) -> str:
 # --------------------------------------------------------------------------- weight names
 
 
-def hf_names(name: str, num_layers: int) -> list[str]:
+def is_stacked(name: str) -> bool:
+    """Whether the jaxzero param ``name`` stacks layers on its leading dim (``layers/...``,
+    ``linear_layers/...``)."""
+    return name.split("/", 1)[0] in STACKS
+
+
+def hf_names(name: str, layers: int | LlamaConfig) -> list[str]:
     """The checkpoint tensors of the jaxzero param ``name`` (``partition.path_str``'s
-    ``a/b/c``): one per layer for the stacked ``layers/...`` params
-    (``model.layers.{i}.``), else one.
+    ``a/b/c``): one per layer for the stacked params (``model.layers.{i}.``), else one.
+    ``layers``: the model's config, whose layer types say which layers each stack holds
+    (``layers``: the attention layers, ``linear_layers``: Qwen3.5's linear-attention
+    ones), or a layer count (every layer in ``layers``).
 
     A mapping between two persisted formats, not a second naming of leaves: Hugging
     Face names a tensor by its module path joined by ``.``, under ``model.``, and
@@ -501,9 +614,10 @@ def hf_names(name: str, num_layers: int) -> list[str]:
       ['model.layers.0.mlp.up_proj.weight', 'model.layers.1.mlp.up_proj.weight']
     """
     path = name.split("/")
-    if path[0] == "layers":
+    if path[0] in STACKS:
         rest = ".".join(path[1:])
-        return [f"model.layers.{i}.{rest}" for i in range(num_layers)]
+        index = range(layers) if isinstance(layers, int) else layers.stack_layers(path[0])
+        return [f"model.layers.{i}.{rest}" for i in index]
     if path[0] == "lm_head":
         return [".".join(path)]
     return ["model." + ".".join(path)]

@@ -4,7 +4,10 @@ layer, each keeping the Hugging Face names and orientations of its weights.
 
 What the families differ by are options of these layers, read from
 :class:`~jaxzero.models.llama.LlamaConfig`: Qwen3's and Gemma 3's q/k norms, Gemma's
-``1 + weight`` RMSNorm, GeGLU, sandwich norms, attention scale and soft-capped scores.
+``1 + weight`` RMSNorm, GeGLU, sandwich norms, attention scale and soft-capped scores;
+Qwen3.5's gated attention output, partial rope and its Gated DeltaNet (linear
+attention) layers, a decoder layer whose mixer is :class:`GatedDeltaNet` instead of
+:class:`Attention` (the kernels: :mod:`jaxzero.models.deltanet`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxzero import loss as loss_lib
-from jaxzero.models.common import LayerCache, causal_attention
+from jaxzero.models import deltanet
+from jaxzero.models.common import LayerCache, LinearCache, causal_attention
 from jaxzero.models.lora import LoraConfig, check_rank
 from jaxzero.models.quant import dequantize, quantize_traced
 from jaxzero.models.rope import apply_rotary
@@ -106,6 +110,15 @@ def _keys(rng: jax.Array | None, n: int) -> list[jax.Array | None]:
 LINEARS = tuple(f"self_attn.{p}_proj" for p in "qkvo") + tuple(
     f"mlp.{p}_proj" for p in ("gate", "up", "down")
 )
+# and of a linear-attention (Gated DeltaNet) layer's mixer (Qwen3.5)
+LINEAR_ATTENTION_LINEARS = tuple(
+    f"linear_attn.{p}" for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+)
+
+
+def linears(cfg: LlamaConfig) -> list[str]:
+    """The linear modules a model of ``cfg`` has, by peft's names (LoRA's targets)."""
+    return [*LINEARS, *(LINEAR_ATTENTION_LINEARS if cfg.interval else ())]
 
 
 class RMSNorm(nnx.Module):
@@ -133,9 +146,16 @@ def _norm(cfg: LlamaConfig, dim: int) -> RMSNorm:
 
 
 class Attention(nnx.Module):
+    """Grouped-query attention; ``attn_output_gate`` (Qwen3.5): ``q_proj`` gives each
+    head its query and a gate side by side (``2 x head_dim`` a head, query first, as
+    ``transformers`` splits its output), and the attention's output is multiplied by
+    ``sigmoid(gate)`` before ``o_proj``."""
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
         d, h, kv, k = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
-        self.q_proj = _linear(cfg, lora, "self_attn.q_proj", d, h * k, cfg.qkv_bias, rngs)
+        self.gated = cfg.attn_output_gate
+        q_out = 2 * h * k if self.gated else h * k
+        self.q_proj = _linear(cfg, lora, "self_attn.q_proj", d, q_out, cfg.qkv_bias, rngs)
         self.k_proj = _linear(cfg, lora, "self_attn.k_proj", d, kv * k, cfg.qkv_bias, rngs)
         self.v_proj = _linear(cfg, lora, "self_attn.v_proj", d, kv * k, cfg.qkv_bias, rngs)
         self.o_proj = _linear(cfg, lora, "self_attn.o_proj", h * k, d, cfg.o_bias, rngs)
@@ -164,7 +184,13 @@ class Attention(nnx.Module):
         sliding window (an int32 scalar; None: full causal attention)."""
         b, s, _ = x_BxSxD.shape
         r = _keys(rng, 4)
-        q = self.q_proj(x_BxSxD, r[0]).reshape(b, s, self.heads, self.head_dim)
+        gate_BxSxHK = None
+        if self.gated:
+            qg = self.q_proj(x_BxSxD, r[0]).reshape(b, s, self.heads, 2 * self.head_dim)
+            q, gate_BxSxHK = qg[..., : self.head_dim], qg[..., self.head_dim :]
+            gate_BxSxHK = gate_BxSxHK.reshape(b, s, self.heads * self.head_dim)
+        else:
+            q = self.q_proj(x_BxSxD, r[0]).reshape(b, s, self.heads, self.head_dim)
         k = self.k_proj(x_BxSxD, r[1]).reshape(b, s, self.kv_heads, self.head_dim)
         v = self.v_proj(x_BxSxD, r[2]).reshape(b, s, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # before rope, as Qwen3
@@ -177,7 +203,107 @@ class Attention(nnx.Module):
             )
         else:
             out_BxSxHxK, cache = cache.attend(q, k, v, window, self.scale, self.softcap)
-        return self.o_proj(out_BxSxHxK.reshape(b, s, self.heads * self.head_dim), r[3]), cache
+        out_BxSxHK = out_BxSxHxK.reshape(b, s, self.heads * self.head_dim)
+        if gate_BxSxHK is not None:
+            out_BxSxHK = out_BxSxHK * jax.nn.sigmoid(gate_BxSxHK)
+        return self.o_proj(out_BxSxHK, r[3]), cache
+
+
+class Conv1d(nnx.Module):
+    """The depthwise causal convolution's weight, ``channels x 1 x width`` as PyTorch's
+    ``nn.Conv1d(groups=channels)`` stores it (a checkpoint loads as it is), drawn as
+    PyTorch draws it (uniform in +-1/sqrt(width)); no bias (Qwen3.5 has none)."""
+
+    def __init__(self, channels: int, width: int, rngs: nnx.Rngs):
+        bound = 1.0 / width**0.5
+        shape = (channels, 1, width)
+        self.weight = nnx.Param(
+            jax.random.uniform(rngs.params(), shape, minval=-bound, maxval=bound)
+        )
+
+
+class GatedRMSNorm(nnx.Module):
+    """The DeltaNet output's norm, each value head's: ``weight * rms_norm(x) * silu(gate)``
+    with a plain weight (ones at init, not Gemma's ``1 + weight``), as ``transformers``'
+    ``Qwen3_5RMSNormGated``; the arithmetic is :func:`jaxzero.models.deltanet.gated_rms_norm`."""
+
+    def __init__(self, dim: int, eps: float):
+        self.weight = nnx.Param(jnp.ones(dim))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        return deltanet.gated_rms_norm(x, gate, self.weight[...], self.eps)
+
+
+CHUNK = 64  # the chunked delta rule's tokens a chunk (transformers' and FLA's)
+
+
+class GatedDeltaNet(nnx.Module):
+    """Qwen3.5's linear attention, ``transformers``' ``Qwen3_5GatedDeltaNet``: q, k, v
+    from one projection through a causal depthwise conv (SiLU), q and k L2-normalised
+    (in the kernel), a decay ``g = -exp(A_log) * softplus(a + dt_bias)`` and a write
+    strength ``beta = sigmoid(b)`` a value head and token, the gated delta rule over a
+    state of ``key_dim x value_dim`` a value head, the output normed and gated by
+    ``silu(z)``, then ``out_proj``. ``G`` key heads serve ``H`` value heads in groups of
+    ``H / G`` consecutive ones. Memory and work grow linearly with the sequence; the
+    state and the conv's last ``width - 1`` inputs are what sampling caches."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+        d, g, h = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        kd, vd = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_heads, self.value_heads, self.key_dim, self.value_dim = g, h, kd, vd
+        channels = 2 * g * kd + h * vd
+        lin = lambda name, d_in, d_out: _linear(
+            cfg, lora, f"linear_attn.{name}", d_in, d_out, False, rngs
+        )
+        self.in_proj_qkv = lin("in_proj_qkv", d, channels)
+        self.in_proj_z = lin("in_proj_z", d, h * vd)
+        self.in_proj_b = lin("in_proj_b", d, h)
+        self.in_proj_a = lin("in_proj_a", d, h)
+        self.conv1d = Conv1d(channels, cfg.linear_conv_kernel_dim, rngs)
+        self.dt_bias = nnx.Param(jnp.ones(h))
+        # transformers draws A in [0.01, 16] (away from 0: log A is finite)
+        self.A_log = nnx.Param(
+            jnp.log(jax.random.uniform(rngs.params(), (h,), minval=0.01, maxval=16.0))
+        )
+        self.norm = GatedRMSNorm(vd, cfg.rms_norm_eps)
+        self.out_proj = lin("out_proj", h * vd, d)
+
+    def __call__(
+        self,
+        x_BxSxD: jax.Array,
+        segment_ids_BxS: jax.Array | None = None,
+        cache: LinearCache | None = None,
+        rng: jax.Array | None = None,
+    ) -> tuple[jax.Array, LinearCache | None]:
+        """Training and prefill without a ``cache``: the chunked form over the whole
+        sequence (packed documents: ``segment_ids``, the state and the conv restart at
+        each document). With one (sampling): the tokens continue its state and conv
+        window, and it comes back with them in (:meth:`LinearCache.step`)."""
+        b, s, _ = x_BxSxD.shape
+        r = _keys(rng, 5)
+        qkv_BxSxC = self.in_proj_qkv(x_BxSxD, r[0])
+        w_CxW = self.conv1d.weight[...][:, 0, :]
+        z_BxSxHxV = self.in_proj_z(x_BxSxD, r[1]).reshape(b, s, self.value_heads, self.value_dim)
+        beta_BxSxH = deltanet.beta_gate(self.in_proj_b(x_BxSxD, r[2]))
+        a_BxSxH = self.in_proj_a(x_BxSxD, r[3])
+        g_BxSxH = deltanet.decay(a_BxSxH, self.A_log[...], self.dt_bias[...])
+        if cache is None:
+            conv_BxSxC = deltanet.causal_conv1d(qkv_BxSxC, w_CxW, segment_ids_BxS)
+        else:
+            conv_BxSxC, cache = cache.conv(qkv_BxSxC, w_CxW)
+        gk, hv = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        q = conv_BxSxC[..., :gk].reshape(b, s, self.key_heads, self.key_dim)
+        k = conv_BxSxC[..., gk : 2 * gk].reshape(b, s, self.key_heads, self.key_dim)
+        v = conv_BxSxC[..., 2 * gk : 2 * gk + hv].reshape(b, s, self.value_heads, self.value_dim)
+        if cache is None:
+            o_BxSxHxV, _ = deltanet.gated_delta_rule(
+                q, k, v, g_BxSxH, beta_BxSxH, CHUNK, segment_ids_BxS=segment_ids_BxS
+            )
+        else:
+            o_BxSxHxV, cache = cache.recur(q, k, v, g_BxSxH, beta_BxSxH)
+        o_BxSxHxV = self.norm(o_BxSxHxV.astype(x_BxSxD.dtype), z_BxSxHxV)
+        return self.out_proj(o_BxSxHxV.reshape(b, s, hv), r[4]), cache
 
 
 class MLP(nnx.Module):
@@ -197,12 +323,22 @@ class DecoderLayer(nnx.Module):
     """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)). With ``sandwich_norms``
     (Gemma 2/3) each branch is normed on its way out too: x + norm(attn(norm(x))), then
     x + norm(mlp(norm(x))); ``post_attention_layernorm`` is then the attention's output
-    norm (Hugging Face's names: the MLP's input norm is ``pre_feedforward_layernorm``)."""
+    norm (Hugging Face's names: the MLP's input norm is ``pre_feedforward_layernorm``).
+    ``linear`` (Qwen3.5's linear-attention layers): the mixer is ``linear_attn``, a
+    :class:`GatedDeltaNet`, in attention's place (no rope, no window; its ``cache`` a
+    :class:`~jaxzero.models.common.LinearCache`)."""
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        rngs: nnx.Rngs,
+        lora: LoraConfig | None = None,
+        linear: bool = False,
+    ):
         d = cfg.hidden_size
         self.input_layernorm = _norm(cfg, d)
-        self.self_attn = Attention(cfg, rngs, lora)
+        self.self_attn = None if linear else Attention(cfg, rngs, lora)
+        self.linear_attn = GatedDeltaNet(cfg, rngs, lora) if linear else None
         self.post_attention_layernorm = _norm(cfg, d)
         self.pre_feedforward_layernorm = _norm(cfg, d) if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = _norm(cfg, d) if cfg.sandwich_norms else None
@@ -211,16 +347,23 @@ class DecoderLayer(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
-        cos: jax.Array,
-        sin: jax.Array,
+        cos: jax.Array | None,
+        sin: jax.Array | None,
         segment_ids_BxS: jax.Array | None = None,
-        cache: LayerCache | None = None,
+        cache: LayerCache | LinearCache | None = None,
         rng: jax.Array | None = None,
         window: jax.Array | None = None,
-    ) -> tuple[jax.Array, LayerCache | None]:
+    ) -> tuple[jax.Array, LayerCache | LinearCache | None]:
         r = _keys(rng, 2)
         h = self.input_layernorm(x)
-        y, cache = self.self_attn(h, cos, sin, segment_ids_BxS, cache, r[0], window)
+        y: jax.Array
+        if self.linear_attn is not None:
+            assert cache is None or isinstance(cache, LinearCache)
+            y, cache = self.linear_attn(h, segment_ids_BxS, cache, r[0])
+        else:  # rope's tables: a linear-attention layer has none
+            assert self.self_attn is not None and cos is not None and sin is not None
+            assert not isinstance(cache, LinearCache)
+            y, cache = self.self_attn(h, cos, sin, segment_ids_BxS, cache, r[0], window)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             x = x + y
             return x + self.mlp(self.post_attention_layernorm(x), r[1]), cache

@@ -16,9 +16,10 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def rope_frequencies(cfg: Any) -> np.ndarray:
-    """Inverse frequencies (``head_dim / 2``, fp32) of ``cfg.rope_theta`` and
-    ``cfg.rope_scaling``, computed as ``transformers`` does."""
-    return inverse_frequencies(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
+    """Inverse frequencies (``rotary_dim / 2``, fp32) of ``cfg.rope_theta`` and
+    ``cfg.rope_scaling``, computed as ``transformers`` does: ``rotary_dim`` is the
+    head's dimension, or its rotated part under a ``partial_rotary_factor`` (Qwen3.5)."""
+    return inverse_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
 
 
 def inverse_frequencies(
@@ -52,10 +53,16 @@ def rotary(positions_BxS: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, j
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rotary(x_BxSxHxK: jax.Array, cos_BxSxK: jax.Array, sin_BxSxK: jax.Array) -> jax.Array:
-    """``x * cos + rotate_half(x) * sin``, ``rotate_half`` swapping the two halves."""
-    half = x_BxSxHxK.shape[-1] // 2
-    rotated = jnp.concatenate([-x_BxSxHxK[..., half:], x_BxSxHxK[..., :half]], axis=-1)
-    cos = cos_BxSxK[:, :, None].astype(x_BxSxHxK.dtype)
-    sin = sin_BxSxK[:, :, None].astype(x_BxSxHxK.dtype)
-    return x_BxSxHxK * cos + rotated * sin
+def apply_rotary(x_BxSxHxK: jax.Array, cos_BxSxR: jax.Array, sin_BxSxR: jax.Array) -> jax.Array:
+    """``x * cos + rotate_half(x) * sin``, ``rotate_half`` swapping the two halves; a
+    table narrower than the head (``R < K``: a ``partial_rotary_factor``, Qwen3.5)
+    rotates the head's first ``R`` dims so and passes the rest unchanged, as
+    ``transformers``' ``apply_rotary_pos_emb`` does."""
+    r = cos_BxSxR.shape[-1]
+    x_rot, x_pass = x_BxSxHxK[..., :r], x_BxSxHxK[..., r:]
+    half = r // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    cos = cos_BxSxR[:, :, None].astype(x_BxSxHxK.dtype)
+    sin = sin_BxSxR[:, :, None].astype(x_BxSxHxK.dtype)
+    out = x_rot * cos + rotated * sin
+    return out if r == x_BxSxHxK.shape[-1] else jnp.concatenate([out, x_pass], axis=-1)

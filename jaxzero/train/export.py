@@ -264,15 +264,20 @@ def export_peft(
             f"--format peft needs a LoRA run (lora.rank); {step_dir} trained every weight "
             "(export it with --format hf)"
         )
+    # which model layer each stacked entry is (Qwen3.5's two stacks): the checkpoint's
+    # own param tree says (the stacks' sizes, frozen ones included), whether or not the
+    # base is still there; never the stack's index, which misnumbers the attention layers
+    layers = merged.stack_layers(meta)
+    if layers is None:
+        raise ExportError(
+            f"--format peft: {step_dir}'s metadata does not say which model layer each "
+            "adapter is (its layers/ and linear_layers/ stacks' sizes fit no arrangement "
+            "jaxzero builds): its meta/metadata is damaged or not a jaxzero Llama run's"
+        )
+    tensors = merged.adapters(step_dir, meta, ema)
     try:
         with modeldir.staged(out, "jaxzero") as tmp:
-            write_adapter(
-                tmp,
-                config_of(lora),
-                merged.adapters(step_dir, meta, ema),
-                lora["path"],
-                DTYPES[dtype],
-            )
+            write_adapter(tmp, config_of(lora), tensors, lora["path"], DTYPES[dtype], layers)
     except OSError as e:
         raise ExportError(f"cannot write --out {out}: {e.strerror or e}") from None
     return out

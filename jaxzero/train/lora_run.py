@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxzero.hf.peft import Adapter, read_adapter
-from jaxzero.models.llama_hf import HFError
+from jaxzero.models.llama import LlamaConfig
+from jaxzero.models.llama_hf import CONFIG, HFError, llama_config, read_json
 from jaxzero.models.lora import ALL_LINEAR, LoraConfig
 from jaxzero.train.config import Config, ConfigError
 
@@ -43,7 +44,7 @@ def adapters(cfg: Config) -> tuple[LoraConfig | None, Adapter | None]:
         )
     if section.adapter:
         try:
-            adapter = read_adapter(Path(section.adapter).expanduser())
+            adapter = read_adapter(Path(section.adapter).expanduser(), base_config(cfg))
         except (HFError, OSError, ValueError) as e:
             raise ConfigError(f"lora.adapter: {e}") from None
         if section.rank and section.rank != adapter.config.rank:
@@ -74,6 +75,19 @@ def adapters(cfg: Config) -> tuple[LoraConfig | None, Adapter | None]:
         return config, None
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def base_config(cfg: Config) -> LlamaConfig | None:
+    """The config of the run's base (``train.init_from=hf:PATH``), which says which of
+    its layers each stack holds (Qwen3.5's two kinds); None where it cannot be read (the
+    run's own load then says why)."""
+    spec = cfg.train.init_from
+    if not spec or not spec.startswith("hf:"):
+        return None
+    try:
+        return llama_config(read_json(Path(spec[3:]).expanduser() / CONFIG))
+    except HFError:
+        return None
 
 
 def fingerprint(path: Path) -> str:

@@ -20,7 +20,8 @@ import numpy as np
 
 from jaxzero import hf
 from jaxzero.checkpoint import LeafReader, param_entries, read_extra
-from jaxzero.models.llama_hf import hf_names
+from jaxzero.models.llama import STACKS
+from jaxzero.models.llama_hf import hf_names, is_stacked
 from jaxzero.models.lora import MARK
 from jaxzero.partition import path_str
 from jaxzero.train import lora_run
@@ -85,14 +86,15 @@ def arrays(
     config = lora_run.config_of(lora)
     stored = {n: (leaf, shape) for n, leaf, shape in _stored_entries(meta, ema)}
     weights = hf.Weights(base)
-    layers = _layers(meta)
+    # the base's config says which layers each stack holds (Qwen3.5: two kinds)
+    layers = hf.model(base).config
     with LeafReader(step_dir) as reader:
         for name, shape in entries(meta, lora):
             if name in stored:
                 x = reader.read(*stored[name], np.dtype(np.float32))
             else:
                 parts = [np.asarray(weights.tensor(n), np.float32) for n in hf_names(name, layers)]
-                x = np.stack(parts) if name.startswith("layers/") else parts[0]
+                x = np.stack(parts) if is_stacked(name) else parts[0]
             module = name.rsplit("/", 1)[0]
             if name.endswith("/weight") and f"{module}/lora_A" in stored:
                 a = reader.read(*stored[f"{module}/lora_A"], np.dtype(np.float32))
@@ -122,9 +124,27 @@ def _stored_entries(
     return param_entries({**meta, "param_tree": held}, ema)
 
 
-def _layers(meta: dict[str, Any]) -> int:
-    """The stacked layers' count: the leading dim of any ``layers/...`` param."""
-    for e in meta["param_tree"]:
-        if e["path"] and e["path"][0][1] == "layers":
-            return int(e["shape"][0])
-    return 0
+def stack_layers(meta: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:
+    """The model layer of each entry of the stacks (``layers``, ``linear_layers``), from
+    the checkpoint's own param tree (every param's shape, trained or frozen): the stacks'
+    leading dims. With no ``linear_layers`` every layer is in ``layers``, in order;
+    with them the layers are Qwen3.5's groups of ``interval - 1`` linear-attention layers
+    before each attention one (the one arrangement :class:`~jaxzero.models.llama.LlamaConfig`
+    builds), ``interval`` the layers over the attention ones. None: sizes that fit no
+    such arrangement (a tree without ``layers``)."""
+    sizes: dict[str, int] = {}
+    for e in meta.get("param_tree", ()):
+        path = [k for _, k in e["path"]]
+        if path and path[0] in STACKS and e["shape"]:
+            sizes.setdefault(path[0], int(e["shape"][0]))
+    full, linear = sizes.get("layers", 0), sizes.get("linear_layers", 0)
+    if not linear:
+        return {"layers": tuple(range(full))} if full else None
+    if not full or (full + linear) % full:
+        return None
+    k = (full + linear) // full
+    n = full + linear
+    return {
+        "layers": tuple(range(k - 1, n, k)),
+        "linear_layers": tuple(i for i in range(n) if (i + 1) % k),
+    }

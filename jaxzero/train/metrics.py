@@ -217,15 +217,18 @@ def _flops_formula(model: Any, num_params: int, seq: int, frozen: int = 0) -> st
     c = model.config
     if hasattr(c, "num_key_value_heads"):  # the Llama: the untied input embedding is a lookup
         lookup = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+        layers = len(c.attention_layers)  # Qwen3.5: the linear-attention layers apart
+        rule = model.linear_rule_flops()
+        delta = (" + DeltaNet", f" + {rule:.6g}") if rule else ("", "")
         if frozen:  # no weight gradient of a frozen param
             return (
-                f"6*(N - lookup) - 2*(frozen - lookup) + 12*L*S*H*K = 6*({num_params} - "
+                f"6*(N - lookup) - 2*(frozen - lookup) + 12*L*S*H*K{delta[0]} = 6*({num_params} - "
                 f"{lookup}) - 2*({frozen} - {lookup}) + "
-                f"12*{c.num_hidden_layers}*{seq}*{c.num_attention_heads}*{c.head_size}"
+                f"12*{layers}*{seq}*{c.num_attention_heads}*{c.head_size}{delta[1]}"
             )
         return (
-            f"6*(N - lookup) + 12*L*S*H*K = 6*({num_params} - {lookup}) + "
-            f"12*{c.num_hidden_layers}*{seq}*{c.num_attention_heads}*{c.head_size}"
+            f"6*(N - lookup) + 12*L*S*H*K{delta[0]} = 6*({num_params} - {lookup}) + "
+            f"12*{layers}*{seq}*{c.num_attention_heads}*{c.head_size}{delta[1]}"
         )
     return f"6*N + 12*L*D*S = 6*{num_params} + 12*{c.n_layers}*{c.d_model}*{seq}"
 
