@@ -10,14 +10,16 @@ import pytest
 ROOT = Path(__file__).parent.parent
 
 
-def _run(script: str, *args: str) -> str:
-    """``python -m experiments.SCRIPT ARGS`` from the repository root, as the docs run it."""
+def _run(script: str, *args: str, optimized: bool = False) -> str:
+    """``python -m experiments.SCRIPT ARGS`` from the repository root, as the docs run it
+    (``optimized``: at XLA's usual code generation, :func:`_procs.optimized_env`)."""
     out = _procs.run(
         [sys.executable, "-m", f"experiments.{script.removesuffix('.py')}", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
+        env=_procs.optimized_env() if optimized else None,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out.stdout
@@ -269,7 +271,7 @@ def test_zeropp_quantized_collectives_train_the_default_run_to_the_exact_loss(tm
     """Issue 47: a 300-step default ``jaxzero train`` with qwZ + qgZ int8 ends within 2% of
     the exact run's validation loss (each in a fresh process, the same seed and data)."""
     _run("zeropp_loss.py", "--steps", "300", "--variants", "exact", "qwZ + qgZ int8",
-         "--out", str(tmp_path))  # fmt: skip
+         "--out", str(tmp_path), optimized=True)  # fmt: skip
     rows = list(csv.DictReader((tmp_path / "zeropp_loss.csv").open()))
     assert [r["variant"] for r in rows] == ["exact", "qwZ + qgZ int8"]
     exact, quantized = (float(r["val_loss"]) for r in rows)

@@ -93,7 +93,7 @@ def test_qwen3_5_training_gradients_match_torch_autograd():
     model = hf.model(path, seq_len=23)
     params = jax.tree.map(np.asarray, hf.read_params(path, model))
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}  # transformers' shift
-    loss, grads = jax.value_and_grad(model.loss_fn)(params, batch)
+    loss, grads = jax.jit(jax.value_and_grad(model.loss_fn))(params, batch)  # one compile
     np.testing.assert_allclose(float(loss), want.pop("loss").item(), rtol=1e-6)
     got = {}
     for p, g in jax.tree_util.tree_leaves_with_path(grads):
