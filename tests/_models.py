@@ -121,3 +121,22 @@ def rel_diff(a, b) -> float:
         b,
     )
     return max(jax.tree.leaves(diffs))
+
+
+# A tiny Qwen3.5 over a tiny Llama config: two groups of a DeltaNet layer (G = 2 key heads
+# serving H = 4 value heads) and a gated full-attention layer with partial rotary
+QWEN3_5_FIELDS = dict(
+    num_hidden_layers=4,
+    head_dim=8,
+    qkv_bias=False,
+    qk_norm=True,
+    norm_offset=True,
+    attn_output_gate=True,
+    partial_rotary_factor=0.5,
+    layer_types=("linear_attention", "full_attention") * 2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=6,
+    linear_value_head_dim=5,
+    linear_conv_kernel_dim=3,
+)

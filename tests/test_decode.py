@@ -23,7 +23,7 @@ from jaxzero.models.llama import Llama, LlamaConfig
 from jaxzero.train import config as C
 from jaxzero.train import loop
 from jaxzero.train.data import Corpus
-from tests._models import TINY_GPT
+from tests._models import QWEN3_5_FIELDS, TINY_GPT
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 WINDOW = 8  # both models' seq_len
@@ -38,22 +38,7 @@ TINY_LLAMA = LlamaConfig(
     seq_len=WINDOW,
 )
 # Qwen3.5: linear-attention layers (their state and conv window cached) between full ones
-TINY_QWEN3_5 = dataclasses.replace(
-    TINY_LLAMA,
-    num_hidden_layers=4,
-    head_dim=8,
-    qkv_bias=False,
-    qk_norm=True,
-    norm_offset=True,
-    attn_output_gate=True,
-    partial_rotary_factor=0.5,
-    layer_types=("linear_attention", "full_attention") * 2,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=6,
-    linear_value_head_dim=5,
-    linear_conv_kernel_dim=3,
-)
+TINY_QWEN3_5 = dataclasses.replace(TINY_LLAMA, **QWEN3_5_FIELDS)
 MODELS = {"gpt": GPT(TINY_GPT), "llama": Llama(TINY_LLAMA), "qwen3_5": Llama(TINY_QWEN3_5)}
 
 

@@ -23,7 +23,7 @@ from jaxzero.models.llama import Llama, LlamaConfig, rope_frequencies
 from jaxzero.train import config as C
 from jaxzero.train import export as ex
 from jaxzero.train import sample as sm
-from tests._models import params_of, rel_diff, train_reference
+from tests._models import QWEN3_5_FIELDS, params_of, rel_diff, train_reference
 
 ROOT = Path(__file__).parent.parent
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -113,22 +113,7 @@ def test_windows_and_qk_norms_train_like_one_device(options):
 
 # Qwen3.5's options: 2 groups of (linear attention, full attention), 2 key heads for 4
 # value heads, half of head_dim 8 rotated, the attention output gated, (1 + w) norms
-QWEN3_5 = dataclasses.replace(
-    TINY,
-    num_hidden_layers=4,
-    head_dim=8,
-    qkv_bias=False,
-    qk_norm=True,
-    norm_offset=True,
-    attn_output_gate=True,
-    partial_rotary_factor=0.5,
-    layer_types=("linear_attention", "full_attention") * 2,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=6,
-    linear_value_head_dim=5,
-    linear_conv_kernel_dim=3,
-)
+QWEN3_5 = dataclasses.replace(TINY, **QWEN3_5_FIELDS)
 
 
 def _packed(batches: list[dict]) -> list[dict]:
