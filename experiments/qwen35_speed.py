@@ -24,6 +24,9 @@ warm one) and the compiled peak (``memory_analysis()``: temp + argument + output
 each model's ratio to ``qwen3``, and each model's peak growth per 4x the sequence
 (linear: about 4x; XLA's attention materialises the S x S scores: up to 16x). A step
 whose compiled peak is over ``--max-gib`` is compiled (its peak recorded) but not run.
+Beside each compiled temp (the activations and the backward's workspace), the activation
+model ``jaxzero estimate`` uses (:class:`~jaxzero.accounting.activations.DecoderShape`,
+fp32, no remat, XLA attention) and the ratio of the two.
 Printed and written to ``experiments/results/qwen35_speed.csv`` (rows with
 :func:`environment`'s columns) and ``qwen35_speed.md``.
 
@@ -50,7 +53,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from experiments.results_io import environment, write_csv  # noqa: E402
-from jaxzero.models.llama import Llama, LlamaConfig  # noqa: E402
+from jaxzero.accounting.activations import DecoderShape, activation_bytes  # noqa: E402
+from jaxzero.models.llama import CHUNK, Llama, LlamaConfig  # noqa: E402
 from jaxzero.models.llama_layers import DecoderLayer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -141,6 +145,15 @@ def deltanet_layers_step(cfg: LlamaConfig) -> tuple[Any, Any, float]:
     return jax.value_and_grad(loss), params, 6.0 * n + rule * cfg.num_hidden_layers
 
 
+def formula_bytes(name: str, cfg: LlamaConfig) -> float:
+    """The activation model's bytes for one sequence of ``cfg`` in fp32: the model's
+    layers, or for ``deltanet-layers`` as many Gated DeltaNet layers and no attention."""
+    shape = DecoderShape.of(cfg, CHUNK)
+    if name == "deltanet-layers":
+        shape = dataclasses.replace(shape, layers=0, linear_layers=cfg.num_hidden_layers)
+    return activation_bytes(shape, 1, bytes_per_value=4.0).total
+
+
 def measure(step: Any, params: Any, seq: int, vocab: int, min_time: float, max_gib: float):
     rng = np.random.default_rng(seq)
     tokens = jnp.asarray(rng.integers(0, vocab, (1, seq + 1)), jnp.int32)
@@ -183,11 +196,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     size = SIZES["tiny" if args.tiny else "default"]
     seqs = [64, 256] if args.tiny else args.seqs
-    builders = {
-        "qwen3": lambda s: model_step(qwen3_config(size, s)),
-        "qwen3.5": lambda s: model_step(qwen3_5_config(size, s)),
-        "deltanet-layers": lambda s: deltanet_layers_step(qwen3_5_config(size, s)),
-    }
+    configs = {"qwen3": qwen3_config, "qwen3.5": qwen3_5_config, "deltanet-layers": qwen3_5_config}
+    steps = {"qwen3": model_step, "qwen3.5": model_step, "deltanet-layers": deltanet_layers_step}
     head = (
         f"hidden {size['hidden_size']}, {size['num_hidden_layers']} layers, vocab "
         f"{size['vocab_size']}; fwd+bwd (value_and_grad of the loss), batch 1, fp32, jit, one "
@@ -197,16 +207,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for seq in seqs:
-        for name, build in builders.items():
-            step, params, flops = build(seq)
+        for name in MODELS:
+            cfg = configs[name](size, seq)
+            step, params, flops = steps[name](cfg)
             row = {"model": name, "seq": seq, "batch": 1, "dtype": "fp32"}
             row |= measure(step, params, seq, size["vocab_size"], args.min_time, args.max_gib)
             row["params"] = sum(x.size for x in jax.tree.leaves(params))
             row["flops_per_token"] = flops
+            row["activation_formula_bytes"] = formula_bytes(name, cfg)
+            row["temp_over_formula"] = round(row["temp_bytes"] / row["activation_formula_bytes"], 3)
             rows.append(row)
             print(
                 f"  S={seq:5d} {name:15s} {row['tokens_per_s']:9.0f} tok/s  "
-                f"peak {row['peak_mib']:9.2f} MiB  (compile {row['compile_s']} s)",
+                f"peak {row['peak_mib']:9.2f} MiB  temp / activation formula "
+                f"{row['temp_over_formula']:.2f}  (compile {row['compile_s']} s)",
                 flush=True,
             )
             write_csv(args.out / "qwen35_speed.csv", rows)  # a crash keeps what was measured
@@ -217,7 +231,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"`python -m experiments.qwen35_speed{' --tiny' if args.tiny else ''}`: {head}; "
         f"{env['cpu']}, jax {env['jax']}. `deltanet-layers` is the Qwen3.5 model's "
         "linear-attention decoder layer four times (no attention layer). Ratios are to "
-        "`qwen3`; growth is each model's peak over its peak at the sequence before.\n\n" + md + "\n"
+        "`qwen3`; growth is each model's peak over its peak at the sequence before; "
+        "temp / formula is the compiled temp bytes over `jaxzero estimate`'s activation "
+        "model (`DecoderShape`: layers, output, one layer's backward workspace).\n\n" + md + "\n"
     )
     return rows
 
@@ -228,8 +244,9 @@ def table(rows: list[dict]) -> str:
     by = {(r["model"], r["seq"]): r for r in rows}
     seqs = sorted({r["seq"] for r in rows})
     lines = [
-        "| S | model | tok/s | speed / qwen3 | peak MiB | peak / qwen3 | peak growth |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| S | model | tok/s | speed / qwen3 | peak MiB | peak / qwen3 | peak growth "
+        "| temp / formula |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for i, s in enumerate(seqs):
         base = by[("qwen3", s)]
@@ -249,7 +266,8 @@ def table(rows: list[dict]) -> str:
                 grow = f"{r['peak_mib'] / by[(name, prev)]['peak_mib']:.2f}x per {s // prev}x S"
             lines.append(
                 f"| {s} | {name} | {tps} | {speed} | {r['peak_mib']:.1f} | "
-                f"{r['peak_mib'] / base['peak_mib']:.2f} | {grow} |"
+                f"{r['peak_mib'] / base['peak_mib']:.2f} | {grow} | "
+                f"{r['temp_over_formula']:.2f} |"
             )
     return "\n".join(lines)
 

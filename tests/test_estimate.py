@@ -3,6 +3,7 @@
 import json
 import sys
 from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
 
 import _procs
 import pytest
@@ -115,6 +116,73 @@ def test_activation_formula():
     remat = est.activation_bytes(shape, micro_batch=4, remat="full")
     assert remat.layers == 2 * 2 * s * b * h + a.per_layer < a.layers
     assert est.activation_bytes(shape, 4, bytes_per_value=4).per_layer == 2 * a.per_layer
+
+
+def test_decoder_formula_counts_each_layer_kind_and_only_attention_grows_with_s():
+    """A Llama decoder's attention layer keeps 7h + 6f + 2(q + kv) + kv + q values a token
+    and 2·a·s scores; a Gated DeltaNet layer's bytes a token do not depend on s."""
+    h, f, a, d = 256, 768, 4, 64
+    llama = est.DecoderShape(layers=2, d_model=h, heads=a, kv_heads=a, head_dim=d, d_ff=f,
+                             vocab=512, seq_len=1024)  # fmt: skip
+    act = est.activation_bytes(llama, micro_batch=2)
+    s, b = 1024, 2
+    per_token = 7 * h + 6 * f + 2 * (a * d + a * d) + a * d + a * d + 2 * a * s
+    assert act.per_layer == s * b * per_token * 2.0 and act.linear_per_layer == 0
+    assert act.layers == 2 * act.per_layer and act.workspace == act.per_layer
+    assert act.output == 2.0 * s * b * (h + 512) * 2.0
+    fused = est.activation_bytes(llama, 2, fused_attention=True)
+    assert fused.per_layer == s * b * ((per_token - 2 * a * s) * 2.0 + 4.0 * a)
+    remat = est.activation_bytes(llama, 2, remat="full")
+    assert remat.layers == 2 * s * b * h * 2.0 + act.per_layer
+
+    def qwen35(seq: int) -> est.DecoderShape:
+        return est.DecoderShape(layers=1, d_model=h, heads=a, kv_heads=2, head_dim=d, d_ff=f,
+                                vocab=512, seq_len=seq, qk_norm=True, output_gate=True,
+                                linear_layers=3, linear_key_heads=2, linear_value_heads=4,
+                                linear_key_dim=d, linear_value_dim=d, chunk=64)  # fmt: skip
+
+    short, long = (est.activation_bytes(qwen35(seq), 1) for seq in (256, 8192))
+    assert long.linear_per_layer / 8192 == pytest.approx(short.linear_per_layer / 256)
+    # an attention layer's bytes a token grow by its a·s scores, twice, in 16-bit
+    assert long.per_layer / 8192 - short.per_layer / 256 == 2 * a * (8192 - 256) * 2.0
+    assert short.layers == short.per_layer + 3 * short.linear_per_layer
+    assert short.workspace == max(short.per_layer, short.linear_per_layer)
+    with pytest.raises(ValueError, match="at least one layer"):
+        est.DecoderShape(layers=0, d_model=h, heads=a, kv_heads=a, head_dim=d, d_ff=f,
+                         vocab=512, seq_len=64)  # fmt: skip
+
+
+def test_estimate_of_a_fine_tune_counts_its_checkpoint_and_its_layer_kinds(tmp_path, capsys):
+    """``estimate --config`` with ``train.init_from: hf:DIR`` counts the checkpoint's
+    params (a LoRA run: the adapters trainable, the base frozen in its stored dtype) and
+    the activations of its own layers: Qwen3.5's attention and Gated DeltaNet apart."""
+    import jax
+
+    from jaxzero import hf
+    from jaxzero.models.llama import Llama
+
+    ckpt = Path(__file__).parent / "fixtures" / "hf" / "qwen3_5" / "single"
+    path = tmp_path / "run.yaml"
+    path.write_text(f"train: {{init_from: 'hf:{ckpt}', batch_size: 8}}\n")
+    assert command.main(["--config", str(path), "-n", "2", "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    m = hf.model(ckpt)
+    count = sum(x.size for x in jax.tree.leaves(hf.param_shapes(ckpt, Llama(m.config), "float32")))
+    assert full["num_params"] == count and full["frozen_params"] == 0
+    act = full["activations"]
+    assert act["linear_per_layer"] > 0 and act["per_layer"] > 0  # both kinds, apart
+
+    path.write_text(
+        f"train: {{init_from: 'hf:{ckpt}', batch_size: 8}}\nlora: {{rank: 4}}\n"
+        "precision: {compute: bf16}\n"
+    )
+    assert command.main(["--config", str(path), "-n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Gated DeltaNet layer" in out and "frozen" in out
+    assert command.main(["--config", str(path), "-n", "2", "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)
+    assert lora["frozen_params"] == count and 0 < lora["num_params"] < count / 2
+    assert lora["frozen_bytes_per_param"] == 2.0  # a bf16 run's base, stored bf16
 
 
 def test_gpt_param_count():

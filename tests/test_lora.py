@@ -287,6 +287,28 @@ def wide_base(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def wide_qwen3_5(tmp_path_factory) -> Path:
+    """A bf16 Qwen3.5 directory (Gated DeltaNet and gated full attention) whose
+    projections take multiples of 64 inputs, written by jaxzero.hf.save."""
+    import dataclasses
+
+    from jaxzero.models.llama import LlamaConfig
+    from tests._models import QWEN3_5_FIELDS
+
+    cfg = dataclasses.replace(
+        LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, seq_len=16),
+        **QWEN3_5_FIELDS | dict(head_dim=16, linear_value_head_dim=16, num_hidden_layers=2,
+                                layer_types=("linear_attention", "full_attention")),
+    )  # fmt: skip  # one group of each kind: half the compile of two
+    m = Llama(cfg)
+    engine = m.engine(optax.sgd(0.1), mesh=make_mesh(1))
+    out = tmp_path_factory.mktemp("qbase") / "qwen3_5"
+    hf.save(out, m, engine, engine.init_from(m.init, jax.random.key(0)), dtype="bfloat16")
+    return out
+
+
 def _qlora(base: Path, kind: str | None, stage: int, devices: int, micro: int):
     m = hf.model(base, lora=LoraConfig(rank=4, alpha=8, base_dtype=kind), seq_len=16)
     engine = m.engine(optax.adamw(1e-3), mesh=make_mesh(devices), stage=stage, micro_batches=micro)
@@ -331,6 +353,24 @@ def test_qlora_trains_like_one_device_and_stores_the_formula(kind, wide_base):
         assert abs(held / (weights * quant.bytes_per_param(kind)) - 1) < 0.01
         per_device = sum(x.addressable_shards[0].data.nbytes for x in codes + scales)
         assert abs(per_device * (8 if stage == 3 else 1) / held - 1) < 0.01
+
+
+def test_qlora_on_qwen3_5_quantizes_every_projection_and_trains_like_one_device(wide_qwen3_5):
+    """QLoRA on Qwen3.5: the Gated DeltaNet's and the gated attention's projections are
+    quantized (nf4) beside the MLP's, the rest of the base (conv, decay, norms) kept as
+    stored; stage 3 on 8 devices trains as one device does."""
+    _, _, q1, ref = _qlora(wide_qwen3_5, "nf4", 0, 1, 1)
+    _, state, before, losses = _qlora(wide_qwen3_5, "nf4", 3, 8, 1)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    assert losses[-1] < losses[0]
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(q1), strict=True):
+        np.testing.assert_array_equal(a[tuple(map(slice, b.shape))], b)  # padded to 8 rows
+    names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(before)}
+    for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj",
+                 "o_proj", "down_proj"):  # fmt: skip
+        assert any(proj in n and n.endswith("'weight_codes']") for n in names), proj
+    assert any("conv1d" in n for n in names) and any("A_log" in n for n in names)
+    assert not any("conv1d" in n and "codes" in n for n in names)
 
 
 @pytest.mark.system  # the command line end to end

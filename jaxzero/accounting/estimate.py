@@ -21,7 +21,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from jaxzero.accounting.activations import Activations, GPTShape, activation_bytes
+from jaxzero.accounting.activations import Activations, DecoderShape, GPTShape, activation_bytes
 from jaxzero.accounting.formulas import (  # re-exported: est.model_state_bytes, ...
     EMA_BYTES,
     FROZEN_DTYPES,
@@ -151,8 +151,14 @@ class Estimate:
         act = self.activations
         if act is None:
             return []
+        per = f"{act.per_layer / GB:.3f} GB per layer"
+        if act.linear_per_layer and act.linear_per_layer != act.per_layer:
+            per = (
+                f"{act.per_layer / GB:.3f} GB per attention layer, "
+                f"{act.linear_per_layer / GB:.3f} GB per Gated DeltaNet layer"
+            )
         return [
-            f"activations per device: {act.per_layer / GB:.3f} GB per layer, "
+            f"activations per device: {per}, "
             f"{act.total / GB:.3f} GB in all (output layer {act.output / GB:.3f} GB)"
         ]
 
@@ -282,7 +288,7 @@ def estimate(
     device_memory: float = 80 * GB,
     precision: str = "mixed",
     optimizer: str = "adam",
-    shape: GPTShape | None = None,
+    shape: GPTShape | DecoderShape | None = None,
     micro_batch: int = 1,
     micro_batches: int = 1,
     remat: str = "none",
@@ -303,7 +309,8 @@ def estimate(
       device_memory: bytes per device.
       precision: "mixed"/"bf16"/"fp16" (16-bit + fp32 master) or "fp32".
       optimizer: a key of ``OPTIMIZER_BYTES``.
-      shape: GPT dimensions, for activation memory (None: model states only).
+      shape: a GPT's or a decoder's dimensions, for activation memory (None: model
+        states only).
       micro_batch: sequences per device per micro-batch.
       micro_batches: gradient-accumulation steps (k).
       remat: "none" or "full" activation recomputation.

@@ -21,12 +21,13 @@ import math
 import re
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import jax
 
-from jaxzero import cli
-from jaxzero.accounting.activations import GPTShape
+from jaxzero import cli, hf
+from jaxzero.accounting.activations import DecoderShape, GPTShape
 from jaxzero.accounting.estimate import (
     FROZEN_DTYPES,
     GB,
@@ -36,8 +37,13 @@ from jaxzero.accounting.estimate import (
     estimate,
 )
 from jaxzero.cli import Parser, beyond_zero_options
-from jaxzero.models import from_fields
+from jaxzero.models import Llama, Model, from_fields
+from jaxzero.models import lora as lora_lib
+from jaxzero.models.llama import CHUNK
+from jaxzero.partition import path_str
+from jaxzero.settings import PRECISIONS as DTYPES
 from jaxzero.train import config as config_lib
+from jaxzero.train import finetune
 
 _SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -73,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config",
         metavar="YAML",
-        help="a jaxzero train config: its model (GPT or "
-        "Llama, counted exactly), batch, precision, remat and devices",
+        help="a jaxzero train config: its model (GPT, Llama, or a fine-tune's "
+        "train.init_from=hf:DIR with its LoRA adapters, counted exactly), batch, "
+        "precision, remat and devices",
     )
     g = p.add_argument_group("GPT shape (instead of --params; also gives activation memory)")
     g.add_argument("--layers", type=int)
@@ -111,17 +118,26 @@ def _beyond(args: argparse.Namespace, cfg: Any = None) -> dict[str, Any]:
 
 def _from_config(args: argparse.Namespace) -> Estimate:
     """The estimate of a train config: the params counted from the model itself
-    (``jax.eval_shape``, nothing allocated); activations from its GPT-like dimensions."""
+    (``jax.eval_shape``, or a fine-tune's checkpoint headers: nothing allocated), the
+    activations from its own dimensions (a Llama-family model's by layer kind)."""
     cfg = config_lib.resolve(args.config, [])
-    m = cfg.model
-    if m.vocab_size is None:
-        raise ValueError(
-            f"{args.config}: model.vocab_size is needed (it is otherwise taken from the data)"
-        )
-    model = from_fields(asdict(m))
-    psi = float(sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0)))))
+    frozen: dict[str, Any] = {}
+    model: Model
+    path = finetune.source(cfg)
+    if path is not None:  # what `jaxzero train` would train
+        cfg = config_lib.validate(config_lib.load_file(args.config, finetune.defaults(cfg)))
+        pretrained = finetune.pretrained(cfg)  # its data and tokenizer are the run's concern
+        psi, frozen = _pretrained_counts(cfg, pretrained, path)
+        model = pretrained
+    else:
+        if cfg.model.vocab_size is None:
+            raise ValueError(
+                f"{args.config}: model.vocab_size is needed (it is otherwise taken from the data)"
+            )
+        model = from_fields(asdict(cfg.model))
+        shapes = jax.eval_shape(model.init, jax.random.key(0))
+        psi = float(sum(x.size for x in jax.tree.leaves(shapes)))
     devices = cfg.parallel.devices or args.devices
-    shape = GPTShape(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len)
     rows = cfg.train.batch_size // (devices * cfg.parallel.micro_batches)
     if rows < 1:
         raise ValueError(
@@ -134,13 +150,40 @@ def _from_config(args: argparse.Namespace) -> Estimate:
         args.device_memory * GB,
         "mixed" if cfg.precision.compute == "bf16" else "fp32",
         args.optimizer,
-        shape,
+        _shape(model, cfg.model),
         rows,
         cfg.parallel.micro_batches,
-        "full" if m.remat == "full" else "none",
+        "full" if cfg.model.remat == "full" else "none",
         args.fused_attention,
+        **frozen,
         **_beyond(args, cfg),
     )
+
+
+def _pretrained_counts(cfg: Any, model: Llama, path: Path) -> tuple[float, dict[str, Any]]:
+    """A fine-tune's trainable params, and a LoRA run's frozen base with the bytes a
+    param it is stored in (bf16 in a bf16 run, QLoRA's codes and scales), from the
+    checkpoint's headers as the run stores them (:func:`jaxzero.hf.param_shapes`)."""
+    dtype = DTYPES[cfg.precision.compute]
+    leaves = jax.tree_util.tree_leaves_with_path(hf.param_shapes(path, model, dtype))
+    if model.lora is None:
+        return float(sum(x.size for _, x in leaves)), {}
+    trainable = sum(x.size for p, x in leaves if lora_lib.trainable(path_str(p)))
+    stored = sum(
+        x.size * x.dtype.itemsize for p, x in leaves if not lora_lib.trainable(path_str(p))
+    )
+    # the base's count is the checkpoint's own (a QLoRA base stores codes and scales)
+    plain = hf.param_shapes(path, Llama(model.config), dtype)
+    count = float(sum(x.size for x in jax.tree.leaves(plain)))
+    return float(trainable), {"frozen_params": count, "frozen_bytes_per_param": stored / count}
+
+
+def _shape(model: Any, m: Any) -> GPTShape | DecoderShape:
+    """The activation model's dimensions of ``model`` (a GPT, or a Llama-family decoder
+    with its own options and Gated DeltaNet layers), at the run's sequence length."""
+    if not isinstance(model, Llama):
+        return GPTShape(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len)
+    return DecoderShape.of(model.config, CHUNK)
 
 
 def _frozen(args: argparse.Namespace) -> dict[str, Any]:

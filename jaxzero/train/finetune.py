@@ -116,15 +116,14 @@ def defaults_note(cfg: Config) -> str:
     return f"# fine-tuning defaults (train.init_from; a value you set wins): {', '.join(kept)}\n"
 
 
-def resolve(cfg: Config) -> tuple[Config, Llama]:
-    """The config with the checkpoint's model fields (and tokenizer), and its model: the
-    one reading of its ``config.json`` the run makes (:func:`pin_architecture`,
-    ``train.loop.build`` and :func:`load` take the model)."""
+def pretrained(cfg: Config) -> Llama:
+    """The model of ``train.init_from``'s checkpoint, with the run's LoRA adapters,
+    sequence length, remat and attention; its files checked (a bad one: ConfigError)."""
     path = source(cfg)
     if path is None:
-        raise ConfigError("finetune.resolve needs train.init_from=hf:PATH")
+        raise ConfigError("a fine-tune's model needs train.init_from=hf:PATH")
     try:
-        model = hf.check(
+        return hf.check(
             path,
             hf.model(
                 path,
@@ -136,6 +135,14 @@ def resolve(cfg: Config) -> tuple[Config, Llama]:
         )
     except (hf.HFError, hf.SafetensorsError) as e:
         raise ConfigError(f"train.init_from: {e}") from None
+
+
+def resolve(cfg: Config) -> tuple[Config, Llama]:
+    """The config with the checkpoint's model fields (and tokenizer), and its model: the
+    one reading of its ``config.json`` the run makes (:func:`pin_architecture`,
+    ``train.loop.build`` and :func:`load` take the model)."""
+    path, model = source(cfg), pretrained(cfg)
+    assert path is not None
     c = model.config
     theirs: dict[str, Any] = {
         "arch": "llama",
