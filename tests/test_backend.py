@@ -118,7 +118,9 @@ def test_bad_user_option_is_a_clear_error():
 
 def test_compiler_options_reach_the_compiled_step():
     """An option that visibly changes the program: without the main fusion pass, XLA:CPU
-    falls back to many small loop fusions."""
+    falls back to many small loop fusions (its MLIR fusion emitters wrap every op in one),
+    or to a few (jaxlib 0.10's legacy emitters, which lane py311's tests compile with:
+    conftest.py)."""
     params, batch = mlp_params(), mlp_batches(1)[0]
     fusions = {}
     for opts in (None, {"xla_disable_hlo_passes": "fusion"}):
@@ -126,7 +128,7 @@ def test_compiler_options_reach_the_compiled_step():
             mlp_loss, optax.sgd(0.1), mesh=jaxzero.make_mesh(2), stage=1, compiler_options=opts
         )
         fusions[bool(opts)] = engine.compile(engine.init(params), batch).as_text().count(" fusion(")
-    assert fusions[True] > 2 * fusions[False] > 0
+    assert max(fusions.values()) > 2 * min(fusions.values()) > 0, fusions
 
 
 def test_donation_switch():
