@@ -113,6 +113,7 @@ MODULES = {
     "test_quant": "unit",
     "test_run_edges": "system",
     "test_run_failures": "system",
+    "test_tensor_parallel": "equivalence",
     "test_step": "equivalence",
     "test_store": "unit",
     "test_train_cli": "system",

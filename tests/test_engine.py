@@ -42,7 +42,7 @@ def mlp_reference():
     return params, batches, train_reference(mlp_loss, params, batches, TX)
 
 
-@pytest.mark.parametrize("n", [1, 2, 8])
+@pytest.mark.parametrize("n", [1, 8])  # 2 devices: the odd MLP's and the buckets' grids
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_gpt_matches_one_device(gpt_reference, stage, n):
     model, params, batches, (ref_losses, ref_params) = gpt_reference

@@ -121,6 +121,7 @@ CORE = {
     "mesh", "partition", "collectives", "hooks", "hook_check", "backend", "state", "step",
     "step_config", "gradients", "update", "ema", "model_state", "readback", "frozen",
     "plan", "settings", "batch", "engine", "loss", "nnx", "types", "errors", "offload", "zeropp",
+    "tensor_parallel",
 }  # fmt: skip
 
 
