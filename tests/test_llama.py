@@ -23,7 +23,13 @@ from jaxzero.models.llama import Llama, LlamaConfig, rope_frequencies
 from jaxzero.train import config as C
 from jaxzero.train import export as ex
 from jaxzero.train import sample as sm
-from tests._models import QWEN3_5_FIELDS, params_of, rel_diff, train_reference
+from tests._models import (
+    QWEN3_5_FIELDS,
+    params_of,
+    rel_diff,
+    train_engine,
+    train_reference,
+)
 
 ROOT = Path(__file__).parent.parent
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -56,13 +62,9 @@ def test_llama_trains_like_one_device(stage, micro):
     tx, data = optax.adamw(1e-2), _batches(3)
     ref_losses, ref_params = train_reference(model.loss_fn, params, data, tx)
     engine = model.engine(tx, mesh=jaxzero.make_mesh(8), stage=stage, micro_batches=micro)
-    state = engine.init(params)
-    losses = []
-    for b in data:
-        state, metrics = engine.step(state, b)
-        losses.append(float(metrics["loss"]))
+    losses, final, _ = train_engine(engine, params, data)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert rel_diff(engine.gather_params(state), ref_params) < 1e-4
+    assert rel_diff(final, ref_params) < 1e-4
 
 
 # Gemma's options (2 and 3 at once), and a SmolLM3 no-rope layer
@@ -100,13 +102,9 @@ def test_windows_and_qk_norms_train_like_one_device(options):
     tx, data = optax.adamw(1e-2), _batches(3)
     ref_losses, ref_params = train_reference(model.loss_fn, params, data, tx)
     engine = model.engine(tx, mesh=jaxzero.make_mesh(8), stage=3, micro_batches=2)
-    state = engine.init(params)
-    losses = []
-    for b in data:
-        state, metrics = engine.step(state, b)
-        losses.append(float(metrics["loss"]))
+    losses, final, _ = train_engine(engine, params, data)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert rel_diff(engine.gather_params(state), ref_params) < 1e-4
+    assert rel_diff(final, ref_params) < 1e-4
     full = Llama(dataclasses.replace(cfg, sliding_window=None, layer_types=None))
     assert abs(full.loss_fn(params, data[0]) - ref_losses[0]) > 5e-3  # the window counts
 
@@ -150,13 +148,9 @@ def test_qwen3_5_trains_like_one_device():
     tx, data = optax.sgd(0.1), _packed(_batches(10))
     ref_losses, ref_params = train_reference(model.loss_fn, params, data, tx)
     engine = model.engine(tx, mesh=jaxzero.make_mesh(8), stage=3, micro_batches=2)
-    state = engine.init(params)
-    losses = []
-    for b in data:
-        state, metrics = engine.step(state, b)
-        losses.append(float(metrics["loss"]))
+    losses, final, _ = train_engine(engine, params, data)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert rel_diff(engine.gather_params(state), ref_params) < 1e-4
+    assert rel_diff(final, ref_params) < 1e-4
     assert rel_diff(ref_params, params) > 1e-3  # the 10 steps moved the params
     unpacked = {k: v for k, v in data[0].items() if k != "segment_ids"}
     assert abs(model.loss_fn(params, unpacked) - ref_losses[0]) > 1e-3
