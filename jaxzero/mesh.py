@@ -3,8 +3,11 @@
 jaxzero's mesh has a ``"data"`` axis that both splits the batch and shards the
 ZeRO state. Hybrid sharding (shard within a node, replicate across nodes) adds a
 leading ``"replica"`` axis: the batch is split over both axes, the state is
-sharded over ``"data"`` only. Code that holds a mesh asks :func:`batch_axes` and
-:func:`num_shards`, so adding the second axis changed nothing for it. Code that
+sharded over ``"data"`` only. Tensor parallelism adds a trailing ``"model"`` axis
+(innermost: its devices talk every layer, so they are a node's neighbours): a layer's
+weights are split over it, the batch is not (:mod:`jaxzero.tensor_parallel`). Code
+that holds a mesh asks :func:`batch_axes`, :func:`num_shards` and :func:`model_shards`,
+so adding an axis changes nothing for it. Code that
 names the state's axis where no mesh is at hand (the layouts' ``PartitionSpec``,
 the collectives and the step inside ``shard_map``) imports :data:`DATA` from here:
 that name is the same on every mesh, only the batch axes vary.
@@ -21,6 +24,7 @@ from jax.sharding import AxisType, Mesh
 
 DATA = "data"  # splits the batch and shards parameters, gradients and optimizer state
 REPLICA = "replica"  # (hybrid) splits the batch, replicates the state
+MODEL = "model"  # (tensor parallelism) splits each layer's weights; the batch is replicated
 
 
 def accelerator_expected() -> bool:
@@ -72,18 +76,21 @@ def simulate_devices(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
-def make_mesh(num_devices: int | None = None, *, replicas: int = 1) -> Mesh:
+def make_mesh(num_devices: int | None = None, *, replicas: int = 1, model: int = 1) -> Mesh:
     """A mesh over the first ``num_devices`` devices (default: all).
 
     Args:
-      num_devices: how many devices train; the batch is split over all of them.
+      num_devices: how many devices train.
       replicas: for hybrid sharding, how many groups replicate the state; the
-        state is sharded over ``num_devices // replicas`` devices inside a group.
+        state is sharded over ``num_devices // (replicas * model)`` devices inside a group.
+      model: tensor parallelism's degree: each layer's weights are split over groups of
+        this many neighbouring devices, which see the same rows of the batch.
 
     Returns:
-      A ``Mesh`` with axes ``("data",)``, or ``("replica", "data")`` when
-      ``replicas > 1``. Axis types are ``Auto``: jaxzero's step states every
-      sharding explicitly through ``jit`` and ``shard_map`` specs.
+      A ``Mesh`` with axes ``("data",)``; ``("replica", "data")`` when ``replicas > 1``;
+      ``"model"`` last when ``model > 1``. The batch is split over every axis but
+      ``"model"``. Axis types are ``Auto``: jaxzero's step states every sharding
+      explicitly through ``jit`` and ``shard_map`` specs.
 
     Example:
       >>> mesh = make_mesh(1)
@@ -101,16 +108,25 @@ def make_mesh(num_devices: int | None = None, *, replicas: int = 1) -> Mesh:
             f"jaxzero.simulate_devices({n}) (or XLA_FLAGS="
             f"--xla_force_host_platform_device_count={n}) before JAX starts."
         )
-    if not isinstance(replicas, int) or replicas < 1 or n % replicas:
-        raise ValueError(f"replicas={replicas!r} must be a positive divisor of {n} devices")
-    if replicas == 1:
-        return jax.make_mesh((n,), (DATA,), axis_types=(AxisType.Auto,), devices=devices[:n])
-    return jax.make_mesh(
-        (replicas, n // replicas),
-        (REPLICA, DATA),
-        axis_types=(AxisType.Auto, AxisType.Auto),
-        devices=devices[:n],
-    )
+    if not isinstance(model, int) or isinstance(model, bool) or model < 1 or n % model:
+        raise ValueError(
+            f"model={model!r} (tensor parallelism's degree) must be a positive divisor of "
+            f"{n} devices"
+        )
+    if not isinstance(replicas, int) or replicas < 1 or (n // model) % replicas:
+        raise ValueError(
+            f"replicas={replicas!r} must be a positive divisor of {n // model} "
+            f"(= {n} devices / model={model})"
+            if model > 1
+            else f"replicas={replicas!r} must be a positive divisor of {n} devices"
+        )
+    shape, names = [n // model // replicas], [DATA]
+    if replicas > 1:
+        shape, names = [replicas, *shape], [REPLICA, *names]
+    if model > 1:
+        shape, names = [*shape, model], [*names, MODEL]
+    auto = (AxisType.Auto,) * len(names)
+    return jax.make_mesh(tuple(shape), tuple(names), axis_types=auto, devices=devices[:n])
 
 
 def replicas_for(group_size: int | str | None, num_devices: int, node_devices: int) -> int:
@@ -135,12 +151,17 @@ def replicas_for(group_size: int | str | None, num_devices: int, node_devices: i
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    """Mesh axes the global batch is split over (all of them): ``("data",)``, or on a
-    hybrid mesh ``("replica", "data")``. Public as ``jaxzero.batch_axes``: the
+    """Mesh axes the global batch is split over (all but ``"model"``): ``("data",)``, or
+    on a hybrid mesh ``("replica", "data")``. Public as ``jaxzero.batch_axes``: the
     ``axis_name`` of a synchronised BatchNorm (:mod:`jaxzero.model_state`), bound inside
     the engine's step and evaluation, so a model takes it as an argument and never
     names the mesh's axes itself."""
-    return tuple(mesh.axis_names)
+    return tuple(a for a in mesh.axis_names if a != MODEL)
+
+
+def model_shards(mesh: Mesh) -> int:
+    """Tensor parallelism's degree: devices a layer's weights are split over (1: none)."""
+    return int(mesh.shape.get(MODEL, 1))
 
 
 def num_shards(mesh: Mesh) -> int:

@@ -211,10 +211,11 @@ class Plan:
 def _describe(path: Any, lay: LeafLayout, sharded: bool) -> str:
     """One leaf's line: its name, shape, sharded dim and padding, stored shape."""
     name = path_str(path) or "(root)"
+    model = "" if lay.model_dim is None else f"  model dim {lay.model_dim}"
     if lay.dim is None or not sharded:
-        return f"  {name}  {lay.shape}  replicated"
+        return f"  {name}  {lay.shape}  replicated{model}"
     extra = lay.padded_shape[lay.dim] - lay.shape[lay.dim]
-    return f"  {name}  {lay.shape}  dim {lay.dim}  pad {extra}  stored {lay.padded_shape}"
+    return f"  {name}  {lay.shape}  dim {lay.dim}  pad {extra}  stored {lay.padded_shape}{model}"
 
 
 def check_dtypes(shapes: Params, compute_dtype: Any, precision: str, mask: Params = None) -> None:
@@ -260,6 +261,7 @@ def make_plan(
         rules=settings.rules,
         stacked=settings.stacked,
         min_shard_size=settings.min_shard_size,
+        model_shards=settings.model_shards,
     )
     held = dtypes = None
     if mask is not None and frozen_lib.has_frozen(mask):

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxzero import backend
 from jaxzero import ema as ema_lib
 from jaxzero import loss as loss_lib
-from jaxzero.mesh import batch_axes, num_shards
+from jaxzero.mesh import REPLICA, batch_axes, model_shards, num_shards
 from jaxzero.partition import Rule
 from jaxzero.step_config import QGZ_BITS, StepConfig
 
@@ -69,10 +69,15 @@ class Settings:
         return num_shards(self.mesh)
 
     @property
+    def model_shards(self) -> int:
+        """Tensor parallelism's degree: the ``model`` axis' size (1: none)."""
+        return model_shards(self.mesh)
+
+    @property
     def state_shards(self) -> int:
         """The devices the master and optimizer state are split over: N, or with hpZ every
         device (the leaves are padded to a multiple of it)."""
-        return self.mesh.size if self.step.hpz else self.num_shards
+        return self.mesh.size // self.model_shards if self.step.hpz else self.num_shards
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -190,7 +195,12 @@ def make_settings(
         )
     loss_lib.check_rng_contract(loss_fn, loss_takes_rng, model_state)
     decay = ema_lib.check(ema)
-    hybrid = len(mesh.axis_names) > 1
+    hybrid = REPLICA in mesh.axis_names
+    if hpz and model_shards(mesh) > 1:
+        raise ValueError(
+            "hpz=True with a model axis is not supported yet: hpZ's params copy is laid out "
+            "over the replica and data axes only (drop hpz, or use model=1)"
+        )
     beyond = beyond_zero(stage, hybrid, offload, qwz, qgz, hpz, quant_block)
     compute_dtype = _dtype(precision, "precision")
     bucket, whole_tree_bucket = backend.bucket_bytes(bucket_mb, mesh)
@@ -207,6 +217,7 @@ def make_settings(
             per_layer=per_layer,
             batch_axes=axes,
             batch_devices=math.prod(mesh.shape[a] for a in axes),
+            model_axis=model_shards(mesh) > 1,
             bucket_bytes=bucket,
             whole_tree_bucket_bytes=whole_tree_bucket,
             dot_barrier=backend.dot_barrier(dot_barrier, mesh),

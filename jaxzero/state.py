@@ -125,7 +125,9 @@ def opt_layouts(
 
 
 def _specs(layouts: Layouts, sharded: bool, axes: Any = DATA) -> Specs:
-    return jax.tree.map(lambda lay: lay.spec(axes) if sharded else P(), layouts, is_leaf=is_layout)
+    return jax.tree.map(
+        lambda lay: lay.spec(axes) if sharded else lay.working_spec(), layouts, is_leaf=is_layout
+    )
 
 
 def master_axes(hpz: bool) -> Any:

@@ -64,7 +64,8 @@ from jaxzero import model_state as model_state_lib
 from jaxzero.gradients import clip, global_norm, reduce_gradients
 from jaxzero.hook_check import check_uses
 from jaxzero.hooks import Stored, UseOp, use_params
-from jaxzero.partition import LeafLayout, is_layout
+from jaxzero.mesh import MODEL
+from jaxzero.partition import LeafLayout, is_layout, local_layouts
 from jaxzero.state import TrainState, master_sharded, master_specs
 from jaxzero.step_config import LossFn, StepConfig
 from jaxzero.types import Batch, Layouts, Metrics, OptState, Params
@@ -348,6 +349,10 @@ def gradient_step(
         new = model_state_lib.average(new, cfg.batch_axes)
     if cfg.stage <= 1:
         grads = reduce_gradients(cfg, layouts, grads)
+    if cfg.model_axis:  # sequence parallelism: a shared leaf's parts, one a model device
+        grads = _map(
+            lambda lay, g: g if lay.tensor_parallel else jax.lax.psum(g, MODEL), layouts, grads
+        )
     metrics = {}
     if weighted:  # sums over every device and micro-batch, over the global weight
         tokens = jax.lax.psum(weight, cfg.batch_axes)
@@ -402,9 +407,12 @@ def _sharded_gradient_step(
     # check_vma=False (module docstring): the loss's gradient is per device, so the
     # reductions in reduce_gradients and hooks are the only ones; loss, norm and metrics
     # (P()) come from psum/pmean results, stage 0's gradients (P()) from an all-reduce,
-    # the model state (P()) from model_state.average's pmean.
+    # the model state (P()) from model_state.average's pmean. Inside, each leaf is its
+    # model device's slice (local layouts): ZeRO works on it as on a whole leaf.
+    local, fz_local = _local(layouts, fz)
+
     def per_device(params: Params, batch: Batch, step: Any, frozen: Params, state: Any) -> Any:
-        return gradient_step(cfg, layouts, loss_fn, params, batch, step, fz, frozen, state)
+        return gradient_step(cfg, local, loss_fn, params, batch, step, fz_local, frozen, state)
 
     return jax.shard_map(
         per_device,
@@ -413,6 +421,13 @@ def _sharded_gradient_step(
         out_specs=(P(), master_specs(cfg.stage, layouts, cfg.hpz), P(), P(), specs.model_state),
         check_vma=False,
     )
+
+
+def _local(layouts: Layouts, fz: Frozen | None) -> tuple[Layouts, Frozen | None]:
+    """The layouts of each model device's slices (tensor parallelism; else the same)."""
+    if fz is None:
+        return local_layouts(layouts), None
+    return local_layouts(layouts), Frozen(local_layouts(fz.layouts), fz.mask)
 
 
 def make_train_step(
@@ -519,7 +534,7 @@ def make_working(
     # hpZ: the new params, split over every device as the master is, are gathered across
     # the groups once a step into each group's copy (split within the group)
     gather = jax.shard_map(
-        functools.partial(gather_groups if cfg.hpz else gather_params, cfg, layouts),
+        functools.partial(gather_groups if cfg.hpz else gather_params, cfg, local_layouts(layouts)),
         mesh=mesh,
         in_specs=(master_specs(cfg.stage, layouts, cfg.hpz),),
         out_specs=specs.params,
@@ -569,8 +584,10 @@ def make_eval(
     the mesh, in the global view (``frozen``: the state's frozen params, when some are;
     ``model_state``: its model state, when it keeps one)."""
 
+    local, fz_local = _local(layouts, fz)
+
     def per_device(params: Params, batch: Batch, frozen: Params, state: Any) -> jax.Array:
-        return eval_loss(cfg, layouts, loss_fn, params, batch, fz, frozen, state)
+        return eval_loss(cfg, local, loss_fn, params, batch, fz_local, frozen, state)
 
     # check_vma=False as for the step (the module docstring says why): the loss runs as
     # plain per-device JAX; P() holds because eval_loss ends in a pmean or psum.

@@ -30,6 +30,10 @@ class StepConfig:
     per_layer: bool  # the model calls use_params per layer
     batch_axes: tuple[str, ...]
     batch_devices: int  # devices the global batch is split over
+    # tensor parallelism: a "model" axis splits the layers (jaxzero.tensor_parallel); the
+    # gradient of a leaf not split over it is summed over it (sequence parallelism: each
+    # model device's part comes from its slice of the sequence or of the heads)
+    model_axis: bool = False
     bucket_bytes: int = 0  # pack gradient/param collectives up to this size
     whole_tree_bucket_bytes: int = 0  # the same, in a per_layer=False model's stage-3 use_params
     dot_barrier: bool = False  # collectives.dot_barrier on each micro-batch's gradients

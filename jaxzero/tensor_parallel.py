@@ -40,7 +40,7 @@ import numpy as np
 __all__ = [
     "copy_to", "gather_seq", "reduce_from", "reference_copy_to_grad",
     "reference_gather_seq", "reference_scatter_seq", "reference_vocab_cross_entropy",
-    "scatter_seq", "vocab_cross_entropy",
+    "scatter_seq", "vocab_cross_entropy", "vocab_embed",
 ]  # fmt: skip
 
 MODEL = "model"  # the mesh axis a layer's weights are split over
@@ -160,6 +160,19 @@ def _vocab_bwd(
 
 
 vocab_cross_entropy.defvjp(_vocab_forward, _vocab_bwd)
+
+
+def vocab_embed(embed_VlxD: jax.Array, tokens_BxS: jax.Array, axis: str = MODEL) -> jax.Array:
+    """The vocabulary-parallel embedding's lookup: this device holds rows
+    ``[i * Vl, (i + 1) * Vl)`` of the table (``i`` its index on ``axis``), looks up the
+    tokens it holds and gives zeros for the others, so the devices' results sum to the
+    whole lookup (:func:`reduce_from`, or :func:`scatter_seq` for sequence parallelism).
+    No collective here; the table's gradient is this device's rows' scatter-add."""
+    vl = embed_VlxD.shape[0]
+    local = tokens_BxS - jax.lax.axis_index(axis) * vl
+    mine = (local >= 0) & (local < vl)
+    rows = jnp.take(embed_VlxD, jnp.clip(local, 0, vl - 1), axis=0)
+    return jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))
 
 
 # ----------------------------------------------------------------- numpy references

@@ -95,6 +95,7 @@ MODULES = {
     "test_hpz": "equivalence",
     "test_layout": "unit",
     "test_llama": "equivalence",
+    "test_llama_tp": "equivalence",
     "test_loop": "unit",
     "test_memguard": "unit",
     "test_model_state": "equivalence",

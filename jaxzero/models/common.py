@@ -208,10 +208,16 @@ def token_loss(logits_BxSxV: jax.Array, batch: dict[str, jax.Array]) -> Any:
     ``loss_mask`` (prompt and padding 0), its sum over the unmasked tokens and their
     count (:class:`jaxzero.Weighted`), so the step's loss is exact over the global batch."""
     ce = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["targets"])
+    return tokens_loss(ce, batch)
+
+
+def tokens_loss(ce_BxS: jax.Array, batch: dict[str, jax.Array]) -> Any:
+    """:func:`token_loss` from each token's cross-entropy (the vocabulary-parallel
+    loss computes it apart: :func:`jaxzero.tensor_parallel.vocab_cross_entropy`)."""
     if "loss_mask" not in batch:
-        return ce.mean()
+        return ce_BxS.mean()
     mask = batch["loss_mask"].astype(jnp.float32)
-    return Weighted(jnp.sum(ce * mask), jnp.sum(mask))
+    return Weighted(jnp.sum(ce_BxS * mask), jnp.sum(mask))
 
 
 class LayerCache:

@@ -34,8 +34,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxzero import tensor_parallel as tp_lib
 from jaxzero.hooks import remat_layer, use_params
-from jaxzero.models import deltanet
+from jaxzero.mesh import MODEL
+from jaxzero.models import deltanet, llama_tp
 from jaxzero.models.common import (
     ATTENTION,
     FULL,
@@ -48,6 +50,7 @@ from jaxzero.models.common import (
     new_cache,
     positions,
     token_loss,
+    tokens_loss,
 )
 from jaxzero.models.llama_layers import (
     ACTIVATIONS,
@@ -345,8 +348,14 @@ class LlamaModule(nnx.Module):
     over the group's linear layers, then its attention layer), one program per kind
     whatever the depth, each layer's params gathered where it runs."""
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
-        self.cfg = cfg
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        rngs: nnx.Rngs,
+        lora: LoraConfig | None = None,
+        tp: str | None = None,
+    ):
+        self.cfg, self.tp = cfg, tp  # tp: the model axis (tensor parallelism), or None
         if lora is not None:
             lora.targets_in([*linears(cfg), "lm_head"])  # refuses targets that match nothing
         std = cfg.initializer_range
@@ -356,7 +365,7 @@ class LlamaModule(nnx.Module):
             @nnx.split_rngs(splits=n)
             @nnx.vmap(in_axes=0, out_axes=0)
             def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
-                return DecoderLayer(cfg, rngs, lora, linear)
+                return DecoderLayer(cfg, rngs, lora, linear, tp)
 
             return make_layers(rngs)
 
@@ -430,8 +439,14 @@ class LlamaModule(nnx.Module):
 
     def _embed(self, embed_VxD: jax.Array, tokens_BxS: jax.Array) -> jax.Array:
         """The tokens' embeddings; Gemma's times sqrt(hidden_size), a scale rounded to
-        the embeddings' dtype first as ``transformers`` rounds it."""
-        x_BxSxD = embed_VxD[tokens_BxS]
+        the embeddings' dtype first as ``transformers`` rounds it. With tensor
+        parallelism, ``embed`` is this device's rows of the vocabulary and the result
+        its slice of the sequence (:func:`jaxzero.tensor_parallel.vocab_embed`)."""
+        if self.tp is None:
+            x_BxSxD = embed_VxD[tokens_BxS]
+        else:
+            parts_BxSxD = tp_lib.vocab_embed(embed_VxD, tokens_BxS, self.tp)
+            x_BxSxD = tp_lib.scatter_seq(parts_BxSxD, 1, self.tp)
         if not self.cfg.embed_scale:
             return x_BxSxD
         return x_BxSxD * jnp.asarray(self.cfg.hidden_size**0.5, jnp.float32).astype(x_BxSxD.dtype)
@@ -480,8 +495,11 @@ class LlamaModule(nnx.Module):
 
     def _logits(self, embed_VxD: jax.Array, x_BxSxD: jax.Array) -> jax.Array:
         """Final norm and the LM head (tied: the embedding), fp32 logits; Gemma 2's
-        soft-capped (``final_logit_softcapping``)."""
+        soft-capped (``final_logit_softcapping``). With tensor parallelism: the whole
+        sequence's logits of this device's slice of the vocabulary."""
         x_BxSxD = use(self.norm)(x_BxSxD)
+        if self.tp is not None:
+            x_BxSxD = tp_lib.gather_seq(x_BxSxD, 1, self.tp)
         head_VxD = embed_VxD if self.lm_head is None else use(self.lm_head).weight[...]
         logits = jnp.einsum("bsd,vd->bsv", x_BxSxD, head_VxD.astype(x_BxSxD.dtype)).astype(
             jnp.float32
@@ -620,6 +638,41 @@ class Llama(ReferenceModel):
     def module(self, params: Any) -> LlamaModule:
         """The NNX module holding ``params`` (a nested dict as :meth:`init` returns)."""
         return bind(self.graphdef, self._template, params, self._rest)
+
+    def tensor_parallel_rules(self, m: int) -> list[Any]:
+        """The layout rules of tensor parallelism over ``m`` devices (:mod:`llama_tp`)."""
+        llama_tp.check(self.config, self.lora, m)
+        return llama_tp.rules(self.config, m)
+
+    def tensor_parallel_apply(self, m: int) -> Any:
+        """:meth:`apply` with the layers split over the ``model`` axis of ``m`` devices,
+        per device (inside ``shard_map``): ``params`` are this device's slices
+        (:meth:`tensor_parallel_rules`), ``tokens`` the whole rows (every model device's
+        the same); the result is the whole sequence's logits of this device's slice of
+        the vocabulary (``B x S x V/m``; ``P(..., "model")`` out of ``shard_map``)."""
+        llama_tp.check(self.config, self.lora, m)
+        abstract = nnx.eval_shape(lambda: LlamaModule(self.config, nnx.Rngs(0), None, MODEL))
+        graphdef, _, rest = split(abstract)
+
+        def apply(
+            params: dict[str, Any], tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None
+        ) -> jax.Array:
+            llama_tp.sequence_check(tokens_BxS, m)
+            return bind(graphdef, self._template, params, rest)(tokens_BxS, segment_ids_BxS)
+
+        return apply
+
+    def tensor_parallel_loss(self, m: int) -> Any:
+        """:meth:`loss_fn` with the layers split over the ``model`` axis of ``m`` devices
+        (:meth:`tensor_parallel_apply`), the cross-entropy the vocabulary-parallel one."""
+        apply = self.tensor_parallel_apply(m)
+
+        def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array]) -> Any:
+            logits_BxSxVl = apply(params, batch["inputs"], batch.get("segment_ids"))
+            ce_BxS = tp_lib.vocab_cross_entropy(logits_BxSxVl, batch["targets"], MODEL)
+            return tokens_loss(ce_BxS, batch)
+
+        return loss_fn
 
     def init(self, rng: jax.Array) -> dict[str, Any]:
         """Fresh fp32 params (pure: ``Engine.init_from`` runs it sharded from birth)."""

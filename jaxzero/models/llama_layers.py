@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxzero import loss as loss_lib
+from jaxzero import tensor_parallel as tp_lib
 from jaxzero.models import deltanet
 from jaxzero.models.common import LayerCache, LinearCache, causal_attention
 from jaxzero.models.lora import LoraConfig, check_rank
@@ -67,8 +68,10 @@ class Linear(nnx.Module):
         self.lora_B = nnx.Param(jnp.zeros((d_out, rank))) if rank else None
         self.scale, self.dropout = scale, dropout
 
-    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-        """``rng``: the loss's key (a mask per row), for dropout on the adapter's input."""
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None, bias: bool = True) -> jax.Array:
+        """``rng``: the loss's key (a mask per row), for dropout on the adapter's input;
+        ``bias`` False: without the bias (a row-parallel layer adds it once its partial
+        sums are reduced, :meth:`add_bias`)."""
         if self.quant is None:
             w = self.weight[...].astype(x.dtype)
         else:  # dequantized here, one layer at a time (scan over layers)
@@ -79,7 +82,21 @@ class Linear(nnx.Module):
             xa = loss_lib.dropout(x, self.dropout, rng)
             a = jnp.einsum("...i,ri->...r", xa, self.lora_A[...].astype(x.dtype))
             y = y + self.scale * jnp.einsum("...r,or->...o", a, self.lora_B[...].astype(x.dtype))
-        return y if self.bias is None else y + self.bias[...].astype(x.dtype)
+        return self.add_bias(y) if bias else y
+
+    def add_bias(self, y: jax.Array) -> jax.Array:
+        return y if self.bias is None else y + self.bias[...].astype(y.dtype)
+
+
+def _row_parallel_out(
+    proj: Linear, y: jax.Array, rng: jax.Array | None, tp: str | None
+) -> jax.Array:
+    """A block's output projection: whole without tensor parallelism; with it, this
+    device's partial sums reduce-scattered to its slice of the sequence (sequence
+    parallelism's *ḡ*), then the bias, once."""
+    if tp is None:
+        return proj(y, rng)
+    return proj.add_bias(tp_lib.scatter_seq(proj(y, rng, bias=False), 1, tp))
 
 
 def _linear(
@@ -151,9 +168,15 @@ class Attention(nnx.Module):
     ``transformers`` splits its output), and the attention's output is multiplied by
     ``sigmoid(gate)`` before ``o_proj``."""
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        rngs: nnx.Rngs,
+        lora: LoraConfig | None = None,
+        tp: str | None = None,
+    ):
         d, h, kv, k = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
-        self.gated = cfg.attn_output_gate
+        self.gated, self.tp = cfg.attn_output_gate, tp
         q_out = 2 * h * k if self.gated else h * k
         self.q_proj = _linear(cfg, lora, "self_attn.q_proj", d, q_out, cfg.qkv_bias, rngs)
         self.k_proj = _linear(cfg, lora, "self_attn.k_proj", d, kv * k, cfg.qkv_bias, rngs)
@@ -181,18 +204,32 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, LayerCache | None]:
         """With a ``cache`` (sampling) the tokens attend to it instead, and it comes
         back with their (rotated) keys and values written in. ``window``: this layer's
-        sliding window (an int32 scalar; None: full causal attention)."""
+        sliding window (an int32 scalar; None: full causal attention).
+
+        With tensor parallelism (``tp``: the model axis) ``x`` is this device's slice of
+        the sequence, gathered whole here; the projections are this device's heads
+        (their count read from the weights' shapes), key/value heads too when the axis
+        divides them, else every key/value head is computed and the one this device's
+        query heads share is kept; the output is this device's slice of the sequence."""
+        if self.tp is not None:
+            x_BxSxD = tp_lib.gather_seq(x_BxSxD, 1, self.tp)
         b, s, _ = x_BxSxD.shape
         r = _keys(rng, 4)
         gate_BxSxHK = None
+        q_BxSxQ = self.q_proj(x_BxSxD, r[0])
+        heads = q_BxSxQ.shape[-1] // (self.head_dim * (2 if self.gated else 1))
         if self.gated:
-            qg = self.q_proj(x_BxSxD, r[0]).reshape(b, s, self.heads, 2 * self.head_dim)
+            qg = q_BxSxQ.reshape(b, s, heads, 2 * self.head_dim)
             q, gate_BxSxHK = qg[..., : self.head_dim], qg[..., self.head_dim :]
-            gate_BxSxHK = gate_BxSxHK.reshape(b, s, self.heads * self.head_dim)
+            gate_BxSxHK = gate_BxSxHK.reshape(b, s, heads * self.head_dim)
         else:
-            q = self.q_proj(x_BxSxD, r[0]).reshape(b, s, self.heads, self.head_dim)
-        k = self.k_proj(x_BxSxD, r[1]).reshape(b, s, self.kv_heads, self.head_dim)
-        v = self.v_proj(x_BxSxD, r[2]).reshape(b, s, self.kv_heads, self.head_dim)
+            q = q_BxSxQ.reshape(b, s, heads, self.head_dim)
+        k = self.k_proj(x_BxSxD, r[1]).reshape(b, s, -1, self.head_dim)
+        v = self.v_proj(x_BxSxD, r[2]).reshape(b, s, -1, self.head_dim)
+        if self.tp is not None and heads < self.heads and k.shape[2] == self.kv_heads:
+            # key/value heads replicated: this device's query heads share one of them
+            at = jax.lax.axis_index(self.tp) * heads // (self.heads // self.kv_heads)
+            k, v = (jax.lax.dynamic_slice_in_dim(a, at, 1, axis=2) for a in (k, v))
         if self.q_norm is not None and self.k_norm is not None:  # before rope, as Qwen3
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -203,10 +240,10 @@ class Attention(nnx.Module):
             )
         else:
             out_BxSxHxK, cache = cache.attend(q, k, v, window, self.scale, self.softcap)
-        out_BxSxHK = out_BxSxHxK.reshape(b, s, self.heads * self.head_dim)
+        out_BxSxHK = out_BxSxHxK.reshape(b, s, heads * self.head_dim)
         if gate_BxSxHK is not None:
             out_BxSxHK = out_BxSxHK * jax.nn.sigmoid(gate_BxSxHK)
-        return self.o_proj(out_BxSxHK, r[3]), cache
+        return _row_parallel_out(self.o_proj, out_BxSxHK, r[3], self.tp), cache
 
 
 class Conv1d(nnx.Module):
@@ -307,8 +344,19 @@ class GatedDeltaNet(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+    """The gated MLP; with tensor parallelism (``tp``) its input is this device's slice of
+    the sequence, gathered whole, the gate and up projections this device's columns, the
+    down projection its rows, the output its slice of the sequence again."""
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        rngs: nnx.Rngs,
+        lora: LoraConfig | None = None,
+        tp: str | None = None,
+    ):
         d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.tp = tp
         self.gate_proj = _linear(cfg, lora, "mlp.gate_proj", d, f, bias, rngs)
         self.up_proj = _linear(cfg, lora, "mlp.up_proj", d, f, bias, rngs)
         self.down_proj = _linear(cfg, lora, "mlp.down_proj", f, d, bias, rngs)
@@ -316,7 +364,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
         r = _keys(rng, 3)
-        return self.down_proj(self.act(self.gate_proj(x, r[0])) * self.up_proj(x, r[1]), r[2])
+        if self.tp is not None:
+            x = tp_lib.gather_seq(x, 1, self.tp)
+        y = self.act(self.gate_proj(x, r[0])) * self.up_proj(x, r[1])
+        return _row_parallel_out(self.down_proj, y, r[2], self.tp)
 
 
 class DecoderLayer(nnx.Module):
@@ -334,15 +385,16 @@ class DecoderLayer(nnx.Module):
         rngs: nnx.Rngs,
         lora: LoraConfig | None = None,
         linear: bool = False,
+        tp: str | None = None,
     ):
         d = cfg.hidden_size
         self.input_layernorm = _norm(cfg, d)
-        self.self_attn = None if linear else Attention(cfg, rngs, lora)
+        self.self_attn = None if linear else Attention(cfg, rngs, lora, tp)
         self.linear_attn = GatedDeltaNet(cfg, rngs, lora) if linear else None
         self.post_attention_layernorm = _norm(cfg, d)
         self.pre_feedforward_layernorm = _norm(cfg, d) if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = _norm(cfg, d) if cfg.sandwich_norms else None
-        self.mlp = MLP(cfg, rngs, lora)
+        self.mlp = MLP(cfg, rngs, lora, tp)
 
     def __call__(
         self,

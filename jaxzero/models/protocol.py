@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 from jaxzero.engine import Engine
+from jaxzero.mesh import make_mesh, model_shards
 from jaxzero.models.common import KVCache, generate
 
 
@@ -106,10 +107,33 @@ class ReferenceModel:
 
     def engine(self, optimizer: optax.GradientTransformation, **kwargs: Any) -> Engine:
         """An :class:`jaxzero.Engine` for this model, gathering one layer at a time
-        (``per_layer``, ``stacked``: the model's; any other keyword is the engine's)."""
+        (``per_layer``, ``stacked``: the model's; any other keyword is the engine's).
+        On a mesh with a ``model`` axis (``make_mesh(n, model=m)``) the layers are split
+        over it: the model's :meth:`tensor_parallel_rules` after the caller's ``rules``,
+        and its :meth:`tensor_parallel_loss`."""
         kwargs.setdefault("per_layer", True)
         kwargs.setdefault("stacked", self.STACKED)
-        return Engine(self.loss_fn, optimizer, **kwargs)
+        mesh = kwargs.setdefault("mesh", make_mesh())
+        m = model_shards(mesh)
+        if m == 1:
+            return Engine(self.loss_fn, optimizer, **kwargs)
+        kwargs["rules"] = (*kwargs.get("rules", ()), *self.tensor_parallel_rules(m))
+        return Engine(self.tensor_parallel_loss(m), optimizer, **kwargs)
+
+    def tensor_parallel_rules(self, m: int) -> list[Any]:
+        """Where tensor parallelism over ``m`` devices splits each weight (layout rules
+        naming the ``model`` axis)."""
+        raise ValueError(
+            f"{type(self).__name__} does not support tensor parallelism yet: use a mesh "
+            "without a model axis (model=1)"
+        )
+
+    def tensor_parallel_loss(self, m: int) -> Any:
+        """:meth:`loss_fn` with the layers split over the ``model`` axis of ``m`` devices."""
+        raise ValueError(
+            f"{type(self).__name__} does not support tensor parallelism yet: use a mesh "
+            "without a model axis (model=1)"
+        )
 
     @staticmethod
     def num_params(params: Any) -> int:

@@ -1,0 +1,197 @@
+"""Tensor and sequence parallelism on the Llama (jaxzero.models.llama_tp), composed with
+ZeRO over the data axis: (data=4, model=2) and (data=2, model=4) at every stage train as
+one device does, with micro-batches and masks; the layout and the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxzero
+from jaxzero import hf
+from jaxzero.models.llama import Llama, LlamaConfig
+from tests._models import params_of, rel_diff, train_engine, train_reference
+
+# 4 query heads over 2 key/value heads: model=2 splits both, model=4 splits the queries
+# and replicates the key/value heads (a device's one query head keeps its group's);
+# hidden 36 (not split) pads over data; Qwen2's q/k/v biases, Qwen3's q/k norms
+TINY = LlamaConfig(
+    vocab_size=64,
+    hidden_size=36,
+    intermediate_size=52,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    qkv_bias=True,
+    qk_norm=True,
+    tie_word_embeddings=False,
+    seq_len=8,
+)
+
+
+def _batches(n: int, cfg: LlamaConfig = TINY, rows: int = 8) -> list[dict]:
+    """Rows with a loss mask (a prompt of 1-3 tokens and the rest trained)."""
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(n):
+        t = rng.integers(0, cfg.vocab_size, (rows, cfg.seq_len + 1)).astype(np.int32)
+        prompt = rng.integers(1, 4, (rows, 1))
+        mask = (np.arange(cfg.seq_len)[None, :] >= prompt).astype(np.float32)
+        out.append({"inputs": t[:, :-1], "targets": t[:, 1:], "loss_mask": mask})
+    return out
+
+
+def _mean_loss(cfg: LlamaConfig):
+    """One device's loss: the masked mean over the whole batch."""
+
+    def mean_loss(p, b):
+        out = Llama(cfg).loss_fn(p, b)
+        return out.total / out.weight
+
+    return mean_loss
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cfg = dataclasses.replace(TINY, remat="full")
+    params = params_of(Llama, cfg)
+    # SGD with momentum: linear in the gradient, so params agree to fp32 rounding (Adam's
+    # g / sqrt(v) magnifies a near-zero gradient's rounding: 1e-4 for data-only ZeRO too)
+    tx, data = optax.sgd(0.5, momentum=0.9), _batches(3)
+
+    losses, final = train_reference(_mean_loss(cfg), params, data, tx)
+    return cfg, params, tx, data, losses, final
+
+
+@pytest.mark.parametrize("model", [2, 4])
+@pytest.mark.parametrize("stage,micro", [(0, 1), (1, 2), (2, 1), (3, 2)])
+def test_tensor_parallel_trains_like_one_device(reference, model, stage, micro):
+    cfg, params, tx, data, ref_losses, ref_params = reference
+    mesh = jaxzero.make_mesh(8, model=model)
+    engine = Llama(cfg).engine(tx, mesh=mesh, stage=stage, micro_batches=micro)
+    losses, final, _ = train_engine(engine, params, data)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert rel_diff(final, ref_params) < 1e-5
+
+
+def test_layout_splits_heads_columns_and_vocabulary():
+    """The plan: q/gate/up by their output rows, o/down by their input columns, the
+    vocabulary by rows; key/value heads split at model=2, replicated at model=4; ZeRO
+    shards each model slice over data."""
+    model = Llama(TINY)
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    for m, kv in ((2, P(None, "model")), (4, None)):
+        engine = model.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(8, model=m), stage=3)
+        engine.abstract_state(shapes)
+        lay = {path: x for path, x in _flat(engine.plan.layouts).items()}
+        assert lay["layers/self_attn/q_proj/weight"].model_dim == 1
+        assert lay["layers/mlp/down_proj/weight"].model_dim == 2
+        assert lay["embed_tokens/weight"].model_dim == 0
+        assert lay["norm/weight"].model_dim is None
+        k = lay["layers/self_attn/k_proj/weight"]
+        assert (k.model_dim is not None) == (kv is not None)
+        q = lay["layers/self_attn/q_proj/weight"]
+        assert q.local().shape == (2, 4 * 8 // m, 36)
+        spec = engine.plan.specs.params["layers"]["self_attn"]["q_proj"]["weight"]
+        assert "model" in jax.tree.leaves(tuple(spec)) and "data" in jax.tree.leaves(tuple(spec))
+        assert np.prod(q.shard_shape) * 8 == np.prod(q.padded_shape)  # an eighth a device
+
+
+def _flat(layouts):
+    from jaxzero.partition import is_layout, path_str
+
+    return {
+        path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(layouts, is_leaf=is_layout)
+    }
+
+
+def test_models_the_axis_cannot_split_are_refused():
+    mesh = jaxzero.make_mesh(8, model=4)
+    with pytest.raises(ValueError, match="intermediate_size=50, which 4 does not divide"):
+        Llama(dataclasses.replace(TINY, intermediate_size=50)).engine(optax.sgd(0.1), mesh=mesh)
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        cfg = dataclasses.replace(TINY, num_attention_heads=12, num_key_value_heads=3)
+        Llama(cfg).engine(optax.sgd(0.1), mesh=mesh)
+    with pytest.raises(ValueError, match="positive divisor of 8 devices"):
+        jaxzero.make_mesh(8, model=3)
+    with pytest.raises(ValueError, match="GPT does not support tensor parallelism"):
+        from jaxzero.models.gpt import GPT, GPTConfig
+
+        GPT(GPTConfig()).engine(optax.sgd(0.1), mesh=mesh)
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+
+
+@pytest.mark.parametrize(
+    "name,model",
+    [("llama_gqa", 2), ("llama_gqa", 4), ("qwen2_tied", 2), ("qwen3", 4), ("gemma3", 2)],
+)
+def test_hugging_face_checkpoints_load_into_tensor_parallel_layouts(name, model):
+    """hf.load reads each device's slices of a transformers checkpoint into the split
+    layout: at stage 0 the per-device forward gives transformers' logits (each device its
+    slice of the vocabulary); at stage 3 the engine's loss is theirs. Key/value heads
+    split (model=2 over 2), replicated (model=4 over 2; Gemma 3's one over 2), tied and
+    untied heads, Qwen2's biases, Qwen3's q/k norms, Gemma's norms and scales."""
+    path = FIXTURES / name / "single"
+    ref = np.load(path / "reference.npz")
+    tokens = ref["tokens"]  # 2 x 24
+    llama = hf.model(path, seq_len=tokens.shape[1])
+    mesh = jaxzero.make_mesh(8, model=model)
+    engine = llama.engine(optax.sgd(0.0), mesh=mesh, stage=0)
+    state = hf.load(path, engine)
+    logits = jax.jit(
+        jax.shard_map(
+            llama.tensor_parallel_apply(model),
+            mesh=mesh,
+            in_specs=(engine.plan.specs.params, P()),
+            out_specs=P(None, None, "model"),
+            check_vma=False,
+        )
+    )(state.params, tokens)
+    np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=1e-4, rtol=0)
+
+    engine3 = llama.engine(optax.sgd(0.0), mesh=mesh, stage=3)
+    state3 = hf.load(path, engine3)
+    rows = np.concatenate([tokens] * 4)[:, :21]  # 8 rows of 20 inputs, which 4 divides
+    loss = float(engine3.eval_loss(state3, {"inputs": rows[:, :-1], "targets": rows[:, 1:]}))
+    want = cross_entropy(ref["logits"][:, :20], tokens[:, 1:21])
+    assert abs(loss - want) < 1e-5 * max(1.0, abs(want)), (loss, want)
+
+
+def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> float:
+    z = logits.astype(np.float64)
+    logz = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+    return float(np.mean(logz - np.take_along_axis(z, targets[..., None], -1)[..., 0]))
+
+
+def test_a_tensor_parallel_checkpoint_restores_into_pure_zero_and_back(reference, tmp_path):
+    """Saved at (data=4, model=2) stage 3, restored on 8 data devices at stage 1, saved
+    again, restored at (data=2, model=4) stage 2: each step's loss is the uninterrupted
+    run's, and the last params one device's."""
+    cfg, params, _, data, _, _ = reference
+    tx = optax.sgd(0.5, momentum=0.9)  # its momentum, laid out as the params, moves too
+    batches = data + data[:1]
+    ref_losses, ref_params = train_reference(_mean_loss(cfg), params, batches, tx)
+    llama = Llama(cfg)
+    meshes = [(jaxzero.make_mesh(8, model=2), 3), (jaxzero.make_mesh(8), 1)]
+    meshes.append((jaxzero.make_mesh(8, model=4), 2))
+    losses, state, ckpt = [], None, None
+    for i, (mesh, stage) in enumerate(meshes):
+        engine = llama.engine(tx, mesh=mesh, stage=stage)
+        state = engine.init(params) if ckpt is None else ckpt.restore(engine)[0]
+        for b in batches[i : i + 1] if i < 2 else batches[2:]:
+            state, m = engine.step(state, b)
+            losses.append(float(m["loss"]))
+        ckpt = jaxzero.CheckpointManager(tmp_path / f"run{i}")
+        ckpt.save(engine, state)
+        ckpt.wait()
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert rel_diff(engine.gather_params(state), ref_params) < 1e-5
