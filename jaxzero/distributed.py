@@ -392,10 +392,14 @@ def describe_processes(job: Job, local_devices: int, devices: int) -> str:
 
 
 def describe_mesh(mesh: Any) -> str:
-    """``"(replica=2, data=4): state sharded over 4, replicated over 2 groups"``."""
+    """``"(replica=2, data=4): state sharded over 4, replicated over 2 groups"``; with a
+    model axis, each layer split over its devices too."""
     axes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items())
     text = f"mesh ({axes}): state sharded over {mesh_lib.num_shards(mesh)} device(s)"
-    replicas = mesh.size // mesh_lib.num_shards(mesh)
+    model = mesh_lib.model_shards(mesh)
+    if model > 1:
+        text += f", each layer split over {model} (tensor and sequence parallel)"
+    replicas = mesh.size // mesh_lib.num_shards(mesh) // model
     if replicas > 1:
         text += f", replicated over {replicas} groups (hybrid)"
     return text

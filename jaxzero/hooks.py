@@ -290,19 +290,22 @@ def _gathers(tree: object, quantized: bool = False) -> bool:
 
 
 def remat_layer(
-    fn: Callable[..., R], policy: Callable[..., bool] | None = None
+    fn: Callable[..., R], policy: Callable[..., bool] | None = None, sequence: bool = False
 ) -> Callable[..., R]:
     """Wrap a layer that calls :func:`use_params` so stage 3 re-gathers in the backward.
 
     Without it, the backward pass of a scanned layer keeps every layer's gathered
     params alive from the forward pass, which is no memory saving at all. ``policy``
     is the layer's own activation checkpointing policy (None: save activations).
-    The wrapper only remats when its arguments hold params to gather (stage 3).
+    The wrapper only remats when its arguments hold params to gather (stage 3), or
+    with ``sequence`` (sequence parallelism: the layer gathers its slices of the
+    sequence, :func:`jaxzero.tensor_parallel.gather_seq`, and the backward gathers them
+    again, as Megatron-LM does, instead of keeping a whole sequence a block).
     """
 
     @functools.wraps(fn)
     def wrapped(*args: object) -> R:
-        if _gathers(args):
+        if sequence or _gathers(args):
             quantized = _gathers(args, quantized=True)
             return jax.checkpoint(fn, policy=regather_policy(policy, quantized))(*args)
         if policy is not None:

@@ -14,13 +14,14 @@ meets the others in four places (Shoeybi et al. 2019; Korthikanti et al. 2022):
 * :func:`scatter_seq` — sequence parallelism's *ḡ*: reduce-scatter along the sequence
   forward, all-gather of the gradient backward; in *g*'s place.
 
-Each is a ``jax.custom_vjp`` whose backward is written out, so a step's gradients hold the
-collectives these functions name and no others, whatever ``shard_map``'s ``check_vma``
-says (jaxzero's step runs with it off). :func:`vocab_cross_entropy` is the
-vocabulary-parallel loss: each device holds a slice of the logits' vocabulary, and the
-maximum, the normaliser and the target's logit are reduced over the axis, never the full
-logits on one device. The ``reference_*`` functions are the same on lists of per-device
-numpy arrays, for tests.
+*f* and *g* are ``jax.custom_vjp`` whose backward is written out: with ``shard_map``'s
+``check_vma`` off (jaxzero's step) a ``psum`` transposes to a ``psum``, which is neither.
+The gather and the reduce-scatter are JAX's own, each the other's transpose in either
+mode, so a step's gradients hold the collectives these functions name and no others.
+:func:`vocab_cross_entropy` is the vocabulary-parallel loss: each device holds a slice of
+the logits' vocabulary, and the maximum, the normaliser and the target's logit are
+reduced over the axis, never the full logits on one device. The ``reference_*``
+functions are the same on lists of per-device numpy arrays, for tests.
 
 Example (inside ``shard_map`` over a mesh with a ``model`` axis, ``x`` replicated on it,
 ``w1`` split by columns and ``w2`` by rows: one all-reduce forward, one backward):
@@ -36,6 +37,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxzero.hooks import GATHERED
 
 __all__ = [
     "copy_to", "gather_seq", "reduce_from", "reference_copy_to_grad",
@@ -82,42 +86,22 @@ def _reduce_bwd(axis: str, _: None, g: jax.Array) -> tuple[jax.Array]:
 reduce_from.defvjp(_reduce_fwd, _reduce_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def gather_seq(x: jax.Array, dim: int = 1, axis: str = MODEL) -> jax.Array:
     """Sequence parallelism before a column-parallel layer: each device's slice of the
     sequence (dimension ``dim``) gathered into the whole forward; the whole sequence's
-    gradient, a partial sum on each device, reduce-scattered back to the slices."""
-    return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+    gradient, a partial sum on each device, reduce-scattered back to the slices (the
+    all-gather's transpose). Named :data:`jaxzero.hooks.GATHERED`, so a layer under
+    :func:`jaxzero.hooks.remat_layer` gathers it again in the backward pass instead
+    of keeping it."""
+    return checkpoint_name(jax.lax.all_gather(x, axis, axis=dim, tiled=True), GATHERED)
 
 
-def _gather_fwd(x: jax.Array, dim: int, axis: str) -> tuple[jax.Array, None]:
-    return jax.lax.all_gather(x, axis, axis=dim, tiled=True), None
-
-
-def _gather_bwd(dim: int, axis: str, _: None, g: jax.Array) -> tuple[jax.Array]:
-    return (jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True),)
-
-
-gather_seq.defvjp(_gather_fwd, _gather_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def scatter_seq(x: jax.Array, dim: int = 1, axis: str = MODEL) -> jax.Array:
     """Sequence parallelism after a row-parallel layer: the devices' partial sums of the
     whole sequence reduce-scattered into each device's slice (dimension ``dim``) forward;
-    the slices' gradients gathered into the whole backward."""
+    the slices' gradients gathered into the whole backward (the reduce-scatter's
+    transpose)."""
     return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
-
-
-def _scatter_fwd(x: jax.Array, dim: int, axis: str) -> tuple[jax.Array, None]:
-    return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True), None
-
-
-def _scatter_bwd(dim: int, axis: str, _: None, g: jax.Array) -> tuple[jax.Array]:
-    return (jax.lax.all_gather(g, axis, axis=dim, tiled=True),)
-
-
-scatter_seq.defvjp(_scatter_fwd, _scatter_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))

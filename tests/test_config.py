@@ -132,6 +132,8 @@ def test_malformed_yaml_names_line_and_column(tmp_path):
         (["zero.hpz=true"], "hpz=True keeps a params copy sharded within each group"),
         (["zero.hpz=true", "mesh.group_size=4", "parallel.stage=1"], "hpz=True is stage 3's"),
         (["zero.quant_block=0"], "quant_block must be a positive"),
+        (["mesh.model=0"], "mesh.model: must be >= 1"),
+        (["mesh.model=2"], "mesh.model=2 splits Llama-family layers"),
         (["zero.qgz=int4", "zero.quant_block=63"], "quant_block=63 must be even"),
     ],
 )

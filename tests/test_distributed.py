@@ -344,6 +344,10 @@ def test_the_banner_says_over_how_many_devices_the_state_is_sharded():
         "mesh (replica=2, data=4): state sharded over 4 device(s), replicated over 2 groups "
         "(hybrid)"
     )
+    assert describe_mesh(make_mesh(8, model=2)) == (
+        "mesh (data=4, model=2): state sharded over 4 device(s), each layer split over 2 "
+        "(tensor and sequence parallel)"
+    )
 
 
 def test_under_torchrun_the_coordinator_moves_off_the_stores_port():

@@ -110,7 +110,7 @@ def plan(args: argparse.Namespace) -> Any:
     pretrained = None
     if finetune.source(cfg) is not None:
         cfg, pretrained = finetune.resolve(cfg)
-    mesh, _ = setup_devices(cfg.parallel, job, cfg.mesh.group_size)
+    mesh, _ = setup_devices(cfg.parallel, job, cfg.mesh.group_size, cfg.mesh.model)
     corpus = data_lib.load_corpus(cfg.data, cfg.model.vocab_size, "none")
     vocab = max(cfg.model.vocab_size or 0, corpus.vocab_size)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))

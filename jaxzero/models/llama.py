@@ -404,7 +404,8 @@ class LlamaModule(nnx.Module):
             cos, sin, window = self._layer_inputs(rope, per_layer)
             return layer(x, cos, sin, segment_ids_BxS, None, key, window)[0], None
 
-        layer = remat_layer(layer, REMAT_POLICIES[cfg.remat])  # stage 3: re-gather in backward
+        # stage 3 and sequence parallelism: re-gather params and sequence in the backward
+        layer = remat_layer(layer, REMAT_POLICIES[cfg.remat], self.tp is not None)
         index = jnp.asarray(cfg.attention_layers, jnp.int32)
         if self.linear_layers is None:
             x_BxSxD, _ = jax.lax.scan(layer, x_BxSxD, (stacked, index, self._per_layer()))

@@ -275,6 +275,7 @@ def validate(config: Config) -> Config:
         "train.steps": t.steps,
         "train.batch_size": t.batch_size,
         "parallel.micro_batches": p.micro_batches,
+        "mesh.model": config.mesh.model,
         "logging.log_every": lg.log_every,
         "logging.eval_every": lg.eval_every,
         "logging.eval_batches": lg.eval_batches,
@@ -295,6 +296,12 @@ def validate(config: Config) -> Config:
     for key, limit in optional_positive.items():
         if limit is not None and limit <= 0:
             raise ConfigError(f"{key}: must be positive or null, got {limit}")
+    fine_tune = config.train.init_from is not None or m.hf_config is not None
+    if config.mesh.model > 1 and m.arch != "llama" and not fine_tune:
+        raise ConfigError(
+            f"mesh.model={config.mesh.model} splits Llama-family layers (model.arch: llama, "
+            "or a fine-tune); the GPT has no tensor-parallel layout: use mesh.model=1"
+        )
     for key in ("n_kv_heads", "head_dim"):
         if getattr(m, key) is not None and m.arch != "llama":
             raise ConfigError(f"model.{key} applies to model.arch=llama only")

@@ -44,7 +44,10 @@ def devices_to_simulate(parallel: config_lib.ParallelConfig) -> int | None:
 
 
 def setup_devices(
-    parallel: config_lib.ParallelConfig, job: Any = None, group_size: int | str | None = None
+    parallel: config_lib.ParallelConfig,
+    job: Any = None,
+    group_size: int | str | None = None,
+    model: int = 1,
 ) -> tuple[Any, int | None]:
     """Simulates CPU devices if asked (before any computation) and builds the mesh.
 
@@ -66,7 +69,8 @@ def setup_devices(
                 )
         n = parallel.devices or jax.device_count()
         node = jax.local_device_count() * (job.local_world_size if multi else 1)
-        return make_mesh(n, replicas=replicas_for(group_size, n, node)), simulated
+        mesh = make_mesh(n, replicas=replicas_for(group_size, n, node), model=model)
+        return mesh, simulated
     except (RuntimeError, ValueError) as e:
         raise ConfigError(" ".join(str(e).split())) from None
 

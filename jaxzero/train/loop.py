@@ -167,12 +167,14 @@ def _set_up(
     pretrained = None
     if resume is None and finetune.source(cfg) is not None:
         cfg, pretrained = finetune.resolve(cfg)  # its model fields and tokenizer
-    mesh, simulated = setup_devices(cfg.parallel, job, cfg.mesh.group_size)
-    need = mesh.size * cfg.parallel.micro_batches
+    mesh, simulated = setup_devices(cfg.parallel, job, cfg.mesh.group_size, cfg.mesh.model)
+    rows = mesh.size // cfg.mesh.model  # devices with rows of their own (model: shared)
+    need = rows * cfg.parallel.micro_batches
     if cfg.train.batch_size % need:
+        per = f" (of {mesh.size} / mesh.model={cfg.mesh.model})" if cfg.mesh.model > 1 else ""
         raise ConfigError(
             f"train.batch_size={cfg.train.batch_size} must be a multiple of "
-            f"{mesh.size} devices x {cfg.parallel.micro_batches} micro-batches = {need}"
+            f"{rows} data devices{per} x {cfg.parallel.micro_batches} micro-batches = {need}"
         )
     cfg = resolve_run(cfg, mesh.size, simulated, cfg.model.vocab_size)  # the name, said first
     cfg, corpus = _load_data(cfg, mesh.size, simulated)

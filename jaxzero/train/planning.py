@@ -77,7 +77,15 @@ def build(cfg: Config, mesh: Any, model: Model | None = None) -> tuple[Model, An
         raise ConfigError(f"model.{refused}")
     model = from_fields(cfg.model, lora=lora_run.adapters(cfg)[0]) if model is None else model
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
-    engine = model.engine(
+    try:
+        engine = _engine(cfg, mesh, model, tx)
+    except ValueError as e:  # a setting the model or the engine refuses, said in one line
+        raise ConfigError(str(e)) from None
+    return model, engine, schedule
+
+
+def _engine(cfg: Config, mesh: Any, model: Model, tx: Any) -> Any:
+    return model.engine(
         tx,
         mesh=mesh,
         stage=cfg.parallel.stage,
@@ -92,7 +100,6 @@ def build(cfg: Config, mesh: Any, model: Model | None = None) -> tuple[Model, An
         quant_block=cfg.zero.quant_block,
         ema=cfg.train.ema,
     )
-    return model, engine, schedule
 
 
 def with_candidate(cfg: Config, c: Candidate) -> Config:

@@ -67,14 +67,18 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Hybrid sharding: ZeRO state sharded within groups of devices, replicated across groups.
+    """Hybrid sharding: ZeRO state sharded within groups of devices, replicated across groups;
+    tensor parallelism: each layer split over ``model`` neighbouring devices.
 
     ``group_size=None`` shards over every device (plain ZeRO); ``"node"`` uses the
     devices of one node, so the sharding collectives stay on the node's fast links
-    and only one all-reduce of the gradient shard per step crosses nodes.
+    and only one all-reduce of the gradient shard per step crosses nodes. ``model``
+    (1: none) splits each layer's weights over that many devices, which see the same
+    rows of the batch (Llama-family models: docs/tensor-parallel.md).
     """
 
     group_size: int | Literal["node"] | None = None
+    model: int = 1
 
 
 @dataclass(frozen=True)
