@@ -223,8 +223,9 @@ def leaf_layout(
     Example:
       >>> leaf_layout("w", (37, 53), 8).padded_shape
       (37, 56)
-      >>> leaf_layout("w", (64, 48), 4, rules=[("w", P(None, "model"))], model_shards=2).spec()
-      PartitionSpec('data', 'model')
+      >>> split = leaf_layout("w", (64, 48), 4, rules=[("w", P(None, "model"))], model_shards=2)
+      >>> tuple(split.spec())  # rows sharded over data, columns split over model
+      ('data', 'model')
     """
     shape = tuple(int(s) for s in shape)
     skip = 1 if stacked is not None and re.search(stacked, path) and shape else 0

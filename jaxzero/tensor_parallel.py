@@ -119,9 +119,9 @@ def vocab_cross_entropy(
 def _vocab_forward(
     logits: jax.Array, targets: jax.Array, axis: str
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    """The loss, and for the backward the slice's probabilities, its one-hot of the
-    targets (zero where the target is another device's) and the logits' dtype (an empty
-    array of it)."""
+    """The loss, and for the backward the slice's probabilities, the targets' index in
+    the slice (-1 where the target is another device's: no one-hot is kept, it is made
+    again from these ids) and the logits' dtype (an empty array of it)."""
     z = logits.astype(jnp.float32)
     vl = z.shape[-1]
     local = targets - jax.lax.axis_index(axis) * vl
@@ -131,15 +131,19 @@ def _vocab_forward(
     total = jax.lax.psum(jnp.sum(exp, axis=-1), axis)
     picked = jnp.take_along_axis(z, jnp.clip(local, 0, vl - 1)[..., None], axis=-1)[..., 0]
     target = jax.lax.psum(jnp.where(mine, picked, 0.0), axis)
-    onehot = jax.nn.one_hot(jnp.where(mine, local, -1), vl, dtype=jnp.float32)
     dtype = jnp.zeros((0,), logits.dtype)
-    return jnp.log(total) + top - target, (exp / total[..., None], onehot, dtype)
+    return jnp.log(total) + top - target, (
+        exp / total[..., None],
+        jnp.where(mine, local, -1),
+        dtype,
+    )
 
 
 def _vocab_bwd(
     axis: str, res: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array
 ) -> tuple[jax.Array, None]:
-    probs, onehot, dtype = res
+    probs, local, dtype = res
+    onehot = jax.nn.one_hot(local, probs.shape[-1], dtype=jnp.float32)  # -1: all zeros
     return ((probs - onehot) * g[..., None]).astype(dtype.dtype), None
 
 

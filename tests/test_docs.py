@@ -149,6 +149,18 @@ def test_beyond_zero_pages_quote_the_experiment_results():
         assert "|".join(c.strip() for c in r) in rows, r
 
 
+@pytest.mark.unit
+def test_tensor_parallel_page_quotes_the_experiment_results():
+    """docs/tensor-parallel.md's measured rows are experiments/tp_traffic.py's, not typed."""
+    written = (ROOT / "experiments" / "results" / "tp_traffic.md").read_text()
+    rows = {"|".join(c.strip() for c in r) for r in _md_rows(written)}
+    page = PAGES["tensor-parallel.md"]
+    quoted = _md_rows(page[page.index("## Traffic and activations") :])
+    assert len(quoted) >= 12
+    for r in quoted:
+        assert "|".join(c.strip() for c in r) in rows, r
+
+
 def test_accounting_tables_quote_the_experiment_results():
     """README's and the accounting page's stage tables are copied from what
     experiments/zero_*.py wrote, not typed."""

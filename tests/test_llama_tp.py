@@ -195,3 +195,31 @@ def test_a_tensor_parallel_checkpoint_restores_into_pure_zero_and_back(reference
         ckpt.wait()
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert rel_diff(engine.gather_params(state), ref_params) < 1e-5
+
+
+def test_compiled_traffic_along_each_axis_is_the_formulas():
+    """The step's collectives split by axis (a model group: ``model``; across groups:
+    ``data``) equal jaxzero.accounting.formulas' bytes: tensor_parallel_bytes along
+    ``model``, ZeRO's stage-1 formula for the params a model device holds along ``data``
+    (experiments/tp_traffic.py measures every stage on a larger model)."""
+    from jaxzero.accounting import formulas
+    from jaxzero.accounting.comm import collectives_from_hlo, traffic
+    from jaxzero.partition import is_layout
+
+    cfg = dataclasses.replace(TINY, hidden_size=64, head_dim=16, intermediate_size=128)
+    llama = Llama(cfg)
+    engine = llama.engine(optax.adamw(1e-3), mesh=jaxzero.make_mesh(8, model=2), stage=1)
+    state = engine.abstract_state(jax.eval_shape(llama.init, jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((8, cfg.seq_len), np.int32)
+    compiled = engine.compile(state, {"inputs": tokens, "targets": tokens})
+    # every buffer counted (the q/k norms' 32-element gradients too), scalars included
+    tr = traffic(collectives_from_hlo(compiled.as_text()).collectives, 1, group_size=2)
+    lays = jax.tree.leaves(engine.plan.layouts, is_leaf=is_layout)
+    unsplit = sum(
+        np.prod(x.shard_shape if x.sharded else x.shape) for x in lays if not x.tensor_parallel
+    )
+    local = int(sum(np.prod(x.local().shape) for x in lays))
+    model_axis = formulas.tensor_parallel_bytes(2 * cfg.seq_len, 64, 2, 2, unsplit=unsplit)
+    assert tr.by_scope["intra"] == pytest.approx(model_axis, rel=1e-3)
+    data_axis = formulas.comm_bytes(local, 4, 1, 4.0).total
+    assert tr.by_scope["inter"] == pytest.approx(data_axis, rel=1e-3)

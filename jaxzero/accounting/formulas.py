@@ -456,6 +456,42 @@ def comm_bytes(
     return Communication(grad=k * reduce, param=gathers * gather + held, frozen=held)
 
 
+def tensor_parallel_bytes(
+    tokens: float,
+    hidden: int,
+    layers: int,
+    m: int,
+    act_bytes: float = 4.0,
+    unsplit: float = 0.0,
+    grad_bytes: float = 4.0,
+) -> float:
+    """Bytes one device sends along the ``model`` axis per optimizer step: tensor
+    parallelism with sequence parallelism (Megatron-LM; docs/tensor-parallel.md).
+
+    Each layer's two blocks (attention, MLP) all-gather the sequence going in and
+    reduce-scatter it coming out, forward and (transposed) backward, and gather it once
+    more in the backward pass (the block keeps its slice only): 10 collectives of
+    ``tokens x hidden`` a layer, Megatron's 4 all-reduces a layer (8) plus the
+    re-gathers. The embedding's reduce-scatter and the final norm's gather add 4 (with
+    their transposes), the vocabulary-parallel cross-entropy 3 all-reduces of a float32
+    a token, and the gradients of the ``unsplit`` params (norms, replicated key/value
+    heads), one device's part of each, an all-reduce once a step.
+
+    Args:
+      tokens: the tokens a model group trains on in the step (its rows of the global
+        batch x the sequence, over every micro-batch).
+      hidden: D. layers: L. m: the model axis' size.
+      act_bytes: bytes of an activation (the compute dtype).
+      unsplit: elements of the unsplit params' gradients a device all-reduces.
+      grad_bytes: bytes of a gradient element (the reduce dtype).
+    """
+    if m <= 1:
+        return 0.0
+    sequence = (10 * layers + 4) * ring_bytes("all-gather", tokens * hidden * act_bytes, m)
+    loss = 3 * ring_bytes("all-reduce", tokens * 4.0, m)
+    return sequence + loss + ring_bytes("all-reduce", unsplit * grad_bytes, m)
+
+
 def check_quantized(stage: int, qwz: bool, qgz_bits: int, quant_block: int) -> None:
     """The engine's rules for qwZ and qgZ (:func:`jaxzero.settings.beyond_zero`), for the
     formulas: qwz at stage 3 only, qgz at stages 1-3, in 8 or 4 bits."""

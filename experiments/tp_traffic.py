@@ -1,0 +1,230 @@
+"""Tensor and sequence parallelism composed with ZeRO: traffic along each mesh axis and
+activation memory, measured on the compiled step beside the formulas.
+
+A Llama-shaped model is compiled (not run) on 8 simulated CPU devices:
+
+* traffic: at (data=4, model=2) and (data=2, model=4), stages 0-3, every collective of
+  the compiled HLO counted with its loop trip count and the ring formulas, split by the
+  axis its device groups run along (within a model group: the ``model`` axis; across
+  groups at the same position: ``data``). Beside it, the formulas:
+  :func:`jaxzero.accounting.formulas.tensor_parallel_bytes` along ``model``; ZeRO's
+  (:func:`~jaxzero.accounting.formulas.comm_bytes`) along ``data``, for Ψ the params a
+  model device holds (each split leaf's slice, each unsplit one whole); at stage 3 the
+  layers' params are gathered twice a micro-batch (forward, and again in the backward
+  pass) and the embedding, head and final norm once a step (kept for the backward, the
+  gather hoisted out of the micro-batch loop by XLA): (2k + k)Ψ_layers + (1 + k)Ψ_rest
+  where docs/zero.md says 3kΨ.
+* activation memory: the compiled step's temp bytes at 2 and 4 rows a model group on
+  (data=1, model=m), m = 1, 2, 4, for L and 2L layers; the activations are the growth
+  per row (the gradients and weights stay), a layer's the growth per row and layer, so
+  their ratios to m = 1's are what sequence and tensor parallelism divide.
+
+Writes experiments/results/tp_traffic.{csv,md}. Two to four minutes on 2 CPU cores:
+
+    python -m experiments.tp_traffic [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import pathlib
+import re
+import sys
+
+from jaxzero.mesh import simulate_devices
+
+N_DEVICES = 8
+simulate_devices(N_DEVICES)  # before JAX starts its backend
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jaxzero  # noqa: E402
+from experiments.results_io import write_csv  # noqa: E402
+from jaxzero.accounting import formulas  # noqa: E402
+from jaxzero.accounting.comm import collectives_from_hlo, traffic  # noqa: E402
+from jaxzero.models.llama import Llama, LlamaConfig  # noqa: E402
+from jaxzero.partition import is_layout  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+MODEL = LlamaConfig(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    seq_len=256,
+    remat="none",
+)
+TINY = LlamaConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    seq_len=16,
+)
+
+
+def _compiled(cfg: LlamaConfig, mesh, stage: int, rows: int, micro: int = 1):
+    model = Llama(cfg)
+    engine = model.engine(optax.adamw(1e-3), mesh=mesh, stage=stage, micro_batches=micro)
+    state = engine.abstract_state(jax.eval_shape(model.init, jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((rows, cfg.seq_len), np.int32)
+    return engine, engine.compile(state, {"inputs": tokens, "targets": tokens})
+
+
+def _unsplit_elements(engine) -> float:
+    """Elements of the unsplit params' gradients a device all-reduces over ``model``:
+    each one's reduced part (its data shard from stage 1, else whole)."""
+    total = 0
+    for lay in jax.tree.leaves(engine.plan.layouts, is_leaf=is_layout):
+        if lay.tensor_parallel:
+            continue
+        sharded = engine.stage >= 1 and lay.sharded
+        total += math.prod(lay.shard_shape if sharded else lay.shape)
+    return float(total)
+
+
+def traffic_row(cfg: LlamaConfig, data: int, model: int, stage: int, micro: int) -> dict:
+    mesh = jaxzero.make_mesh(N_DEVICES, model=model)
+    rows = 2 * data * micro
+    engine, compiled = _compiled(cfg, mesh, stage, rows, micro)
+    found = collectives_from_hlo(compiled.as_text()).collectives
+    tr = traffic(found, group_size=model)  # intra: a model group; inter: the data axis
+    lays = jax.tree.leaves(engine.plan.layouts, is_leaf=is_layout)
+    layers = sum(math.prod(x.local().shape) for x in lays if re.search(Llama.STACKED, x.path))
+    local = sum(math.prod(x.local().shape) for x in lays)
+    tokens = rows // data * cfg.seq_len
+    along_model = formulas.tensor_parallel_bytes(
+        tokens, cfg.hidden_size, cfg.num_hidden_layers, model, unsplit=_unsplit_elements(engine)
+    )
+    along_data = formulas.comm_bytes(local, data, stage, 4.0, micro_batches=micro).total
+    if stage == 3:  # the rest is gathered once a step: kept for the backward, and XLA
+        # hoists its gather out of the micro-batch loop (its params do not change there)
+        along_data -= (2 * micro - 1) * formulas.ring_bytes(
+            "all-gather", (local - layers) * 4.0, data
+        )
+    return {
+        "data": data,
+        "model": model,
+        "stage": stage,
+        "micro_batches": micro,
+        "params": engine.num_params,
+        "params_a_model_device": local,
+        "tokens_a_group": tokens,
+        "model_axis_bytes": tr.by_scope["intra"],
+        "model_axis_formula": along_model,
+        "model_axis_ratio": round(tr.by_scope["intra"] / along_model, 4),
+        "data_axis_bytes": tr.by_scope["inter"],
+        "data_axis_formula": along_data,
+        "data_axis_ratio": round(tr.by_scope["inter"] / along_data, 4) if along_data else None,
+        "both_axes_bytes": tr.by_scope["both"],
+        "scalar_bytes": tr.scalars,
+    }
+
+
+def memory_row(cfg: LlamaConfig, model: int) -> dict:
+    mesh = jaxzero.make_mesh(model, model=model)  # one data device: the model group alone
+    deeper = dataclasses.replace(cfg, num_hidden_layers=2 * cfg.num_hidden_layers)
+    temp = {}
+    for c in (cfg, deeper):
+        for rows in (2, 4):
+            _, compiled = _compiled(c, mesh, 0, rows)
+            temp[c.num_hidden_layers, rows] = compiled.memory_analysis().temp_size_in_bytes
+    per_row = {n: (temp[n, 4] - temp[n, 2]) / 2 for n in {k[0] for k in temp}}
+    layers = cfg.num_hidden_layers
+    return {
+        "model": model,
+        "layers": layers,
+        "activations_a_row": per_row[layers],
+        "a_layer_a_row": (per_row[2 * layers] - per_row[layers]) / layers,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="a tiny model: the code paths only")
+    ap.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    cfg = TINY if args.tiny else MODEL
+    grid = [(4, 2, s, 1) for s in range(4)] + [(2, 4, s, 1) for s in range(4)]
+    grid += [(4, 2, 3, 2)]  # micro-batches: the sequence traffic is the group's tokens
+    if args.tiny:
+        grid = [(4, 2, 3, 2), (2, 4, 1, 1)]
+    rows = []
+    print(f"{'mesh':>12} {'stage':>5} {'k':>2} | {'model axis: measured/formula':>30} | "
+          f"{'data axis: measured/formula':>30}")  # fmt: skip
+    for data, model, stage, micro in grid:
+        r = traffic_row(cfg, data, model, stage, micro)
+        rows.append(r)
+        print(
+            f"{f'({data}, {model})':>12} {stage:>5} {micro:>2} | "
+            f"{r['model_axis_bytes'] / 2**20:9.2f} / {r['model_axis_formula'] / 2**20:8.2f} MiB "
+            f"= {r['model_axis_ratio']:6.4f} | "
+            f"{r['data_axis_bytes'] / 2**20:9.2f} / {r['data_axis_formula'] / 2**20:8.2f} MiB "
+            f"= {r['data_axis_ratio'] or 0:6.4f}",
+            flush=True,
+        )
+    memory = [memory_row(cfg, m) for m in (1, 2, 4)]
+    base, layer = memory[0]["activations_a_row"], memory[0]["a_layer_a_row"]
+    print(f"\nactivation memory a row (compiled temp's growth, {cfg.num_hidden_layers} layers) "
+          "and a layer's, against model=1:")  # fmt: skip
+    for r in memory:
+        r["ratio"] = round(r["activations_a_row"] / base, 4)
+        r["layer_ratio"] = round(r["a_layer_a_row"] / layer, 4)
+        print(f"  model={r['model']}: {r['activations_a_row'] / 2**20:8.3f} MiB = "
+              f"{r['ratio']:.4f} of model=1 ({r['ratio'] * r['model']:.3f} / model); a layer "
+              f"{r['a_layer_a_row'] / 2**20:7.3f} MiB = {r['layer_ratio']:.4f} "
+              f"({r['layer_ratio'] * r['model']:.3f} / model)")  # fmt: skip
+    if not args.tiny:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_csv(args.out / "tp_traffic.csv", rows)
+        write_csv(args.out / "tp_memory.csv", memory)
+        (args.out / "tp_traffic.md").write_text(markdown(cfg, rows, memory))
+    return 0
+
+
+def markdown(cfg: LlamaConfig, rows: list[dict], memory: list[dict]) -> str:
+    """The two tables docs/tensor-parallel.md quotes."""
+    mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    out = [
+        "# Tensor and sequence parallelism with ZeRO: traffic and activations, compiled\n",
+        "Generated by `python -m experiments.tp_traffic`. A Llama of "
+        f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} "
+        f"heads ({cfg.num_key_value_heads} key/value), MLP {cfg.intermediate_size}, vocabulary "
+        f"{cfg.vocab_size}, sequence {cfg.seq_len}, fp32, 2 rows a model group and micro-batch; "
+        "8 simulated CPU devices. MiB a device a step.\n",
+        "| data | model | stage | k | model axis | formula | ratio | data axis | formula | ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['data']} | {r['model']} | {r['stage']} | {r['micro_batches']} | "
+            f"{mib(r['model_axis_bytes'])} | {mib(r['model_axis_formula'])} | "
+            f"{r['model_axis_ratio']:.4f} | {mib(r['data_axis_bytes'])} | "
+            f"{mib(r['data_axis_formula'])} | {r['data_axis_ratio']:.4f} |"
+        )
+    out += [
+        "",
+        "Activations a row (the compiled temp's growth from 2 to 4 rows, (data=1, model=m), "
+        f"stage 0), for {cfg.num_hidden_layers} layers and a layer's share (from "
+        f"{cfg.num_hidden_layers} to {2 * cfg.num_hidden_layers} layers):\n",
+        "| model | a row, MiB | of model=1 | a layer a row, MiB | of model=1 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in memory:
+        out.append(
+            f"| {r['model']} | {mib(r['activations_a_row'])} | {r['ratio']:.4f} | "
+            f"{mib(r['a_layer_a_row'])} | {r['layer_ratio']:.4f} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
