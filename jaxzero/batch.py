@@ -84,6 +84,17 @@ def check(batch: Batch, divisor: int, divisor_note: str, treedef: Any = None) ->
     return found
 
 
+def check_sequence(batch: Batch, devices: int) -> None:
+    """Ulysses: every leaf's dim 1 (the sequence) divides over the ``devices``."""
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+        if np.ndim(x) < 2 or np.shape(x)[1] % devices:
+            raise ValueError(
+                f"ulysses=True splits each sequence over the {devices} data devices: batch "
+                f"leaf {path_str(path)!r} of shape {np.shape(x)} has no dim 1 that "
+                f"{devices} divide; use a sequence length that is a multiple of {devices}"
+            )
+
+
 def place(batch: Batch, sh: NamedSharding) -> Batch:
     """Host arrays, or arrays on any device(s) -> global arrays laid out as ``sh``. With
     several processes each passes its rows (:func:`rows_of`) and gets the global batch."""
@@ -122,21 +133,32 @@ def to_global(batch: Batch, sh: NamedSharding, check_batch: Callable[[Batch], An
 
 class Intake:
     """The batches one engine takes: laid out as ``sharding``, their rows a multiple of
-    the batch devices times the micro-batches, the first one's structure every step."""
+    the batch devices times the micro-batches, the first one's structure every step;
+    with ``seq_devices`` > 1 (Ulysses) each leaf's dim 1, the sequence, split over them."""
 
-    def __init__(self, sharding: NamedSharding, devices: int, micro_batches: int):
+    def __init__(
+        self, sharding: NamedSharding, devices: int, micro_batches: int, seq_devices: int = 1
+    ):
         self.sharding = sharding
         self.divisor = devices * micro_batches
         self.note = f"{devices} devices x {micro_batches} micro-batches"
+        self.seq_devices = seq_devices
         self.treedef: Any = None
 
     def rows(self, batch_size: int) -> slice:
         """This process's rows of a global batch of ``batch_size`` (:func:`rows_of`)."""
+        if self.seq_devices > 1 and jax.process_count() > 1:
+            raise ValueError(
+                "ulysses=True splits each row over devices of several processes, which "
+                "jaxzero cannot feed yet: run Ulysses in one process"
+            )
         return rows_of(self.sharding, batch_size, self.divisor, self.note)
 
     def check(self, batch: Batch) -> None:
         """:func:`check` ``batch`` against the structure of the first one checked."""
         self.treedef = check(batch, self.divisor, self.note, self.treedef)
+        if self.seq_devices > 1:
+            check_sequence(batch, self.seq_devices)
 
     def to_global(self, batch: Batch) -> Batch:
         """:func:`to_global`, each batch checked by :meth:`check`."""

@@ -142,6 +142,12 @@ class Engine:
         over the batch axes after each step and threaded through the micro-batches
         (:mod:`jaxzero.model_state`); a synchronised BatchNorm takes
         ``axis_name=jaxzero.batch_axes(mesh)`` (:attr:`batch_axes`). None: no model state.
+      ulysses: context parallelism (DeepSpeed-Ulysses): the ``data`` axis splits each
+        sequence (a batch leaf's dim 1) instead of the rows, which only the ``replica``
+        axis of a hybrid mesh splits; the loss is computed per device on its slice of the
+        sequence and its attention all-to-alls over ``data`` (heads scattered, sequence
+        gathered: :meth:`jaxzero.models.Llama.ulysses_loss`). ZeRO is unchanged, its
+        reductions over ``data`` summing the slices' gradients; ``docs/tensor-parallel.md``.
 
     An engine is built for one set of param shapes: its first init (:meth:`init`,
     :meth:`init_from`, :meth:`abstract_state`, a restore) makes :attr:`plan`, every
@@ -209,6 +215,7 @@ class Engine:
         quant_block: int = 2048,
         ema: Any = None,
         model_state: Any = None,
+        ulysses: bool = False,
     ):
         self.loss_fn = loss_fn
         self.trainable = trainable
@@ -242,11 +249,13 @@ class Engine:
             quant_block=quant_block,
             ema=ema,
             model_state=model_state is not None,
+            ulysses=ulysses,
         )
         self._plan: Plan | None = None
-        self._batches = batch_lib.Intake(
-            self.settings.batch_sharding, self.batch_devices, self.micro_batches
-        )
+        s = self.settings
+        rows = self.batch_devices // (s.num_shards if ulysses else 1)  # Ulysses: over replicas
+        seq = s.num_shards if ulysses else 1
+        self._batches = batch_lib.Intake(s.batch_sharding, rows, self.micro_batches, seq)
 
     # --- settings (known from the start) -----------------------------------------------
 

@@ -15,7 +15,6 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxzero import backend
 from jaxzero import ema as ema_lib
@@ -81,11 +80,29 @@ class Settings:
 
     @property
     def batch_sharding(self) -> NamedSharding:
-        """A global batch's layout: its leading dim split over the batch axes."""
-        return NamedSharding(self.mesh, P(batch_axes(self.mesh)))
+        """A global batch's layout: its leading dim split over the batch axes (Ulysses:
+        over the replica axis, and dim 1, the sequence, over data)."""
+        return NamedSharding(self.mesh, self.step.batch_spec)
 
 
 OFFLOADS = ("optimizer",)  # Engine(offload=...): what lives in host memory
+
+
+def _check_ulysses(ulysses: bool, mesh: Mesh, loss_takes_rng: bool, hpz: bool) -> None:
+    """Ulysses' refusals, each in one line naming what to change."""
+    if not isinstance(ulysses, bool):
+        raise TypeError(f"ulysses must be True or False, got {ulysses!r}")
+    if not ulysses:
+        return
+    what = None
+    if model_shards(mesh) > 1:
+        what = "a model axis (tensor parallelism)"
+    elif loss_takes_rng:
+        what = "loss_takes_rng (its keys are drawn a row, and a device holds part of a row)"
+    elif hpz:
+        what = "hpz"
+    if what is not None:
+        raise ValueError(f"ulysses=True with {what} is not supported yet: drop one of them")
 
 
 def beyond_zero(
@@ -172,6 +189,7 @@ def make_settings(
     quant_block: int = 2048,
     ema: Any = None,
     model_state: bool = False,
+    ulysses: bool = False,
 ) -> tuple[optax.GradientTransformation, Settings]:
     """``(optimizer, settings)`` from :class:`~jaxzero.Engine`'s arguments (documented
     there); each bad one is refused in one line. ``optax.MultiSteps`` is unwrapped."""
@@ -196,6 +214,7 @@ def make_settings(
     loss_lib.check_rng_contract(loss_fn, loss_takes_rng, model_state)
     decay = ema_lib.check(ema)
     hybrid = REPLICA in mesh.axis_names
+    _check_ulysses(ulysses, mesh, loss_takes_rng, hpz)
     if hpz and model_shards(mesh) > 1:
         raise ValueError(
             "hpz=True with a model axis is not supported yet: hpZ's params copy is laid out "
@@ -218,6 +237,7 @@ def make_settings(
             batch_axes=axes,
             batch_devices=math.prod(mesh.shape[a] for a in axes),
             model_axis=model_shards(mesh) > 1,
+            ulysses=ulysses,
             bucket_bytes=bucket,
             whole_tree_bucket_bytes=whole_tree_bucket,
             dot_barrier=backend.dot_barrier(dot_barrier, mesh),

@@ -417,7 +417,7 @@ def _sharded_gradient_step(
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(specs.params, P(cfg.batch_axes), P(), specs.frozen, specs.model_state),
+        in_specs=(specs.params, cfg.batch_spec, P(), specs.frozen, specs.model_state),
         out_specs=(P(), master_specs(cfg.stage, layouts, cfg.hpz), P(), P(), specs.model_state),
         check_vma=False,
     )
@@ -594,7 +594,7 @@ def make_eval(
     sharded = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(specs.params, P(cfg.batch_axes), specs.frozen, specs.model_state),
+        in_specs=(specs.params, cfg.batch_spec, specs.frozen, specs.model_state),
         out_specs=P(),
         check_vma=False,
     )

@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from jax.sharding import PartitionSpec as P
+
 from jaxzero.mesh import DATA
 
 QGZ_BITS = {"int8": 8, "int4": 4}  # Engine(qgz=...): the gradients' wire format, its bits
@@ -34,6 +36,10 @@ class StepConfig:
     # gradient of a leaf not split over it is summed over it (sequence parallelism: each
     # model device's part comes from its slice of the sequence or of the heads)
     model_axis: bool = False
+    # context parallelism (DeepSpeed-Ulysses): the data axis splits each sequence instead
+    # of the rows (the replica axis, if any, splits the rows); the model all-to-alls its
+    # attention over it. ZeRO is unchanged: its reductions over data sum the slices'.
+    ulysses: bool = False
     bucket_bytes: int = 0  # pack gradient/param collectives up to this size
     whole_tree_bucket_bytes: int = 0  # the same, in a per_layer=False model's stage-3 use_params
     dot_barrier: bool = False  # collectives.dot_barrier on each micro-batch's gradients
@@ -53,3 +59,11 @@ class StepConfig:
     @property
     def extra_axes(self) -> tuple[str, ...]:
         return tuple(a for a in self.batch_axes if a != DATA)
+
+    @property
+    def batch_spec(self) -> P:
+        """How a batch leaf lies on the mesh: rows over the batch axes; with Ulysses rows
+        over the replica axis and the sequence (dim 1) over data."""
+        if self.ulysses:
+            return P(self.extra_axes or None, DATA)
+        return P(self.batch_axes)

@@ -223,3 +223,39 @@ def test_compiled_traffic_along_each_axis_is_the_formulas():
     assert tr.by_scope["intra"] == pytest.approx(model_axis, rel=1e-3)
     data_axis = formulas.comm_bytes(local, 4, 1, 4.0).total
     assert tr.by_scope["inter"] == pytest.approx(data_axis, rel=1e-3)
+
+
+@pytest.mark.parametrize("stage,micro", [(1, 1), (3, 2)])
+def test_ulysses_trains_a_four_times_longer_sequence_like_one_device(stage, micro):
+    """DeepSpeed-Ulysses on (rows over replica=2, sequence over data=4): a device holds a
+    quarter of each 32-token row (8 tokens), the attention exchanges heads for sequence;
+    packed documents (positions restart mid-row, across slices) and a loss mask: one
+    device's losses and params on the whole rows. 2 key/value heads for 4 devices: each
+    repeated to its query heads before the exchange."""
+    cfg = dataclasses.replace(TINY, seq_len=32, remat="full")
+    params = params_of(Llama, cfg)
+    data = []
+    for i, b in enumerate(_batches(3, cfg)):
+        cut = 5 + (np.arange(8)[:, None] + 3 * i) % 20  # a second document from `cut` on
+        data.append({**b, "segment_ids": (np.arange(32)[None, :] >= cut).astype(np.int32)})
+    tx = optax.sgd(0.5, momentum=0.9)
+    ref_losses, ref_params = train_reference(_mean_loss(cfg), params, data, tx)
+    mesh = jaxzero.make_mesh(8, replicas=2)
+    engine = Llama(cfg).engine(tx, mesh=mesh, stage=stage, micro_batches=micro, ulysses=True)
+    losses, final, _ = train_engine(engine, params, data)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert rel_diff(final, ref_params) < 1e-5
+
+
+def test_ulysses_refuses_what_it_cannot_split():
+    llama = Llama(dataclasses.replace(TINY, num_attention_heads=6, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="num_attention_heads=6, which 4 does not divide"):
+        llama.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(8, replicas=2), ulysses=True)
+    mesh = jaxzero.make_mesh(8, replicas=2)
+    engine = Llama(TINY).engine(optax.sgd(0.1), mesh=mesh, ulysses=True)
+    bad = {"inputs": np.zeros((2, 10), np.int32), "targets": np.zeros((2, 10), np.int32)}
+    with pytest.raises(ValueError, match="splits each sequence over the 4 data devices"):
+        engine.step(engine.init(params_of(Llama, TINY)), bad)
+    with pytest.raises(ValueError, match="loss_takes_rng"):
+        jaxzero.Engine(lambda p, b, r: 0.0, optax.sgd(0.1), mesh=mesh, ulysses=True,
+                       loss_takes_rng=True)  # fmt: skip

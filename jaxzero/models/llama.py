@@ -36,7 +36,7 @@ from flax import nnx
 
 from jaxzero import tensor_parallel as tp_lib
 from jaxzero.hooks import regather_policy, remat_layer, use_params
-from jaxzero.mesh import MODEL
+from jaxzero.mesh import DATA, MODEL
 from jaxzero.models import deltanet, llama_tp
 from jaxzero.models.common import (
     ATTENTION,
@@ -354,8 +354,10 @@ class LlamaModule(nnx.Module):
         rngs: nnx.Rngs,
         lora: LoraConfig | None = None,
         tp: str | None = None,
+        cp: str | None = None,
     ):
-        self.cfg, self.tp = cfg, tp  # tp: the model axis (tensor parallelism), or None
+        # tp: the model axis (tensor parallelism); cp: the axis Ulysses splits sequences over
+        self.cfg, self.tp, self.cp = cfg, tp, cp
         if lora is not None:
             lora.targets_in([*linears(cfg), "lm_head"])  # refuses targets that match nothing
         std = cfg.initializer_range
@@ -365,7 +367,7 @@ class LlamaModule(nnx.Module):
             @nnx.split_rngs(splits=n)
             @nnx.vmap(in_axes=0, out_axes=0)
             def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
-                return DecoderLayer(cfg, rngs, lora, linear, tp)
+                return DecoderLayer(cfg, rngs, lora, linear, tp, cp)
 
             return make_layers(rngs)
 
@@ -392,7 +394,8 @@ class LlamaModule(nnx.Module):
         cfg = self.cfg
         embed = use(self.embed_tokens).weight[...]
         x_BxSxD = self._embed(embed, tokens_BxS)
-        rope = self._rotary(positions(tokens_BxS, segment_ids_BxS))
+        pos_BxS, segment_ids_BxS = self._positions(tokens_BxS, segment_ids_BxS)
+        rope = self._rotary(pos_BxS)
 
         # flax types split's result as variadic: two filters give exactly two states
         graphdef, stacked, rest = nnx.split(self.layers, nnx.Param, ...)  # type: ignore[misc]
@@ -437,6 +440,21 @@ class LlamaModule(nnx.Module):
         xs = (stacked, index, self._per_layer(), groups)
         x_BxSxD, _ = jax.lax.scan(group, x_BxSxD, xs)
         return self._logits(embed, x_BxSxD)
+
+    def _positions(
+        self, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """Each token's position and the segment ids attention masks with. Ulysses:
+        ``tokens`` are this device's slice of each row: its positions are its slice of
+        the whole rows', and the attention (over whole rows) gets their segment ids."""
+        if self.cp is None:
+            return positions(tokens_BxS, segment_ids_BxS), segment_ids_BxS
+        b, s = tokens_BxS.shape
+        n, i = jax.lax.axis_size(self.cp), jax.lax.axis_index(self.cp)
+        if segment_ids_BxS is not None:
+            segment_ids_BxS = jax.lax.all_gather(segment_ids_BxS, self.cp, axis=1, tiled=True)
+        whole_BxS = positions(jnp.zeros((b, s * n), jnp.int32), segment_ids_BxS)
+        return jax.lax.dynamic_slice_in_dim(whole_BxS, i * s, s, axis=1), segment_ids_BxS
 
     def _embed(self, embed_VxD: jax.Array, tokens_BxS: jax.Array) -> jax.Array:
         """The tokens' embeddings; Gemma's times sqrt(hidden_size), a scale rounded to
@@ -668,6 +686,24 @@ class Llama(ReferenceModel):
             return bind(graphdef, self._template, params, rest)(tokens_BxS, segment_ids_BxS)
 
         return apply
+
+    def ulysses_loss(self, n: int) -> Any:
+        """:meth:`loss_fn` per device under DeepSpeed-Ulysses over the ``data`` axis of
+        ``n`` devices (``Engine(ulysses=True)``): the batch holds this device's slice of
+        each sequence, the attention exchanges heads for sequence and back
+        (:class:`~jaxzero.models.llama_layers.Attention`), everything else is the slice's
+        own; the loss is the slice's (its mean, or its masked sum and count)."""
+        llama_tp.check_ulysses(self.config, n)
+        abstract = nnx.eval_shape(
+            lambda: LlamaModule(self.config, nnx.Rngs(0), self.lora, None, DATA)
+        )
+        graphdef, _, rest = split(abstract)
+
+        def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array]) -> Any:
+            module = bind(graphdef, self._template, params, rest)
+            return token_loss(module(batch["inputs"], batch.get("segment_ids")), batch)
+
+        return loss_fn
 
     def tensor_parallel_loss(self, m: int) -> Any:
         """:meth:`loss_fn` with the layers split over the ``model`` axis of ``m`` devices

@@ -174,9 +174,10 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
         lora: LoraConfig | None = None,
         tp: str | None = None,
+        cp: str | None = None,
     ):
         d, h, kv, k = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
-        self.gated, self.tp = cfg.attn_output_gate, tp
+        self.gated, self.tp, self.cp = cfg.attn_output_gate, tp, cp
         q_out = 2 * h * k if self.gated else h * k
         self.q_proj = _linear(cfg, lora, "self_attn.q_proj", d, q_out, cfg.qkv_bias, rngs)
         self.k_proj = _linear(cfg, lora, "self_attn.k_proj", d, kv * k, cfg.qkv_bias, rngs)
@@ -206,6 +207,11 @@ class Attention(nnx.Module):
         back with their (rotated) keys and values written in. ``window``: this layer's
         sliding window (an int32 scalar; None: full causal attention).
 
+        With Ulysses (``cp``: the axis a sequence is split over) q, k and v are
+        exchanged (:func:`_heads_for_sequence`) so that the attention runs on the whole
+        sequence (``segment_ids`` its whole rows) of this device's heads, and the
+        output exchanged back.
+
         With tensor parallelism (``tp``: the model axis) ``x`` is this device's slice of
         the sequence, gathered whole here; the projections are this device's heads
         (their count read from the weights' shapes), key/value heads too when the axis
@@ -233,6 +239,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None and self.k_norm is not None:  # before rope, as Qwen3
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.cp is not None:  # Ulysses: the whole sequence of this device's heads
+            q, k, v = _heads_for_sequence(q, k, v, self.cp)
         # grouped-query: the kv heads are shared
         if cache is None:
             out_BxSxHxK = causal_attention(
@@ -240,10 +248,27 @@ class Attention(nnx.Module):
             )
         else:
             out_BxSxHxK, cache = cache.attend(q, k, v, window, self.scale, self.softcap)
+        if self.cp is not None:  # and back: this device's slice of the sequence, every head
+            out_BxSxHxK = jax.lax.all_to_all(out_BxSxHxK, self.cp, 1, 2, tiled=True)
         out_BxSxHK = out_BxSxHxK.reshape(b, s, heads * self.head_dim)
         if gate_BxSxHK is not None:
             out_BxSxHK = out_BxSxHK * jax.nn.sigmoid(gate_BxSxHK)
         return _row_parallel_out(self.o_proj, out_BxSxHK, r[3], self.tp), cache
+
+
+def _heads_for_sequence(
+    q: jax.Array, k: jax.Array, v: jax.Array, axis: str
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """DeepSpeed-Ulysses' all-to-all: from this device's slice of the sequence with
+    every head to the whole sequence with its slice of the heads (``H / n`` query heads,
+    the key/value heads they share; repeated to one a query head first when ``n`` does
+    not divide them)."""
+    n = jax.lax.axis_size(axis)
+    if k.shape[2] % n:
+        group = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    to_heads = lambda a: jax.lax.all_to_all(a, axis, 2, 1, tiled=True)  # noqa: E731
+    return to_heads(q), to_heads(k), to_heads(v)
 
 
 class Conv1d(nnx.Module):
@@ -386,10 +411,11 @@ class DecoderLayer(nnx.Module):
         lora: LoraConfig | None = None,
         linear: bool = False,
         tp: str | None = None,
+        cp: str | None = None,
     ):
         d = cfg.hidden_size
         self.input_layernorm = _norm(cfg, d)
-        self.self_attn = None if linear else Attention(cfg, rngs, lora, tp)
+        self.self_attn = None if linear else Attention(cfg, rngs, lora, tp, cp)
         self.linear_attn = GatedDeltaNet(cfg, rngs, lora) if linear else None
         self.post_attention_layernorm = _norm(cfg, d)
         self.pre_feedforward_layernorm = _norm(cfg, d) if cfg.sandwich_norms else None

@@ -80,6 +80,20 @@ def check(cfg: LlamaConfig, lora: LoraConfig | None, m: int) -> None:
         )
 
 
+def check_ulysses(cfg: LlamaConfig, n: int) -> None:
+    """Refuse a model Ulysses over ``n`` devices cannot split by heads."""
+    if cfg.linear_attention_layers:
+        raise ValueError(
+            "Ulysses does not split Qwen3.5's Gated DeltaNet layers (a recurrence over the "
+            "sequence) yet: train this model without ulysses"
+        )
+    if cfg.num_attention_heads % n:
+        raise ValueError(
+            f"Ulysses over {n} devices gives each a slice of num_attention_heads="
+            f"{cfg.num_attention_heads}, which {n} does not divide: use a data axis that does"
+        )
+
+
 def rules(cfg: LlamaConfig, m: int) -> list[Rule]:
     """The layout rules of tensor parallelism over ``m`` devices (the table above)."""
     out: list[Rule] = [

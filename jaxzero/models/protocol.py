@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from jaxzero.engine import Engine
-from jaxzero.mesh import make_mesh, model_shards
+from jaxzero.mesh import make_mesh, model_shards, num_shards
 from jaxzero.models.common import KVCache, generate
 
 
@@ -115,6 +115,8 @@ class ReferenceModel:
         kwargs.setdefault("stacked", self.STACKED)
         mesh = kwargs.setdefault("mesh", make_mesh())
         m = model_shards(mesh)
+        if kwargs.get("ulysses"):
+            return Engine(self.ulysses_loss(num_shards(mesh)), optimizer, **kwargs)
         if m == 1:
             return Engine(self.loss_fn, optimizer, **kwargs)
         kwargs["rules"] = (*kwargs.get("rules", ()), *self.tensor_parallel_rules(m))
@@ -126,6 +128,13 @@ class ReferenceModel:
         raise ValueError(
             f"{type(self).__name__} does not support tensor parallelism yet: use a mesh "
             "without a model axis (model=1)"
+        )
+
+    def ulysses_loss(self, n: int) -> Any:
+        """:meth:`loss_fn` with each sequence split over the ``data`` axis of ``n``
+        devices (DeepSpeed-Ulysses, ``Engine(ulysses=True)``)."""
+        raise ValueError(
+            f"{type(self).__name__} does not support Ulysses yet: train it without ulysses"
         )
 
     def tensor_parallel_loss(self, m: int) -> Any:
