@@ -147,6 +147,27 @@ def memory_row(cfg: LlamaConfig, model: int) -> dict:
     }
 
 
+def ulysses_row(cfg: LlamaConfig, n: int, stage: int = 0) -> dict:
+    """Ulysses over ``n`` data devices (each a slice of every row's sequence) against one
+    device holding whole rows: the compiled temp's growth a row, the compiled peak."""
+    out: dict = {"sequence": cfg.seq_len, "devices": n, "stage": stage}
+    for label, mesh, ulysses in (("one", jaxzero.make_mesh(1), False),
+                                 ("ulysses", jaxzero.make_mesh(n), True)):  # fmt: skip
+        temps, peak = [], 0
+        for rows in (1, 2):
+            model = Llama(cfg)
+            engine = model.engine(optax.adamw(1e-3), mesh=mesh, stage=stage, ulysses=ulysses)
+            state = engine.abstract_state(jax.eval_shape(model.init, jax.random.key(0)))
+            tokens = jax.ShapeDtypeStruct((rows, cfg.seq_len), np.int32)
+            m = engine.compile(state, {"inputs": tokens, "targets": tokens}).memory_analysis()
+            temps.append(m.temp_size_in_bytes)
+            peak = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+        out[f"{label}_a_row"] = temps[1] - temps[0]
+        out[f"{label}_peak_2_rows"] = peak
+    out["ratio"] = round(out["ulysses_a_row"] / out["one_a_row"], 4)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny model: the code paths only")
@@ -182,15 +203,21 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['ratio']:.4f} of model=1 ({r['ratio'] * r['model']:.3f} / model); a layer "
               f"{r['a_layer_a_row'] / 2**20:7.3f} MiB = {r['layer_ratio']:.4f} "
               f"({r['layer_ratio'] * r['model']:.3f} / model)")  # fmt: skip
+    long = dataclasses.replace(cfg, seq_len=4 * cfg.seq_len)
+    ulysses = [ulysses_row(long, 4)]
+    print(f"\nUlysses over 4 devices, sequence {long.seq_len}: activations a row "
+          f"{ulysses[0]['ulysses_a_row'] / 2**20:.3f} MiB a device against one device's "
+          f"{ulysses[0]['one_a_row'] / 2**20:.3f} = {ulysses[0]['ratio']:.4f}")  # fmt: skip
     if not args.tiny:
         args.out.mkdir(parents=True, exist_ok=True)
         write_csv(args.out / "tp_traffic.csv", rows)
         write_csv(args.out / "tp_memory.csv", memory)
-        (args.out / "tp_traffic.md").write_text(markdown(cfg, rows, memory))
+        write_csv(args.out / "ulysses_memory.csv", ulysses)
+        (args.out / "tp_traffic.md").write_text(markdown(cfg, rows, memory, ulysses))
     return 0
 
 
-def markdown(cfg: LlamaConfig, rows: list[dict], memory: list[dict]) -> str:
+def markdown(cfg: LlamaConfig, rows: list[dict], memory: list[dict], ulysses: list[dict]) -> str:
     """The two tables docs/tensor-parallel.md quotes."""
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     out = [
@@ -222,6 +249,19 @@ def markdown(cfg: LlamaConfig, rows: list[dict], memory: list[dict]) -> str:
         out.append(
             f"| {r['model']} | {mib(r['activations_a_row'])} | {r['ratio']:.4f} | "
             f"{mib(r['a_layer_a_row'])} | {r['layer_ratio']:.4f} |"
+        )
+    out += [
+        "",
+        "Ulysses (`Engine(ulysses=True)`): each of n data devices holds a slice of every row's "
+        "sequence; the compiled temp's growth a row, against one device holding whole rows "
+        "(stage 0):\n",
+        "| sequence | devices | one device, MiB a row | Ulysses, MiB a row a device | ratio |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in ulysses:
+        out.append(
+            f"| {r['sequence']} | {r['devices']} | {mib(r['one_a_row'])} | "
+            f"{mib(r['ulysses_a_row'])} | {r['ratio']:.4f} |"
         )
     return "\n".join(out) + "\n"
 

@@ -7,6 +7,7 @@ app's data loader, so a script and ``jaxzero train`` split a batch alike.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -53,7 +54,13 @@ def rows_of(sharding: NamedSharding, batch_size: int, divisor: int, divisor_note
             f"global batch {batch_size} is not divisible by {divisor_note} = {divisor}; "
             f"use a multiple of {divisor}"
         )
-    by_process = process_rows(sharding.devices_indices_map((batch_size,)), batch_size)
+    # a batch of the sharding's rank (Ulysses splits dim 1 too): each later dim the size
+    # of the axes splitting it, so only the rows decide
+    later = [
+        math.prod(sharding.mesh.shape[a] for a in ((e,) if isinstance(e, str) else e or ()))
+        for e in tuple(sharding.spec)[1:]
+    ]
+    by_process = process_rows(sharding.devices_indices_map((batch_size, *later)), batch_size)
     return by_process[jax.process_index()]
 
 

@@ -302,6 +302,11 @@ def validate(config: Config) -> Config:
             f"mesh.model={config.mesh.model} splits Llama-family layers (model.arch: llama, "
             "or a fine-tune); the GPT has no tensor-parallel layout: use mesh.model=1"
         )
+    if config.mesh.ulysses and m.arch != "llama" and not fine_tune:
+        raise ConfigError(
+            "mesh.ulysses splits Llama-family attention by heads (model.arch: llama, or a "
+            "fine-tune); the GPT has no Ulysses attention: drop mesh.ulysses"
+        )
     for key in ("n_kv_heads", "head_dim"):
         if getattr(m, key) is not None and m.arch != "llama":
             raise ConfigError(f"model.{key} applies to model.arch=llama only")

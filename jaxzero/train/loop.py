@@ -34,6 +34,7 @@ from jaxzero.accounting.estimate import format_bytes, parse_bytes
 from jaxzero.accounting.planner import shard_bytes
 from jaxzero.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError
 from jaxzero.ema import EMAWarning
+from jaxzero.mesh import num_shards
 from jaxzero.train import config as config_lib
 from jaxzero.train import data as data_lib
 from jaxzero.train import finetune, lora_run, memguard, planning, rundir
@@ -168,14 +169,7 @@ def _set_up(
     if resume is None and finetune.source(cfg) is not None:
         cfg, pretrained = finetune.resolve(cfg)  # its model fields and tokenizer
     mesh, simulated = setup_devices(cfg.parallel, job, cfg.mesh.group_size, cfg.mesh.model)
-    rows = mesh.size // cfg.mesh.model  # devices with rows of their own (model: shared)
-    need = rows * cfg.parallel.micro_batches
-    if cfg.train.batch_size % need:
-        per = f" (of {mesh.size} / mesh.model={cfg.mesh.model})" if cfg.mesh.model > 1 else ""
-        raise ConfigError(
-            f"train.batch_size={cfg.train.batch_size} must be a multiple of "
-            f"{rows} data devices{per} x {cfg.parallel.micro_batches} micro-batches = {need}"
-        )
+    _check_batch(cfg, mesh)
     cfg = resolve_run(cfg, mesh.size, simulated, cfg.model.vocab_size)  # the name, said first
     cfg, corpus = _load_data(cfg, mesh.size, simulated)
     model, engine, schedule = build(cfg, mesh, pretrained)
@@ -225,6 +219,28 @@ def _guard(run: Run) -> memguard.MemoryGuard | None:
 
 def _is_main() -> bool:
     return jax.process_index() == 0
+
+
+def _check_batch(cfg: Config, mesh: Any) -> None:
+    """The global batch's rows divide over the devices with rows of their own (a model
+    group shares its rows; with Ulysses the state's shards share them, each a slice of
+    the sequence), times the micro-batches."""
+    shards = num_shards(mesh)
+    rows = mesh.size // cfg.mesh.model // (shards if cfg.mesh.ulysses else 1)
+    need = rows * cfg.parallel.micro_batches
+    if cfg.train.batch_size % need:
+        per = f" (of {mesh.size} / mesh.model={cfg.mesh.model})" if cfg.mesh.model > 1 else ""
+        if cfg.mesh.ulysses:
+            per = f" (mesh.ulysses: each row split over {shards})"
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} must be a multiple of "
+            f"{rows} data devices{per} x {cfg.parallel.micro_batches} micro-batches = {need}"
+        )
+    if cfg.mesh.ulysses and cfg.model.seq_len % shards:
+        raise ConfigError(
+            f"mesh.ulysses splits each sequence over {shards} devices: model.seq_len="
+            f"{cfg.model.seq_len} does not divide; use a multiple of {shards}"
+        )
 
 
 def _load_data(cfg: Config, n_dev: int, simulated: int | None) -> tuple[Config, Any]:
@@ -297,7 +313,7 @@ def _restore_or_init(
     run.progress.print(
         metrics_lib.banner(cfg, run.corpus, run.engine.num_params, per_run, _lora_line(run))
         + "\n  mesh   "
-        + _mesh_line(run.job, run.mesh)
+        + _mesh_line(run.job, run.mesh, run.cfg.mesh.ulysses)
     )
     if run.resume is not None:
         run.progress.print(
@@ -345,10 +361,13 @@ def _has_checkpoint(ckpt: CheckpointManager) -> bool:
         return False
 
 
-def _mesh_line(job: Any, mesh: Any) -> str:
+def _mesh_line(job: Any, mesh: Any, ulysses: bool = False) -> str:
     """Processes x local devices and the mesh's axes, for the banner."""
     procs = distributed.describe_processes(job, jax.local_device_count(), jax.device_count())
-    return f"{procs}, {distributed.describe_mesh(mesh)}"
+    line = f"{procs}, {distributed.describe_mesh(mesh)}"
+    if ulysses:
+        line += f", each sequence split over {num_shards(mesh)} (Ulysses, mesh.ulysses)"
+    return line
 
 
 # --------------------------------------------------------------------------- loop, finish

@@ -99,6 +99,7 @@ def _engine(cfg: Config, mesh: Any, model: Model, tx: Any) -> Any:
         hpz=cfg.zero.hpz,
         quant_block=cfg.zero.quant_block,
         ema=cfg.train.ema,
+        ulysses=cfg.mesh.ulysses,
     )
 
 

@@ -74,11 +74,14 @@ class MeshConfig:
     devices of one node, so the sharding collectives stay on the node's fast links
     and only one all-reduce of the gradient shard per step crosses nodes. ``model``
     (1: none) splits each layer's weights over that many devices, which see the same
-    rows of the batch (Llama-family models: docs/tensor-parallel.md).
+    rows of the batch; ``ulysses`` splits each sequence over the devices that shard the
+    state (DeepSpeed-Ulysses: long sequences), the groups of ``group_size`` splitting
+    the rows (Llama-family models: docs/tensor-parallel.md).
     """
 
     group_size: int | Literal["node"] | None = None
     model: int = 1
+    ulysses: bool = False
 
 
 @dataclass(frozen=True)
