@@ -352,6 +352,12 @@ def report(
       compiled: an already compiled step, to skip compiling again.
     """
     plan = engine.plan
+    if plan.settings.model_shards > 1 or plan.settings.step.ulysses:
+        raise ValueError(
+            "report compares a step with ZeRO's formulas over one data axis; this engine "
+            "splits layers or sequences too (a model axis, or ulysses), which it does not "
+            "count yet: python -m experiments.tp_traffic measures those by axis"
+        )
     persistent = _persistent(state, plan.mesh.devices.flat[0])
     compiled = compiled if compiled is not None else engine.compile(state, batch)
     text = compiled.as_text()

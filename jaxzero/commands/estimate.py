@@ -121,6 +121,12 @@ def _from_config(args: argparse.Namespace) -> Estimate:
     (``jax.eval_shape``, or a fine-tune's checkpoint headers: nothing allocated), the
     activations from its own dimensions (a Llama-family model's by layer kind)."""
     cfg = config_lib.resolve(args.config, [])
+    if config_lib.split_mesh(cfg):
+        raise ValueError(
+            f"{args.config}: estimate has no formulas for {config_lib.split_mesh(cfg)} yet "
+            "(its traffic by axis: python -m experiments.tp_traffic; a run's pre-flight "
+            "measures its peak)"
+        )
     frozen: dict[str, Any] = {}
     model: Model
     path = finetune.source(cfg)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxzero import tensor_parallel as tp_lib
-from jaxzero.hooks import regather_policy, remat_layer, use_params
+from jaxzero.hooks import remat_layer, use_params
 from jaxzero.mesh import DATA, MODEL
 from jaxzero.models import deltanet, llama_tp
 from jaxzero.models.common import (
@@ -515,20 +515,14 @@ class LlamaModule(nnx.Module):
     def _logits(self, embed_VxD: jax.Array, x_BxSxD: jax.Array) -> jax.Array:
         """Final norm and the LM head (tied: the embedding), fp32 logits; Gemma 2's
         soft-capped (``final_logit_softcapping``). With tensor parallelism: the whole
-        sequence's logits of this device's slice of the vocabulary, the sequence gathered
-        again in the backward pass (only this device's slice kept, as in the layers)."""
+        sequence's logits of this device's slice of the vocabulary."""
         x_BxSxD = use(self.norm)(x_BxSxD)
-        head_VxD = embed_VxD if self.lm_head is None else use(self.lm_head).weight[...]
-
-        def project(x_BxSxD: jax.Array, head_VxD: jax.Array) -> jax.Array:
-            if self.tp is not None:
-                x_BxSxD = tp_lib.gather_seq(x_BxSxD, 1, self.tp)
-            head_VxD = head_VxD.astype(x_BxSxD.dtype)
-            return jnp.einsum("bsd,vd->bsv", x_BxSxD, head_VxD).astype(jnp.float32)
-
         if self.tp is not None:
-            project = jax.checkpoint(project, policy=regather_policy())
-        logits = project(x_BxSxD, head_VxD)
+            x_BxSxD = tp_lib.gather_seq(x_BxSxD, 1, self.tp)
+        head_VxD = embed_VxD if self.lm_head is None else use(self.lm_head).weight[...]
+        logits = jnp.einsum("bsd,vd->bsv", x_BxSxD, head_VxD.astype(x_BxSxD.dtype)).astype(
+            jnp.float32
+        )
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
