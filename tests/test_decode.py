@@ -40,6 +40,10 @@ TINY_LLAMA = LlamaConfig(
 # Qwen3.5: linear-attention layers (their state and conv window cached) between full ones
 TINY_QWEN3_5 = dataclasses.replace(TINY_LLAMA, **QWEN3_5_FIELDS)
 MODELS = {"gpt": GPT(TINY_GPT), "llama": Llama(TINY_LLAMA), "qwen3_5": Llama(TINY_QWEN3_5)}
+# cached vs full forward: attention caches are the same arithmetic (2e-5); Qwen3.5's
+# DeltaNet steps its recurrence where the forward runs the chunked form, two fp32
+# algorithms whose logits part by up to 2.05e-5 on an AVX-512 CPU (1e-4: transformers')
+TOL = {"gpt": 2e-5, "llama": 2e-5, "qwen3_5": 1e-4}
 
 
 def _params(model):
@@ -77,7 +81,9 @@ def test_cached_logits_are_the_full_forwards_along_a_sampled_sequence(name, prom
         row[0, :n] = context
         want = np.asarray(forward(params, row))[n - 1]
         assert want.std() > 0.1  # a signal well above the tolerance
-        np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=2e-5, err_msg=f"step {i}")
+        np.testing.assert_allclose(
+            np.asarray(logits), want, rtol=0, atol=TOL[name], err_msg=f"step {i}"
+        )
 
 
 @pytest.mark.parametrize("name", ["llama3_rope/single", "llama_gqa/single"])

@@ -130,16 +130,14 @@ def test_models_the_axis_cannot_split_are_refused():
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
 
-@pytest.mark.parametrize(
-    "name,model",
-    [("llama_gqa", 2), ("llama_gqa", 4), ("qwen2_tied", 2), ("qwen3", 4), ("gemma3", 2)],
-)
+@pytest.mark.parametrize("name,model", [("llama_gqa", 2), ("qwen3", 4), ("gemma3", 2)])
 def test_hugging_face_checkpoints_load_into_tensor_parallel_layouts(name, model):
     """hf.load reads each device's slices of a transformers checkpoint into the split
     layout: at stage 0 the per-device forward gives transformers' logits (each device its
     slice of the vocabulary); at stage 3 the engine's loss is theirs. Key/value heads
     split (model=2 over 2), replicated (model=4 over 2; Gemma 3's one over 2), tied and
-    untied heads, Qwen2's biases, Qwen3's q/k norms, Gemma's norms and scales."""
+    untied heads, Qwen3's q/k norms, Gemma's norms, scales and soft-caps (Qwen2's biases:
+    the equivalence test's model has them)."""
     path = FIXTURES / name / "single"
     ref = np.load(path / "reference.npz")
     tokens = ref["tokens"]  # 2 x 24
@@ -173,23 +171,19 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> float:
 
 
 def test_a_tensor_parallel_checkpoint_restores_into_pure_zero_and_back(reference, tmp_path):
-    """Saved at (data=4, model=2) stage 3, restored on 8 data devices at stage 1, saved
-    again, restored at (data=2, model=4) stage 2: each step's loss is the uninterrupted
-    run's, and the last params one device's."""
-    cfg, params, _, data, _, _ = reference
-    tx = optax.sgd(0.5, momentum=0.9)  # its momentum, laid out as the params, moves too
-    batches = data + data[:1]
-    ref_losses, ref_params = train_reference(_mean_loss(cfg), params, batches, tx)
+    """Saved at (data=4, model=2), stage 3; restored on 8 data devices at stage 1 and saved
+    again; restored at (data=4, model=2): each step's loss is the uninterrupted run's,
+    and the last params one device's."""
+    cfg, params, tx, data, ref_losses, ref_params = reference  # SGD's momentum moves too
     llama = Llama(cfg)
-    meshes = [(jaxzero.make_mesh(8, model=2), 3), (jaxzero.make_mesh(8), 1)]
-    meshes.append((jaxzero.make_mesh(8, model=4), 2))
-    losses, state, ckpt = [], None, None
-    for i, (mesh, stage) in enumerate(meshes):
-        engine = llama.engine(tx, mesh=mesh, stage=stage)
-        state = engine.init(params) if ckpt is None else ckpt.restore(engine)[0]
-        for b in batches[i : i + 1] if i < 2 else batches[2:]:
-            state, m = engine.step(state, b)
-            losses.append(float(m["loss"]))
+    split = llama.engine(tx, mesh=jaxzero.make_mesh(8, model=2), stage=3)
+    plain = llama.engine(tx, mesh=jaxzero.make_mesh(8), stage=1)
+    losses, state = [], split.init(params)
+    for i, engine in enumerate((split, plain, split)):
+        if i:
+            state = jaxzero.CheckpointManager(tmp_path / f"run{i - 1}").restore(engine)[0]
+        state, m = engine.step(state, data[i])
+        losses.append(float(m["loss"]))
         ckpt = jaxzero.CheckpointManager(tmp_path / f"run{i}")
         ckpt.save(engine, state)
         ckpt.wait()

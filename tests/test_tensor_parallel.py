@@ -79,7 +79,7 @@ def test_each_collective_and_its_backward_equal_the_numpy_reference(model):
 # ------------------------------------------------------------ blocks against one device
 
 
-@pytest.mark.parametrize("model", [2, 4, 8])
+@pytest.mark.parametrize("model", [2, 8])
 @pytest.mark.parametrize("sequence", [False, True])
 def test_megatron_mlp_equals_the_unsharded_block(model, sequence):
     """Column- then row-parallel over ``model``, the batch over ``data``: the output and
@@ -172,7 +172,7 @@ def test_attention_split_by_heads_equals_the_unsharded_layer(model, kv_heads):
     _close(grads, want)
 
 
-@pytest.mark.parametrize("model", [2, 4, 8])
+@pytest.mark.parametrize("model", [2, 8])
 def test_vocab_parallel_cross_entropy_equals_the_whole_vocabulary(model):
     """Each device's slice of the vocabulary: the loss equals the numpy reference and
     optax's on the whole logits, and its gradient jax.grad's, with at most 3 all-reduces

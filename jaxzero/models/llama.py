@@ -658,6 +658,15 @@ class Llama(ReferenceModel):
         """The NNX module holding ``params`` (a nested dict as :meth:`init` returns)."""
         return bind(self.graphdef, self._template, params, self._rest)
 
+    def _parallel_graph(self, tp: str | None = None, cp: str | None = None) -> tuple[Any, Any]:
+        """The graph and non-param state of the module whose layers split over ``tp``
+        (tensor parallelism) or whose attention exchanges sequence for heads over ``cp``
+        (Ulysses); its params are :meth:`init`'s, bound per device by :func:`bind`."""
+        lora = None if tp else self.lora  # tensor parallelism refuses adapters (llama_tp)
+        abstract = nnx.eval_shape(lambda: LlamaModule(self.config, nnx.Rngs(0), lora, tp, cp))
+        graphdef, _, rest = split(abstract)
+        return graphdef, rest
+
     def tensor_parallel_rules(self, m: int) -> list[Any]:
         """The layout rules of tensor parallelism over ``m`` devices (:mod:`llama_tp`)."""
         llama_tp.check(self.config, self.lora, m)
@@ -670,8 +679,7 @@ class Llama(ReferenceModel):
         the same); the result is the whole sequence's logits of this device's slice of
         the vocabulary (``B x S x V/m``; ``P(..., "model")`` out of ``shard_map``)."""
         llama_tp.check(self.config, self.lora, m)
-        abstract = nnx.eval_shape(lambda: LlamaModule(self.config, nnx.Rngs(0), None, MODEL))
-        graphdef, _, rest = split(abstract)
+        graphdef, rest = self._parallel_graph(tp=MODEL)
 
         def apply(
             params: dict[str, Any], tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None
@@ -688,10 +696,7 @@ class Llama(ReferenceModel):
         (:class:`~jaxzero.models.llama_layers.Attention`), everything else is the slice's
         own; the loss is the slice's (its mean, or its masked sum and count)."""
         llama_tp.check_ulysses(self.config, n)
-        abstract = nnx.eval_shape(
-            lambda: LlamaModule(self.config, nnx.Rngs(0), self.lora, None, DATA)
-        )
-        graphdef, _, rest = split(abstract)
+        graphdef, rest = self._parallel_graph(cp=DATA)
 
         def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array]) -> Any:
             module = bind(graphdef, self._template, params, rest)
