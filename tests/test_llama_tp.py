@@ -253,3 +253,15 @@ def test_ulysses_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match="loss_takes_rng"):
         jaxzero.Engine(lambda p, b, r: 0.0, optax.sgd(0.1), mesh=mesh, ulysses=True,
                        loss_takes_rng=True)  # fmt: skip
+
+
+def test_a_run_resumes_with_another_model_axis_or_ulysses():
+    """`jaxzero train --resume RUN --set mesh.model=1`: checkpoints hold global arrays, so
+    a resumed run may change its mesh (the library round trip is tested above)."""
+    from jaxzero.train import config as C
+    from jaxzero.train import resume
+
+    before = C.apply_overrides(C.Config(), ["model.arch=llama", "mesh.model=2"])
+    after = C.apply_overrides(before, ["mesh.model=1", "mesh.ulysses=true"])
+    said = resume.check_changes(resume.changes(before, after))
+    assert said == ["mesh.model: 2 -> 1", "mesh.ulysses: False -> True"]

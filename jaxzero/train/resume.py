@@ -35,6 +35,7 @@ CHECKPOINTS = "checkpoints"
 # fields a resumed run may change; anything under model.* may not
 CHANGEABLE = (
     "parallel.",
+    "mesh.",  # checkpoints hold global arrays: any stage, group size or model axis reads them
     "zero.",
     "precision.",
     "logging.",
