@@ -265,3 +265,38 @@ def test_a_run_resumes_with_another_model_axis_or_ulysses():
     after = C.apply_overrides(before, ["mesh.model=1", "mesh.ulysses=true"])
     said = resume.check_changes(resume.changes(before, after))
     assert said == ["mesh.model: 2 -> 1", "mesh.ulysses: False -> True"]
+
+
+def test_estimate_with_a_model_axis_counts_a_model_devices_share(tmp_path, capsys):
+    """`jaxzero estimate --config` with mesh.model=2 on 8 devices: Ψ a model device's share
+    (the engine's own split), N = 4, activations of the 2 rows a model group holds / 2,
+    and the bytes along the model axis the compiled stage-0 step sends."""
+    import json
+
+    from jaxzero.accounting import activations
+    from jaxzero.accounting.comm import collectives_from_hlo, traffic
+    from jaxzero.commands import estimate as command
+    from jaxzero.models import from_fields
+    from jaxzero.partition import is_layout
+
+    fields = {"arch": "llama", "vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4,
+              "n_kv_heads": 2, "seq_len": 16}  # fmt: skip
+    path = tmp_path / "tp.yaml"  # YAML reads JSON
+    path.write_text(json.dumps({"model": fields, "mesh": {"model": 2}, "train": {"batch_size": 8}}))
+    assert command.main(["--config", str(path), "-n", "8", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+
+    llama = from_fields(fields)
+    engine = llama.engine(optax.adamw(1e-3), mesh=jaxzero.make_mesh(8, model=2), stage=0)
+    state = engine.abstract_state(jax.eval_shape(llama.init, jax.random.key(0)))
+    lays = jax.tree.leaves(engine.plan.layouts, is_leaf=is_layout)
+    assert got["num_params"] == sum(np.prod(x.local().shape) for x in lays)
+    assert got["total_params"] == engine.num_params and got["devices"] == 4
+    whole = activations.activation_bytes(
+        activations.DecoderShape.of(llama.config), 2, bytes_per_value=4.0
+    )
+    assert got["activations"]["per_layer"] == pytest.approx(whole.per_layer / 2)
+    tokens = jax.ShapeDtypeStruct((8, 16), np.int32)
+    compiled = engine.compile(state, {"inputs": tokens, "targets": tokens})
+    tr = traffic(collectives_from_hlo(compiled.as_text()).collectives, 1, group_size=2)
+    assert got["model_comm"] == pytest.approx(tr.by_scope["intra"], rel=1e-3)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 
 from jaxzero.accounting.activations import Activations, DecoderShape, GPTShape, activation_bytes
 from jaxzero.accounting.formulas import (  # re-exported: est.model_state_bytes, ...
@@ -115,6 +115,12 @@ class Estimate:
     qgz_bits: int = 0  # gradients reduced in int8/int4 (stages 1-3)
     quant_block: int = 2048
     ema: bool = False  # the state keeps an EMA of the weights (fp32, as the master)
+    # tensor parallelism: each layer split over ``model`` devices; ``num_params`` is then a
+    # model device's share (of ``total_params``), ``devices`` those sharding it, and
+    # ``model_comm`` the bytes a device sends along the model axis a step
+    model: int = 1
+    total_params: float = 0.0
+    model_comm: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,7 +136,7 @@ class Estimate:
             f"{self.device_memory / GB:g} GB, {self.precision} precision, {self.optimizer} "
             f"(K = {self.k:g}), {self.micro_batches} micro-batch(es) per step",
         ]
-        lines += self._activation_line()
+        lines += self._activation_line() + self._model_line()
         head = (
             f"{'stage':<14}{'params':>9}{'grads':>9}{'optim':>9}{'states':>9}"
             f"{'+act':>9}  fits  {'comm/step':>10}  {'max Ψ (states only)':>20}"
@@ -162,6 +168,17 @@ class Estimate:
             f"{act.total / GB:.3f} GB in all (output layer {act.output / GB:.3f} GB)"
         ]
 
+    def _model_line(self) -> list[str]:
+        if self.model <= 1:
+            return []
+        return [
+            f"model axis: each layer split over {self.model} devices (tensor and sequence "
+            f"parallel): Ψ is a model device's share of {self.total_params:.4g}, N the "
+            f"devices sharding it, activations / {self.model}; "
+            f"{self.model_comm / GB:.3f} GB a step along the model axis "
+            "(formulas.tensor_parallel_bytes), beside 'comm' along data"
+        ]
+
     def _beyond_table(self) -> str:
         """The table with offload, qwZ/qgZ and/or an EMA: device and host bytes apart,
         each with its formula; the bytes on the wire beside those without quantization."""
@@ -172,7 +189,7 @@ class Estimate:
             f"{self.precision} precision, {self.optimizer} (K = {self.k:g}), "
             f"{self.micro_batches} micro-batch(es) per step",
         ]
-        lines += self._activation_line()
+        lines += self._activation_line() + self._model_line()
         if self.offload:
             lines.append(
                 f"offload: the fp32 master and the optimizer state ({self.k:g}Ψ/N) live in "
@@ -242,7 +259,7 @@ class Estimate:
             f"{self.precision} precision, {self.optimizer} (K = {self.k:g}), "
             f"{self.micro_batches} micro-batch(es) per step",
         ]
-        lines += self._activation_line()
+        lines += self._activation_line() + self._model_line()
         head = (
             f"{'stage':<14}{'params':>9}{'grads':>9}{'optim':>9}{'trained':>9}{'frozen':>9}"
             f"{'states':>9}{'+act':>9}  fits  {'comm/step':>10}  {'max Ψ beside Ψf':>16}"
@@ -300,6 +317,9 @@ def estimate(
     qgz: str | None = None,
     quant_block: int = 2048,
     ema: bool = False,
+    model: int = 1,
+    total_params: float = 0.0,
+    model_comm: float = 0.0,
 ) -> Estimate:
     """Memory, fit and communication for every ZeRO stage.
 
@@ -323,6 +343,12 @@ def estimate(
       qgz: ``"int8"``/``"int4"``: the gradients' reduce-scatter quantized (stages 1-3).
       quant_block: elements a quantization scale covers.
       ema: the state keeps an EMA of the weights (``Engine(ema=...)``): 4Ψ/N more.
+      model: tensor parallelism's degree: ``num_params`` is then a model device's share
+        (each split param's slice, each other whole), ``devices`` the N sharding it, and
+        the activations of ``micro_batch`` rows are divided by ``model`` (sequence
+        parallelism divides them all: experiments/tp_traffic.py measures 0.48 and 0.26
+        at 2 and 4). ``total_params``: the model's Ψ; ``model_comm``: the bytes a device
+        sends along the model axis a step (:func:`formulas.tensor_parallel_bytes`).
     """
     prec = precision_bytes(precision, optimizer)
     _check(num_params, devices, 0)
@@ -336,6 +362,8 @@ def estimate(
     act = None
     if shape is not None:
         act = activation_bytes(shape, micro_batch, remat, fused_attention, prec.param)
+        if model > 1:
+            act = Activations(*(float(x) / model for x in astuple(act)))
     out = Estimate(
         num_params=float(num_params),
         devices=devices,
@@ -352,6 +380,9 @@ def estimate(
         qgz_bits=bits,
         quant_block=quant_block,
         ema=ema,
+        model=model,
+        total_params=float(total_params or num_params),
+        model_comm=float(model_comm),
     )
     held = (frozen_params, frozen_bytes_per_param)
     for stage in STAGES:

@@ -36,11 +36,12 @@ from jaxzero.accounting.estimate import (
     Estimate,
     estimate,
 )
+from jaxzero.accounting.formulas import tensor_parallel_bytes
 from jaxzero.cli import Parser, beyond_zero_options
 from jaxzero.models import Llama, Model, from_fields
 from jaxzero.models import lora as lora_lib
 from jaxzero.models.llama import CHUNK
-from jaxzero.partition import path_str
+from jaxzero.partition import is_layout, layouts_for, path_str
 from jaxzero.settings import PRECISIONS as DTYPES
 from jaxzero.train import config as config_lib
 from jaxzero.train import finetune
@@ -121,11 +122,10 @@ def _from_config(args: argparse.Namespace) -> Estimate:
     (``jax.eval_shape``, or a fine-tune's checkpoint headers: nothing allocated), the
     activations from its own dimensions (a Llama-family model's by layer kind)."""
     cfg = config_lib.resolve(args.config, [])
-    if config_lib.split_mesh(cfg):
+    if cfg.mesh.ulysses:
         raise ValueError(
-            f"{args.config}: estimate has no formulas for {config_lib.split_mesh(cfg)} yet "
-            "(its traffic by axis: python -m experiments.tp_traffic; a run's pre-flight "
-            "measures its peak)"
+            f"{args.config}: estimate has no formulas for mesh.ulysses yet (a run's "
+            "pre-flight measures its peak; python -m experiments.tp_traffic its activations)"
         )
     frozen: dict[str, Any] = {}
     model: Model
@@ -135,6 +135,7 @@ def _from_config(args: argparse.Namespace) -> Estimate:
         pretrained = finetune.pretrained(cfg)  # its data and tokenizer are the run's concern
         psi, frozen = _pretrained_counts(cfg, pretrained, path)
         model = pretrained
+        shapes = hf.param_shapes(path, pretrained, DTYPES[cfg.precision.compute])
     else:
         if cfg.model.vocab_size is None:
             raise ValueError(
@@ -144,15 +145,21 @@ def _from_config(args: argparse.Namespace) -> Estimate:
         shapes = jax.eval_shape(model.init, jax.random.key(0))
         psi = float(sum(x.size for x in jax.tree.leaves(shapes)))
     devices = cfg.parallel.devices or args.devices
-    rows = cfg.train.batch_size // (devices * cfg.parallel.micro_batches)
+    m = cfg.mesh.model
+    if devices % m:
+        raise ValueError(f"mesh.model={m} must divide the {devices} devices")
+    rows = cfg.train.batch_size // (devices // m * cfg.parallel.micro_batches)
     if rows < 1:
         raise ValueError(
             f"train.batch_size {cfg.train.batch_size} gives no rows per device "
-            f"on {devices} devices x {cfg.parallel.micro_batches} micro-batches"
+            f"on {devices // m} data devices x {cfg.parallel.micro_batches} micro-batches"
         )
+    split: dict[str, Any] = {}
+    if m > 1:
+        psi, split = _tensor_parallel(cfg, model, shapes, psi, rows)
     return estimate(
         psi,
-        devices,
+        devices // m,
         args.device_memory * GB,
         "mixed" if cfg.precision.compute == "bf16" else "fp32",
         args.optimizer,
@@ -163,7 +170,30 @@ def _from_config(args: argparse.Namespace) -> Estimate:
         args.fused_attention,
         **frozen,
         **_beyond(args, cfg),
+        **split,
     )
+
+
+def _tensor_parallel(
+    cfg: Any, model: Model, shapes: Any, psi: float, rows: int
+) -> tuple[float, dict[str, Any]]:
+    """``mesh.model``: a model device's share of Ψ (each split param's slice, each other
+    whole, by the model's own rules) and ``estimate``'s keywords for the model axis: its
+    degree, Ψ and the bytes a device sends along it a step (the unsplit params' gradients
+    counted whole, stage 0's: from stage 1 a device reduces its data shard of them)."""
+    m = cfg.mesh.model
+    rules_of = getattr(model, "tensor_parallel_rules", None)  # ReferenceModel's
+    if rules_of is None:
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel layout: mesh.model=1")
+    rules = rules_of(m)  # refuses a model the axis cannot split
+    lays = jax.tree.leaves(layouts_for(shapes, 1, rules=rules, model_shards=m), is_leaf=is_layout)
+    local = float(sum(math.prod(x.local().shape) for x in lays))
+    unsplit = float(sum(x.size for x in lays if not x.tensor_parallel))
+    c = model.config
+    tokens = rows * cfg.model.seq_len * cfg.parallel.micro_batches
+    act = 2.0 if cfg.precision.compute == "bf16" else 4.0
+    comm = tensor_parallel_bytes(tokens, c.hidden_size, c.num_hidden_layers, m, act, unsplit, act)
+    return local, {"model": m, "total_params": psi, "model_comm": comm}
 
 
 def _pretrained_counts(cfg: Any, model: Llama, path: Path) -> tuple[float, dict[str, Any]]:
