@@ -76,7 +76,7 @@ class Settings:
     def state_shards(self) -> int:
         """The devices the master and optimizer state are split over: N, or with hpZ every
         device (the leaves are padded to a multiple of it)."""
-        return self.mesh.size // self.model_shards if self.step.hpz else self.num_shards
+        return self.mesh.size if self.step.hpz else self.num_shards  # hpZ: no model axis
 
     @property
     def batch_sharding(self) -> NamedSharding:

@@ -42,8 +42,8 @@ TINY_QWEN3_5 = dataclasses.replace(TINY_LLAMA, **QWEN3_5_FIELDS)
 MODELS = {"gpt": GPT(TINY_GPT), "llama": Llama(TINY_LLAMA), "qwen3_5": Llama(TINY_QWEN3_5)}
 # cached vs full forward: attention caches are the same arithmetic (2e-5); Qwen3.5's
 # DeltaNet steps its recurrence where the forward runs the chunked form, two fp32
-# algorithms whose logits part by up to 2.05e-5 on an AVX-512 CPU (1e-4: transformers')
-TOL = {"gpt": 2e-5, "llama": 2e-5, "qwen3_5": 1e-4}
+# algorithms whose logits part by up to 2.05e-5 on an AVX-512 CPU
+TOL = {"gpt": 2e-5, "llama": 2e-5, "qwen3_5": 5e-5}
 
 
 def _params(model):
