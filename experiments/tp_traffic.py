@@ -46,6 +46,7 @@ import jaxzero  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 from jaxzero.accounting import formulas  # noqa: E402
 from jaxzero.accounting.comm import collectives_from_hlo, traffic  # noqa: E402
+from jaxzero.accounting.expected import unsplit_elements  # noqa: E402
 from jaxzero.models.llama import Llama, LlamaConfig  # noqa: E402
 from jaxzero.partition import is_layout  # noqa: E402
 
@@ -79,18 +80,6 @@ def _compiled(cfg: LlamaConfig, mesh, stage: int, rows: int, micro: int = 1):
     return engine, engine.compile(state, {"inputs": tokens, "targets": tokens})
 
 
-def _unsplit_elements(engine) -> float:
-    """Elements of the unsplit params' gradients a device all-reduces over ``model``:
-    each one's reduced part (its data shard from stage 1, else whole)."""
-    total = 0
-    for lay in jax.tree.leaves(engine.plan.layouts, is_leaf=is_layout):
-        if lay.tensor_parallel:
-            continue
-        sharded = engine.stage >= 1 and lay.sharded
-        total += math.prod(lay.shard_shape if sharded else lay.shape)
-    return float(total)
-
-
 def traffic_row(cfg: LlamaConfig, data: int, model: int, stage: int, micro: int) -> dict:
     mesh = jaxzero.make_mesh(N_DEVICES, model=model)
     rows = 2 * data * micro
@@ -102,7 +91,11 @@ def traffic_row(cfg: LlamaConfig, data: int, model: int, stage: int, micro: int)
     local = sum(math.prod(x.local().shape) for x in lays)
     tokens = rows // data * cfg.seq_len
     along_model = formulas.tensor_parallel_bytes(
-        tokens, cfg.hidden_size, cfg.num_hidden_layers, model, unsplit=_unsplit_elements(engine)
+        tokens,
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        model,
+        unsplit=unsplit_elements(engine.plan.leaves(), stage),
     )
     along_data = formulas.comm_bytes(local, data, stage, 4.0, micro_batches=micro).total
     if stage == 3:  # the rest is gathered once a step: kept for the backward, and XLA

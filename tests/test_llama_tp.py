@@ -191,32 +191,48 @@ def test_a_tensor_parallel_checkpoint_restores_into_pure_zero_and_back(reference
     assert rel_diff(engine.gather_params(state), ref_params) < 1e-5
 
 
-def test_compiled_traffic_along_each_axis_is_the_formulas():
-    """The step's collectives split by axis (a model group: ``model``; across groups:
-    ``data``) equal jaxzero.accounting.formulas' bytes: tensor_parallel_bytes along
-    ``model``, ZeRO's stage-1 formula for the params a model device holds along ``data``
-    (experiments/tp_traffic.py measures every stage on a larger model)."""
-    from jaxzero.accounting import formulas
-    from jaxzero.accounting.comm import collectives_from_hlo, traffic
-    from jaxzero.partition import is_layout
+def test_report_puts_each_axis_traffic_beside_its_formula(capsys):
+    """`jaxzero report --arch llama --model-axis 2` on 8 devices, 2 micro-batches: the
+    compiled step's collectives split by axis (within a model group: ``model``; across
+    groups: ``data``) equal the formulas: tensor_parallel_bytes along ``model`` (4 rows
+    of 16 tokens a micro-batch: the loss' all-reduces are not scalars), ZeRO's
+    stage-1 formula for the params a model device holds along ``data``; the state a
+    device holds, ZeRO's for that Ψ (experiments/tp_traffic.py measures every stage on a
+    larger model)."""
+    import json
 
-    cfg = dataclasses.replace(TINY, hidden_size=64, head_dim=16, intermediate_size=128)
-    llama = Llama(cfg)
-    engine = llama.engine(optax.adamw(1e-3), mesh=jaxzero.make_mesh(8, model=2), stage=1)
-    state = engine.abstract_state(jax.eval_shape(llama.init, jax.random.key(0)))
-    tokens = jax.ShapeDtypeStruct((8, cfg.seq_len), np.int32)
-    compiled = engine.compile(state, {"inputs": tokens, "targets": tokens})
-    # every buffer counted (the q/k norms' 32-element gradients too), scalars included
-    tr = traffic(collectives_from_hlo(compiled.as_text()).collectives, 1, group_size=2)
-    lays = jax.tree.leaves(engine.plan.layouts, is_leaf=is_layout)
-    unsplit = sum(
-        np.prod(x.shard_shape if x.sharded else x.shape) for x in lays if not x.tensor_parallel
-    )
-    local = int(sum(np.prod(x.local().shape) for x in lays))
-    model_axis = formulas.tensor_parallel_bytes(2 * cfg.seq_len, 64, 2, 2, unsplit=unsplit)
-    assert tr.by_scope["intra"] == pytest.approx(model_axis, rel=1e-3)
-    data_axis = formulas.comm_bytes(local, 4, 1, 4.0).total
-    assert tr.by_scope["inter"] == pytest.approx(data_axis, rel=1e-3)
+    from jaxzero.commands import report
+
+    argv = ["--arch", "llama", "--model-axis", "2", "--stage", "1", "--layers", "2",
+            "--d-model", "64", "--heads", "4", "--kv-heads", "2", "--seq-len", "16",
+            "--vocab", "64", "--micro-batches", "2", "--batch", "32", "--json"]  # fmt: skip
+    assert report.main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    c, ratios = data["config"], data["ratios"]
+    assert c["model_shards"] == 2 and c["num_shards"] == 4
+    assert c["params_a_model_device"] < c["num_params"] < 2 * c["params_a_model_device"]
+    assert ratios["persistent"] == pytest.approx(1.0, abs=1e-3)
+    assert ratios["comm"] == pytest.approx(1.0, abs=1e-3)  # the data axis
+    assert ratios["model_axis"] == pytest.approx(1.0, abs=1e-3)
+    assert data["traffic"]["by_scope"]["both"] == 0
+    groups = {x["group_size"] for x in data["collectives"] if x["kind"] == "reduce-scatter"}
+    assert groups == {2, 4}  # the sequence's within a group, the gradients' across
+
+
+@pytest.mark.unit
+def test_report_needs_the_model_for_the_model_axis_and_refuses_ulysses():
+    from jaxzero.accounting import measure
+
+    llama = Llama(TINY)
+    shapes = jax.eval_shape(llama.init, jax.random.key(0))
+    engine = llama.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(8, model=2), stage=1)
+    state = engine.abstract_state(shapes)
+    tokens = np.zeros((8, TINY.seq_len), np.int32)
+    with pytest.raises(ValueError, match="pass the Llama it trains"):
+        measure.report(engine, state, {"inputs": tokens, "targets": tokens})
+    engine = llama.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(4), ulysses=True)
+    with pytest.raises(ValueError, match="ulysses"):
+        measure.report(engine, engine.abstract_state(shapes), None, model=llama)
 
 
 @pytest.mark.parametrize("stage,micro", [(1, 1), (3, 2)])

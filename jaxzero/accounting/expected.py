@@ -327,3 +327,18 @@ def layout_expectation(
         host=host,
         ema=averaged,
     )
+
+
+def unsplit_elements(layouts: Sequence[Any], stage: int) -> float:
+    """Elements of the gradients a device all-reduces over the ``model`` axis once a step:
+    those of the params tensor parallelism does not split (norms, replicated key/value
+    heads), each device's reduced part of each (its data shard from stage 1, where ZeRO
+    has reduced first; whole at stage 0) — :func:`jaxzero.accounting.formulas.
+    tensor_parallel_bytes`'s ``unsplit``, counted over the engine's layouts."""
+    return float(
+        sum(
+            math.prod(lay.shard_shape if stage >= 1 and lay.sharded else lay.shape)
+            for lay in layouts
+            if not lay.tensor_parallel
+        )
+    )

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxzero.accounting import formulas
 from jaxzero.accounting.comm import (
     SCALAR_ELEMENTS,
     Collective,
@@ -49,8 +50,10 @@ from jaxzero.accounting.expected import (
     Theory,
     layout_expectation,
     theory,
+    unsplit_elements,
 )
 from jaxzero.accounting.expected import inter_group_bytes as inter_group_bytes
+from jaxzero.accounting.groups import scope
 from jaxzero.accounting.hlo import HostTransfers, host_transfers
 from jaxzero.accounting.table import CompiledMemory, Report
 from jaxzero.offload import is_host
@@ -208,10 +211,10 @@ def _predictions(plan: Plan, state: TrainState, replicas: int) -> tuple[Theory, 
     """The formulas and the leaf-by-leaf count for this plan's Ψ, N, dtypes and stage."""
     cfg = plan.settings.step
     n = plan.num_shards
-    psi = int(plan.num_params)
+    psi = _psi(plan)
     param_bytes, grad_bytes = _itemsize(cfg.compute_dtype), _itemsize(cfg.reduce_dtype)
     master_bytes = 4.0 if state.master is not None else 0.0
-    opt_lays = jax.tree.leaves(plan.opt_layouts, is_leaf=is_layout)
+    opt_lays = [x.local() for x in jax.tree.leaves(plan.opt_layouts, is_leaf=is_layout)]
     opt_sizes = [x.dtype.itemsize for x in jax.tree.leaves(state.opt_state)]
     per_param = sum(lay.size * b for lay, b in zip(opt_lays, opt_sizes, strict=True)) / psi
     k = cfg.micro_batches
@@ -236,7 +239,7 @@ def _predictions(plan: Plan, state: TrainState, replicas: int) -> tuple[Theory, 
         hpz=cfg.hpz,
         ema=plan.has_ema,
     )
-    layouts = plan.leaves()
+    layouts = [lay.local() for lay in plan.leaves()]
     ex = layout_expectation(
         layouts,
         n,
@@ -257,6 +260,14 @@ def _predictions(plan: Plan, state: TrainState, replicas: int) -> tuple[Theory, 
         ema=plan.has_ema,
     )
     return th, ex
+
+
+def _psi(plan: Plan) -> int:
+    """Ψ the formulas take: the trainable params, or with a model axis a model device's
+    share of them (each split param's slice, each other whole)."""
+    if plan.settings.model_shards == 1:
+        return int(plan.num_params)
+    return sum(lay.local().size for lay in plan.leaves())
 
 
 def _frozen_leaves(plan: Plan) -> list[tuple[Any, int]]:
@@ -327,6 +338,10 @@ def _config(
         "hpz": cfg.hpz,
         "quant_block": cfg.quant_block,
         "ema": plan.has_ema,  # an EMA of the weights in the state (as the master)
+        # tensor and sequence parallelism: each layer split over this many devices, and
+        # the Ψ the formulas take then (a model device's share)
+        "model_shards": plan.settings.model_shards,
+        "params_a_model_device": _psi(plan),
     }
 
 
@@ -335,45 +350,77 @@ def report(
     state: TrainState,
     batch: Any,
     *,
+    model: Any = None,
     scalar_elements: int = SCALAR_ELEMENTS,
     compiled: Any = None,
 ) -> Report:
     """Measure an Engine's step and compare it with the ZeRO formulas.
 
     Compiles the step (``engine.compile``) without running it, reads device 0's
-    share of ``state`` and parses the compiled HLO.
+    share of ``state`` and parses the compiled HLO. With a ``model`` mesh axis (tensor
+    and sequence parallelism) ZeRO's formulas count a model device's params over the
+    data devices, its traffic across model groups; the traffic within a group is put
+    beside :func:`jaxzero.accounting.formulas.tensor_parallel_bytes`.
 
     Args:
       engine: an initialised :class:`jaxzero.Engine`: what is read of it is its
         :attr:`~jaxzero.Engine.plan` and its compiled step (:meth:`~jaxzero.Engine.compile`).
       state: its TrainState (from ``engine.init``).
       batch: a sample global batch.
+      model: the model the engine trains; needed with a model axis, whose traffic
+        formula takes its hidden size and layers (a Llama's ``config``).
       scalar_elements: buffers with fewer elements count as scalars.
       compiled: an already compiled step, to skip compiling again.
     """
     plan = engine.plan
-    if plan.settings.model_shards > 1 or plan.settings.step.ulysses:
+    if plan.settings.step.ulysses:
         raise ValueError(
-            "report compares a step with ZeRO's formulas over one data axis; this engine "
-            "splits layers or sequences too (a model axis, or ulysses), which it does not "
-            "count yet: python -m experiments.tp_traffic measures those by axis"
+            "report compares a step with ZeRO's formulas; this engine splits each sequence "
+            "over the data devices too (ulysses), whose all-to-alls it does not count yet: "
+            "python -m experiments.tp_traffic measures Ulysses' memory"
         )
+    m = plan.settings.model_shards
+    model_axis = _model_axis_bytes(plan, batch, model) if m > 1 else 0.0
     persistent = _persistent(state, plan.mesh.devices.flat[0])
     compiled = compiled if compiled is not None else engine.compile(state, batch)
     text = compiled.as_text()
     hlo = collectives_from_hlo(text)
     host = host_transfers(text)
     n = plan.num_shards
-    replicas = int(plan.mesh.devices.size) // n
-    tr = traffic(hlo.collectives, scalar_elements, group_size=n)
+    replicas = int(plan.mesh.devices.size) // n // m
+    # with a model axis, its groups are the scopes: within one (model), across (data)
+    tr = traffic(hlo.collectives, scalar_elements, group_size=m if m > 1 else n)
     th, ex = _predictions(plan, state, replicas)
-    notes = list(hlo.notes) + _layout_notes(ex, int(plan.num_params), plan.stage)
+    notes = list(hlo.notes) + _layout_notes(ex, _psi(plan), plan.stage)
     held = sum(
         math.prod(lay.padded_shape) for lay, _ in _frozen_leaves(plan) if lay.dim is not None
     )
-    notes += _stage3_notes(plan, hlo.collectives, scalar_elements, held)
+    across = [c for c in hlo.collectives if m == 1 or scope(c.replica_groups, m) == "inter"]
+    notes += _stage3_notes(plan, across, scalar_elements, held)
     config = _config(plan, ex, replicas, scalar_elements)
     memory = compiled_memory(compiled, host)
     return Report(
-        config, persistent, th, ex, memory, tr, hlo.collectives, notes, host_transfers=host
-    )
+        config, persistent, th, ex, memory, tr, hlo.collectives, notes, host_transfers=host,
+        model_axis=model_axis,
+    )  # fmt: skip
+
+
+def _model_axis_bytes(plan: Plan, batch: Any, model: Any) -> float:
+    """The formula's bytes a device sends along the model axis a step (tensor and
+    sequence parallelism, :func:`~jaxzero.accounting.formulas.tensor_parallel_bytes`)."""
+    m = plan.settings.model_shards
+    cfg: Any = getattr(model, "config", None)
+    if not hasattr(cfg, "hidden_size") or not hasattr(cfg, "num_hidden_layers"):
+        raise ValueError(
+            f"this engine splits each layer over a model axis of {m} devices: pass the "
+            "Llama it trains (report(engine, state, batch, model=llama)), whose hidden size "
+            "and layers the model axis' traffic formula takes"
+        )
+    step = plan.settings.step
+    rows, seq = batch["inputs"].shape[:2]
+    tokens = rows // (int(plan.mesh.devices.size) // m) * seq  # a model group's, every micro
+    unsplit = unsplit_elements(plan.leaves(), plan.stage)
+    return formulas.tensor_parallel_bytes(
+        tokens, cfg.hidden_size, cfg.num_hidden_layers, m, _itemsize(step.compute_dtype),
+        unsplit, _itemsize(step.reduce_dtype),
+    )  # fmt: skip

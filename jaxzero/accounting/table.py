@@ -74,6 +74,10 @@ class Report:
       notes: anything counted with less certainty, and how padding explains excess.
       host_transfers: the compiled program's host-resident parameters and outputs and
         the transfers between host and device memory (offload).
+      model_axis: with a ``model`` mesh axis, the bytes the formula says a device sends
+        along it a step (:func:`jaxzero.accounting.formulas.tensor_parallel_bytes`);
+        ``traffic`` is then split by model group (``by_scope``: ``"intra"`` along the
+        model axis, ``"inter"`` across groups, ZeRO's, which ``theory`` counts).
     """
 
     config: dict[str, Any]
@@ -85,6 +89,20 @@ class Report:
     collectives: list[Collective]
     notes: list[str] = field(default_factory=list)
     host_transfers: HostTransfers = field(default_factory=HostTransfers)
+    model_axis: float = 0.0
+
+    @property
+    def split(self) -> bool:
+        """Whether a ``model`` axis splits each layer (tensor and sequence parallelism)."""
+        return int(self.config.get("model_shards", 1)) > 1
+
+    def zero_traffic(self, logical: bool = False) -> float:
+        """Measured bytes of what ``theory.comm`` counts: every gradient and param
+        collective, or with a model axis those across model groups (ZeRO's, over data)."""
+        if not self.split:
+            return self.traffic.grad_param_logical if logical else self.traffic.grad_param
+        by_scope = self.traffic.by_scope_logical if logical else self.traffic.by_scope
+        return by_scope.get("inter", 0.0)
 
     @property
     def offloaded(self) -> bool:
@@ -99,7 +117,7 @@ class Report:
     @property
     def comm_ratio(self) -> float:
         """Measured gradient/param traffic (as compiled) / theory; nan when theory is 0."""
-        return self.traffic.grad_param / self.theory.comm if self.theory.comm else math.nan
+        return self.zero_traffic() / self.theory.comm if self.theory.comm else math.nan
 
     @property
     def comm_ratio_logical(self) -> float:
@@ -109,7 +127,7 @@ class Report:
         (the CPU backend runs bf16 collectives in f32).
         """
         t = self.theory.comm
-        return self.traffic.grad_param_logical / t if t else math.nan
+        return self.zero_traffic(logical=True) / t if t else math.nan
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -123,11 +141,13 @@ class Report:
             "comm": nan_none(self.comm_ratio),
             "comm_logical": nan_none(self.comm_ratio_logical),
             "comm_logical_vs_layouts": (
-                self.traffic.grad_param_logical / self.expected.comm if self.expected.comm else None
+                self.zero_traffic(logical=True) / self.expected.comm if self.expected.comm else None
             ),
         }
         for label, got, formula, _ in _scope_rows(self):
             key = "comm_intra" if label.startswith("within") else "comm_inter"
+            if label.startswith("model axis"):
+                key = "model_axis"
             if formula:
                 d["ratios"][key] = got / formula
         d["collectives"] = [
@@ -154,7 +174,7 @@ class Report:
     def _scope_lines(self, mb, ratio) -> list[str]:
         lines = []
         for label, got, formula, layouts in _scope_rows(self):
-            line = f"{'  ' + label:<30}{mb(got)}"
+            line = f"{('' if self.split else '  ') + label:<30}{mb(got)}"
             if formula is not None:
                 line += f"{mb(formula)}{ratio(got, formula)}"
                 if layouts is not None:
@@ -166,6 +186,22 @@ class Report:
     def has_frozen(self) -> bool:
         """Whether some params do not train (``Engine(trainable=...)``)."""
         return bool(self.config.get("num_frozen", 0))
+
+    def _psi(self) -> int:
+        """The Ψ the formulas take: a model device's share with a model axis."""
+        return int(self.config.get("params_a_model_device", self.config["num_params"]))
+
+    def _model_head(self) -> list[str]:
+        """With a model axis: what it splits, and which Ψ the formulas then count."""
+        if not self.split:
+            return []
+        c = self.config
+        return [
+            f"each layer split over a model axis of {c['model_shards']} devices (tensor and "
+            f"sequence parallel): {c['num_params']:,} params in all, the formulas count a "
+            "model device's (its slices of the split params, the others whole) over the N "
+            "data devices"
+        ]
 
     def _frozen_head(self) -> str:
         c, e = self.config, self.expected
@@ -258,7 +294,8 @@ class Report:
                 if c.get("replicas", 1) > 1
                 else ""
             ),
-            f"Ψ = {c['num_params']:,} (stored {e.padded_params:,} with padding; "
+            *self._model_head(),
+            f"Ψ = {self._psi():,} (stored {e.padded_params:,} with padding; "
             f"{e.replicated_params:,} in replicated small leaves); optimizer state "
             f"{t.optimizer_per_param:.2f} bytes per param"
             + (self._frozen_head() if self.has_frozen else ""),
@@ -285,26 +322,27 @@ class Report:
             "",
             "communication per device per step (MB on the wire, ring)",
             head,
-            f"{'gradients + params':<30}{mb(self.traffic.grad_param)}{mb(t.comm)}"
-            f"{ratio(self.traffic.grad_param, t.comm)}",
+            f"{'gradients + params' + (' (data)' if self.split else ''):<30}"
+            f"{mb(self.zero_traffic())}{mb(t.comm)}{ratio(self.zero_traffic(), t.comm)}",
         ]
-        if self.traffic.grad_param_logical != self.traffic.grad_param:
+        logical = self.zero_traffic(logical=True)
+        if logical != self.zero_traffic():
             lines.append(
-                f"{'  at the program dtypes':<30}{mb(self.traffic.grad_param_logical)}{mb(t.comm)}"
-                f"{ratio(self.traffic.grad_param_logical, t.comm)}{mb(e.comm)}"
-                f"{ratio(self.traffic.grad_param_logical, e.comm)}"
+                f"{'  at the program dtypes':<30}{mb(logical)}{mb(t.comm)}"
+                f"{ratio(logical, t.comm)}{mb(e.comm)}{ratio(logical, e.comm)}"
             )
         else:
-            lines[-1] += f"{mb(e.comm)}{ratio(self.traffic.grad_param, e.comm)}"
+            lines[-1] += f"{mb(e.comm)}{ratio(logical, e.comm)}"
+        lines += self._scope_lines(mb, ratio) if self.split else []
         for kind, b in sorted(self.traffic.by_kind.items()):
-            lines.append(f"{'  ' + kind:<30}{mb(b)}")
+            lines.append(f"{'  ' + kind + (' (both axes)' if self.split else ''):<30}{mb(b)}")
         if self.has_frozen and (t.comm_frozen or e.comm_frozen):
             # the HLO does not say whose params a gather moves: formulas only
             lines.append(
                 f"{'  of which frozen gathers':<30}{'':>12}{mb(t.comm_frozen)}{'':>8}"
                 f"{mb(e.comm_frozen)}"
             )
-        lines += self._scope_lines(mb, ratio)
+        lines += [] if self.split else self._scope_lines(mb, ratio)
         lines.append(f"{'scalars (loss, norms)':<30}{mb(self.traffic.scalars)}")
         lines += ["", f"collectives: {self.traffic.ops} ops, {self.traffic.runs} runs per step"]
         for col in self.collectives:
@@ -318,11 +356,18 @@ class Report:
 
 
 def _scope_rows(report: Report) -> list[tuple[str, float, float | None, float | None]]:
-    """Hybrid meshes: (label, measured, formula, layouts) for traffic inside / across groups."""
+    """Hybrid meshes: (label, measured, formula, layouts) for traffic inside / across groups;
+    with a model axis, along it (tensor and sequence parallelism) and across both."""
     c, t, e = report.config, report.theory, report.expected
+    got = report.traffic.by_scope_logical or report.traffic.by_scope
+    if report.split:
+        return [
+            (f"model axis (m = {c['model_shards']})", got.get("intra", 0.0), report.model_axis,
+             None),
+            ("spanning both", got.get("both", 0.0), None, None),
+        ]  # fmt: skip
     if c.get("replicas", 1) <= 1:
         return []
-    got = report.traffic.by_scope_logical or report.traffic.by_scope
     return [
         (
             f"within a group (N = {c['num_shards']})",

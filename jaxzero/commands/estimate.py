@@ -36,6 +36,7 @@ from jaxzero.accounting.estimate import (
     Estimate,
     estimate,
 )
+from jaxzero.accounting.expected import unsplit_elements
 from jaxzero.accounting.formulas import tensor_parallel_bytes
 from jaxzero.cli import Parser, beyond_zero_options
 from jaxzero.models import Llama, Model, from_fields
@@ -188,7 +189,7 @@ def _tensor_parallel(
     rules = rules_of(m)  # refuses a model the axis cannot split
     lays = jax.tree.leaves(layouts_for(shapes, 1, rules=rules, model_shards=m), is_leaf=is_layout)
     local = float(sum(math.prod(x.local().shape) for x in lays))
-    unsplit = float(sum(x.size for x in lays if not x.tensor_parallel))
+    unsplit = unsplit_elements(lays, stage=0)
     c = model.config
     tokens = rows * cfg.model.seq_len * cfg.parallel.micro_batches
     act = 2.0 if cfg.precision.compute == "bf16" else 4.0

@@ -56,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
         "it across groups (default: one group of all devices)",
     )
     p.add_argument(
+        "--model-axis",
+        type=int,
+        default=1,
+        metavar="M",
+        help="llama: split each layer over M neighbouring devices (tensor and sequence "
+        "parallel, as mesh.model in a run); ZeRO shards over the rest",
+    )
+    p.add_argument(
         "--simulate-devices",
         type=int,
         default=None,
@@ -122,7 +130,9 @@ def _validate(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
     if args.lora_rank is not None and args.arch != "llama":
         raise ValueError("--lora-rank adapts the Llama: add --arch llama")
-    for name in ("devices", "simulate_devices", "batch", "group_size", "lora_rank"):
+    if args.model_axis > 1 and args.arch != "llama":
+        raise ValueError("--model-axis splits the Llama's layers: add --arch llama")
+    for name in ("devices", "simulate_devices", "batch", "group_size", "lora_rank", "model_axis"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
@@ -141,10 +151,11 @@ def hlo_path(path: str, stage: int) -> Path:
     return p.with_name(f"{p.stem}.stage{stage}{p.suffix}")
 
 
-def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any]:
-    """The Engine, its initial state and a sample batch for ``stage``."""
+def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any, Any]:
+    """The model, its Engine, the initial state and a sample batch for ``stage``."""
     n = args.devices or jax.device_count()
-    mesh = jaxzero.make_mesh(n, replicas=replicas_for(args.group_size, n, n))
+    m = args.model_axis
+    mesh = jaxzero.make_mesh(n, replicas=replicas_for(args.group_size, n, n), model=m)
     lora = None
     if args.lora_rank is not None:
         from jaxzero.models.lora import LoraConfig
@@ -189,7 +200,7 @@ def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any]:
     state = engine.init_from(init, jax.random.key(0))
     batch_size = args.batch or 2 * engine.batch_devices * args.micro_batches
     tokens = jnp.zeros((batch_size, args.seq_len), jnp.int32)
-    return engine, state, {"inputs": tokens, "targets": tokens}
+    return model, engine, state, {"inputs": tokens, "targets": tokens}
 
 
 def _frozen_in(params: Any, trainable: Any, dtype: Any) -> Any:
@@ -221,11 +232,11 @@ def main(argv: list[str] | None = None) -> int:
             simulate_devices(n_sim)
         reports = []
         for stage in args.stage:
-            engine, state, batch = build(args, stage)
+            model, engine, state, batch = build(args, stage)
             compiled = engine.compile(state, batch)
             if args.dump_hlo:
                 hlo_path(args.dump_hlo, stage).write_text(compiled.as_text())
-            reports.append(accounting.report(engine, state, batch, compiled=compiled))
+            reports.append(accounting.report(engine, state, batch, model=model, compiled=compiled))
         if args.json:
             out = [r.to_dict() for r in reports]
             print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
