@@ -14,10 +14,14 @@ A Llama-shaped model is compiled (not run) on 8 simulated CPU devices:
   pass) and the embedding, head and final norm once a step (kept for the backward, the
   gather hoisted out of the micro-batch loop by XLA): (2k + k)Ψ_layers + (1 + k)Ψ_rest
   where docs/zero.md says 3kΨ.
-* activation memory: the compiled step's temp bytes at 2 and 4 rows a model group on
-  (data=1, model=m), m = 1, 2, 4, for L and 2L layers; the activations are the growth
-  per row (the gradients and weights stay), a layer's the growth per row and layer, so
-  their ratios to m = 1's are what sequence and tensor parallelism divide.
+* activation memory: the compiled step's temp bytes (its working memory: activations,
+  gradients, the update's temporaries) at 8 rows a model group on (data=1, model=m),
+  m = 1, 2, 4, for L and 2L layers; a layer's is the difference over L. Their ratios
+  to m = 1's are what sequence and tensor parallelism divide. Ulysses: a device's temp
+  against one device's on the same whole rows (1, 2 and 4 rows, sequence 1,024). The
+  whole temp, not its growth a row: XLA's buffer assignment packs the temp unevenly
+  from one batch to the next (the growth from 1 to 2 rows and from 3 to 4 differ by
+  10%), and at equal gradients (stage 0) the whole temp's ratio bounds the activations'.
 
 Writes experiments/results/tp_traffic.{csv,md}. Two to four minutes on 2 CPU cores:
 
@@ -122,42 +126,35 @@ def traffic_row(cfg: LlamaConfig, data: int, model: int, stage: int, micro: int)
     }
 
 
-def memory_row(cfg: LlamaConfig, model: int) -> dict:
+def memory_row(cfg: LlamaConfig, model: int, rows: int = 8) -> dict:
+    """The compiled temp of a device of (data=1, model=``model``) at ``rows`` rows, stage
+    0: the whole step's working memory, activations and all; a layer's, from L to 2L."""
     mesh = jaxzero.make_mesh(model, model=model)  # one data device: the model group alone
     deeper = dataclasses.replace(cfg, num_hidden_layers=2 * cfg.num_hidden_layers)
-    temp = {}
-    for c in (cfg, deeper):
-        for rows in (2, 4):
-            _, compiled = _compiled(c, mesh, 0, rows)
-            temp[c.num_hidden_layers, rows] = compiled.memory_analysis().temp_size_in_bytes
-    per_row = {n: (temp[n, 4] - temp[n, 2]) / 2 for n in {k[0] for k in temp}}
-    layers = cfg.num_hidden_layers
+    temp = [_compiled(c, mesh, 0, rows)[1].memory_analysis().temp_size_in_bytes
+            for c in (cfg, deeper)]  # fmt: skip
     return {
         "model": model,
-        "layers": layers,
-        "activations_a_row": per_row[layers],
-        "a_layer_a_row": (per_row[2 * layers] - per_row[layers]) / layers,
+        "layers": cfg.num_hidden_layers,
+        "rows": rows,
+        "temp": temp[0],
+        "a_layer": (temp[1] - temp[0]) / cfg.num_hidden_layers,
     }
 
 
-def ulysses_row(cfg: LlamaConfig, n: int, stage: int = 0) -> dict:
+def ulysses_row(cfg: LlamaConfig, n: int, rows: int, stage: int = 0) -> dict:
     """Ulysses over ``n`` data devices (each a slice of every row's sequence) against one
-    device holding whole rows: the compiled temp's growth a row, the compiled peak."""
-    out: dict = {"sequence": cfg.seq_len, "devices": n, "stage": stage}
+    device holding the same whole rows: each one's compiled temp, the working memory."""
+    out: dict = {"sequence": cfg.seq_len, "devices": n, "rows": rows, "stage": stage}
     for label, mesh, ulysses in (("one", jaxzero.make_mesh(1), False),
                                  ("ulysses", jaxzero.make_mesh(n), True)):  # fmt: skip
-        temps, peak = [], 0
-        for rows in (1, 2):
-            model = Llama(cfg)
-            engine = model.engine(optax.adamw(1e-3), mesh=mesh, stage=stage, ulysses=ulysses)
-            state = engine.abstract_state(jax.eval_shape(model.init, jax.random.key(0)))
-            tokens = jax.ShapeDtypeStruct((rows, cfg.seq_len), np.int32)
-            m = engine.compile(state, {"inputs": tokens, "targets": tokens}).memory_analysis()
-            temps.append(m.temp_size_in_bytes)
-            peak = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-        out[f"{label}_a_row"] = temps[1] - temps[0]
-        out[f"{label}_peak_2_rows"] = peak
-    out["ratio"] = round(out["ulysses_a_row"] / out["one_a_row"], 4)
+        model = Llama(cfg)
+        engine = model.engine(optax.adamw(1e-3), mesh=mesh, stage=stage, ulysses=ulysses)
+        state = engine.abstract_state(jax.eval_shape(model.init, jax.random.key(0)))
+        tokens = jax.ShapeDtypeStruct((rows, cfg.seq_len), np.int32)
+        m = engine.compile(state, {"inputs": tokens, "targets": tokens}).memory_analysis()
+        out[f"{label}_temp"] = m.temp_size_in_bytes
+    out["ratio"] = round(out["ulysses_temp"] / out["one_temp"], 4)
     return out
 
 
@@ -186,21 +183,23 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     memory = [memory_row(cfg, m) for m in (1, 2, 4)]
-    base, layer = memory[0]["activations_a_row"], memory[0]["a_layer_a_row"]
-    print(f"\nactivation memory a row (compiled temp's growth, {cfg.num_hidden_layers} layers) "
-          "and a layer's, against model=1:")  # fmt: skip
+    base, layer = memory[0]["temp"], memory[0]["a_layer"]
+    print(f"\nthe compiled temp a device, {memory[0]['rows']} rows a model group "
+          f"({cfg.num_hidden_layers} layers), and a layer's, against model=1:")  # fmt: skip
     for r in memory:
-        r["ratio"] = round(r["activations_a_row"] / base, 4)
-        r["layer_ratio"] = round(r["a_layer_a_row"] / layer, 4)
-        print(f"  model={r['model']}: {r['activations_a_row'] / 2**20:8.3f} MiB = "
-              f"{r['ratio']:.4f} of model=1 ({r['ratio'] * r['model']:.3f} / model); a layer "
-              f"{r['a_layer_a_row'] / 2**20:7.3f} MiB = {r['layer_ratio']:.4f} "
+        r["ratio"] = round(r["temp"] / base, 4)
+        r["layer_ratio"] = round(r["a_layer"] / layer, 4)
+        print(f"  model={r['model']}: {r['temp'] / 2**20:8.3f} MiB = {r['ratio']:.4f} of "
+              f"model=1 ({r['ratio'] * r['model']:.3f} / model); a layer "
+              f"{r['a_layer'] / 2**20:7.3f} MiB = {r['layer_ratio']:.4f} "
               f"({r['layer_ratio'] * r['model']:.3f} / model)")  # fmt: skip
     long = dataclasses.replace(cfg, seq_len=4 * cfg.seq_len)
-    ulysses = [ulysses_row(long, 4)]
-    print(f"\nUlysses over 4 devices, sequence {long.seq_len}: activations a row "
-          f"{ulysses[0]['ulysses_a_row'] / 2**20:.3f} MiB a device against one device's "
-          f"{ulysses[0]['one_a_row'] / 2**20:.3f} = {ulysses[0]['ratio']:.4f}")  # fmt: skip
+    ulysses = [ulysses_row(long, 4, rows) for rows in ((1,) if args.tiny else (1, 2, 4))]
+    print(f"\nUlysses over 4 devices, sequence {long.seq_len}: the compiled temp a device "
+          "against one device's on the same rows")  # fmt: skip
+    for r in ulysses:
+        print(f"  {r['rows']} row(s): {r['ulysses_temp'] / 2**20:.3f} MiB against "
+              f"{r['one_temp'] / 2**20:.3f} = {r['ratio']:.4f}")  # fmt: skip
     if not args.tiny:
         args.out.mkdir(parents=True, exist_ok=True)
         write_csv(args.out / "tp_traffic.csv", rows)
@@ -232,29 +231,30 @@ def markdown(cfg: LlamaConfig, rows: list[dict], memory: list[dict], ulysses: li
         )
     out += [
         "",
-        "Activations a row (the compiled temp's growth from 2 to 4 rows, (data=1, model=m), "
-        f"stage 0), for {cfg.num_hidden_layers} layers and a layer's share (from "
+        f"The compiled temp a device (the step's working memory: activations, gradients, "
+        f"what the update needs), {memory[0]['rows']} rows a model group on (data=1, "
+        f"model=m), stage 0, for {cfg.num_hidden_layers} layers; and a layer's share (from "
         f"{cfg.num_hidden_layers} to {2 * cfg.num_hidden_layers} layers):\n",
-        "| model | a row, MiB | of model=1 | a layer a row, MiB | of model=1 |",
+        "| model | temp, MiB | of model=1 | a layer, MiB | of model=1 |",
         "| --- | --- | --- | --- | --- |",
     ]
     for r in memory:
         out.append(
-            f"| {r['model']} | {mib(r['activations_a_row'])} | {r['ratio']:.4f} | "
-            f"{mib(r['a_layer_a_row'])} | {r['layer_ratio']:.4f} |"
+            f"| {r['model']} | {mib(r['temp'])} | {r['ratio']:.4f} | "
+            f"{mib(r['a_layer'])} | {r['layer_ratio']:.4f} |"
         )
     out += [
         "",
         "Ulysses (`Engine(ulysses=True)`): each of n data devices holds a slice of every row's "
-        "sequence; the compiled temp's growth a row, against one device holding whole rows "
+        "sequence; the compiled temp a device against one device's on the same whole rows "
         "(stage 0):\n",
-        "| sequence | devices | one device, MiB a row | Ulysses, MiB a row a device | ratio |",
-        "| --- | --- | --- | --- | --- |",
+        "| sequence | devices | rows | one device, MiB | Ulysses, MiB a device | ratio |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in ulysses:
         out.append(
-            f"| {r['sequence']} | {r['devices']} | {mib(r['one_a_row'])} | "
-            f"{mib(r['ulysses_a_row'])} | {r['ratio']:.4f} |"
+            f"| {r['sequence']} | {r['devices']} | {r['rows']} | {mib(r['one_temp'])} | "
+            f"{mib(r['ulysses_temp'])} | {r['ratio']:.4f} |"
         )
     return "\n".join(out) + "\n"
 

@@ -219,20 +219,36 @@ def test_report_puts_each_axis_traffic_beside_its_formula(capsys):
     assert groups == {2, 4}  # the sequence's within a group, the gradients' across
 
 
+def test_report_puts_ulysses_all_to_alls_beside_their_formula(capsys):
+    """`jaxzero report --arch llama --ulysses` on 4 devices (the layers recomputed in the
+    backward pass; 2 key/value heads, repeated for 4 devices): the all-to-alls equal
+    formulas.ulysses_bytes, the rest ZeRO's stage-1 formula, the state ZeRO's."""
+    import json
+
+    from jaxzero.commands import report
+
+    argv = ["--arch", "llama", "--ulysses", "--devices", "4", "--stage", "1", "--layers", "2",
+            "--d-model", "64", "--heads", "4", "--kv-heads", "2", "--seq-len", "32",
+            "--vocab", "64", "--remat", "full", "--json"]  # fmt: skip
+    assert report.main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["config"]["ulysses"] and data["traffic"]["by_kind"]["all-to-all"] > 0
+    for key in ("persistent", "comm", "ulysses"):
+        assert data["ratios"][key] == pytest.approx(1.0, abs=1e-3), key
+
+
 @pytest.mark.unit
-def test_report_needs_the_model_for_the_model_axis_and_refuses_ulysses():
+def test_report_needs_the_model_that_splits():
     from jaxzero.accounting import measure
 
     llama = Llama(TINY)
     shapes = jax.eval_shape(llama.init, jax.random.key(0))
-    engine = llama.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(8, model=2), stage=1)
-    state = engine.abstract_state(shapes)
     tokens = np.zeros((8, TINY.seq_len), np.int32)
-    with pytest.raises(ValueError, match="pass the Llama it trains"):
-        measure.report(engine, state, {"inputs": tokens, "targets": tokens})
-    engine = llama.engine(optax.sgd(0.1), mesh=jaxzero.make_mesh(4), ulysses=True)
-    with pytest.raises(ValueError, match="ulysses"):
-        measure.report(engine, engine.abstract_state(shapes), None, model=llama)
+    for mesh, ulysses in ((jaxzero.make_mesh(8, model=2), False), (jaxzero.make_mesh(4), True)):
+        engine = llama.engine(optax.sgd(0.1), mesh=mesh, stage=1, ulysses=ulysses)
+        state = engine.abstract_state(shapes)
+        with pytest.raises(ValueError, match="pass the Llama it trains"):
+            measure.report(engine, state, {"inputs": tokens, "targets": tokens})
 
 
 @pytest.mark.parametrize("stage,micro", [(1, 1), (3, 2)])
@@ -316,3 +332,37 @@ def test_estimate_with_a_model_axis_counts_a_model_devices_share(tmp_path, capsy
     compiled = engine.compile(state, {"inputs": tokens, "targets": tokens})
     tr = traffic(collectives_from_hlo(compiled.as_text()).collectives, 1, group_size=2)
     assert got["model_comm"] == pytest.approx(tr.by_scope["intra"], rel=1e-3)
+
+
+def test_estimate_with_ulysses_divides_activations_and_counts_the_all_to_alls(tmp_path, capsys):
+    """`jaxzero estimate --config` with mesh.ulysses on 4 devices: Ψ whole over N = 4, the
+    activations of a device's 2 whole rows / 4, and the all-to-all bytes the compiled
+    step sends (layers recomputed; 2 key/value heads repeated for 4 devices)."""
+    import json
+
+    from jaxzero.accounting import activations
+    from jaxzero.accounting.comm import collectives_from_hlo, traffic
+    from jaxzero.commands import estimate as command
+    from jaxzero.models import from_fields
+
+    fields = {"arch": "llama", "vocab_size": 64, "d_model": 64, "n_layers": 2, "n_heads": 4,
+              "n_kv_heads": 2, "seq_len": 32, "remat": "full"}  # fmt: skip
+    path = tmp_path / "ulysses.yaml"
+    path.write_text(json.dumps({"model": fields, "mesh": {"ulysses": True},
+                                "train": {"batch_size": 2}}))  # fmt: skip
+    assert command.main(["--config", str(path), "-n", "4", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+
+    llama = from_fields(fields)
+    engine = llama.engine(optax.adamw(1e-3), mesh=jaxzero.make_mesh(4), stage=1, ulysses=True)
+    state = engine.abstract_state(jax.eval_shape(llama.init, jax.random.key(0)))
+    assert got["num_params"] == engine.num_params and got["devices"] == 4
+    whole = activations.activation_bytes(
+        activations.DecoderShape.of(llama.config), 2, "full", bytes_per_value=4.0
+    )
+    assert got["sequence"] == 4
+    assert got["activations"]["per_layer"] == pytest.approx(whole.per_layer / 4)
+    tokens = jax.ShapeDtypeStruct((2, 32), np.int32)
+    compiled = engine.compile(state, {"inputs": tokens, "targets": tokens})
+    tr = traffic(collectives_from_hlo(compiled.as_text()).collectives, 1)
+    assert got["sequence_comm"] == pytest.approx(tr.by_kind["all-to-all"], rel=1e-6)

@@ -121,6 +121,10 @@ class Estimate:
     model: int = 1
     total_params: float = 0.0
     model_comm: float = 0.0
+    # Ulysses: each row's sequence split over ``sequence`` devices (the activations of
+    # ``micro_batch`` whole rows divided by it), ``sequence_comm`` its all-to-alls' bytes
+    sequence: int = 1
+    sequence_comm: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -169,6 +173,12 @@ class Estimate:
         ]
 
     def _model_line(self) -> list[str]:
+        if self.sequence > 1:
+            return [
+                f"Ulysses: each row's sequence split over {self.sequence} devices, "
+                f"activations / {self.sequence}; {self.sequence_comm / GB:.3f} GB a step of "
+                "all-to-alls (formulas.ulysses_bytes), beside 'comm'"
+            ]
         if self.model <= 1:
             return []
         return [
@@ -320,6 +330,8 @@ def estimate(
     model: int = 1,
     total_params: float = 0.0,
     model_comm: float = 0.0,
+    sequence: int = 1,
+    sequence_comm: float = 0.0,
 ) -> Estimate:
     """Memory, fit and communication for every ZeRO stage.
 
@@ -346,9 +358,16 @@ def estimate(
       model: tensor parallelism's degree: ``num_params`` is then a model device's share
         (each split param's slice, each other whole), ``devices`` the N sharding it, and
         the activations of ``micro_batch`` rows are divided by ``model`` (sequence
-        parallelism divides them all: experiments/tp_traffic.py measures 0.48 and 0.26
-        at 2 and 4). ``total_params``: the model's Ψ; ``model_comm``: the bytes a device
-        sends along the model axis a step (:func:`formulas.tensor_parallel_bytes`).
+        parallelism divides a layer's: experiments/tp_traffic.py measures 0.499 and
+        0.249 of it at 2 and 4; the whole step's temp 0.504 and 0.261, a few whole-sequence
+        buffers at the head and the embedding not divided). ``total_params``: the
+        model's Ψ; ``model_comm``: the bytes a device sends along the model axis a
+        step (:func:`formulas.tensor_parallel_bytes`).
+      sequence: Ulysses' degree: the activations of ``micro_batch`` whole rows divided by
+        it (experiments/tp_traffic.py measures the compiled step's temp at 0.20-0.25 of
+        one device's on 4);
+        ``sequence_comm``: its all-to-alls' bytes a device a step
+        (:func:`formulas.ulysses_bytes`).
     """
     prec = precision_bytes(precision, optimizer)
     _check(num_params, devices, 0)
@@ -362,8 +381,8 @@ def estimate(
     act = None
     if shape is not None:
         act = activation_bytes(shape, micro_batch, remat, fused_attention, prec.param)
-        if model > 1:
-            act = Activations(*(float(x) / model for x in astuple(act)))
+        if model * sequence > 1:
+            act = Activations(*(float(x) / (model * sequence) for x in astuple(act)))
     out = Estimate(
         num_params=float(num_params),
         devices=devices,
@@ -383,6 +402,8 @@ def estimate(
         model=model,
         total_params=float(total_params or num_params),
         model_comm=float(model_comm),
+        sequence=sequence,
+        sequence_comm=float(sequence_comm),
     )
     held = (frozen_params, frozen_bytes_per_param)
     for stage in STAGES:

@@ -492,6 +492,40 @@ def tensor_parallel_bytes(
     return sequence + loss + ring_bytes("all-reduce", unsplit * grad_bytes, m)
 
 
+def ulysses_bytes(
+    tokens: float,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    layers: int,
+    n: int,
+    act_bytes: float = 4.0,
+    recompute: bool = False,
+) -> float:
+    """Bytes one device sends in DeepSpeed-Ulysses' all-to-alls per optimizer step
+    (context parallelism over ``n`` devices; docs/tensor-parallel.md).
+
+    Each attention layer exchanges q, k and v from sequence slices to head slices and its
+    output back: ``tokens x head_dim x (2H + 2G)`` elements a device, ``G`` the
+    key/value heads (repeated to ``H`` first where ``n`` does not divide them), each
+    all-to-all sending (n − 1)/n of its buffer. The backward pass sends their
+    transposes, and a layer recomputed there (``remat``) its forward's once more.
+
+    Args:
+      tokens: the tokens a device holds in the step (its slice of each of its rows, over
+        every micro-batch).
+      heads, kv_heads, head_dim, layers: the model's attention.
+      n: the devices a sequence is split over.
+      act_bytes: bytes of an activation (the compute dtype).
+      recompute: the layers are recomputed in the backward pass (remat).
+    """
+    if n <= 1:
+        return 0.0
+    g = kv_heads if kv_heads % n == 0 else heads
+    one = tokens * head_dim * (2 * heads + 2 * g) * act_bytes * (n - 1) / n
+    return (3 if recompute else 2) * layers * one
+
+
 def check_quantized(stage: int, qwz: bool, qgz_bits: int, quant_block: int) -> None:
     """The engine's rules for qwZ and qgZ (:func:`jaxzero.settings.beyond_zero`), for the
     formulas: qwz at stage 3 only, qgz at stages 1-3, in 8 or 4 bits."""

@@ -341,6 +341,7 @@ def _config(
         # tensor and sequence parallelism: each layer split over this many devices, and
         # the Ψ the formulas take then (a model device's share)
         "model_shards": plan.settings.model_shards,
+        "ulysses": plan.settings.step.ulysses,  # each row's sequence split over the data axis
         "params_a_model_device": _psi(plan),
     }
 
@@ -360,27 +361,24 @@ def report(
     share of ``state`` and parses the compiled HLO. With a ``model`` mesh axis (tensor
     and sequence parallelism) ZeRO's formulas count a model device's params over the
     data devices, its traffic across model groups; the traffic within a group is put
-    beside :func:`jaxzero.accounting.formulas.tensor_parallel_bytes`.
+    beside :func:`jaxzero.accounting.formulas.tensor_parallel_bytes`. With Ulysses
+    (``ulysses=True``) the all-to-alls are put beside
+    :func:`~jaxzero.accounting.formulas.ulysses_bytes`, the rest beside ZeRO's formulas.
 
     Args:
       engine: an initialised :class:`jaxzero.Engine`: what is read of it is its
         :attr:`~jaxzero.Engine.plan` and its compiled step (:meth:`~jaxzero.Engine.compile`).
       state: its TrainState (from ``engine.init``).
       batch: a sample global batch.
-      model: the model the engine trains; needed with a model axis, whose traffic
-        formula takes its hidden size and layers (a Llama's ``config``).
+      model: the model the engine trains; needed with a model axis or Ulysses, whose
+        traffic formulas take its shape (a Llama's ``config``).
       scalar_elements: buffers with fewer elements count as scalars.
       compiled: an already compiled step, to skip compiling again.
     """
     plan = engine.plan
-    if plan.settings.step.ulysses:
-        raise ValueError(
-            "report compares a step with ZeRO's formulas; this engine splits each sequence "
-            "over the data devices too (ulysses), whose all-to-alls it does not count yet: "
-            "python -m experiments.tp_traffic measures Ulysses' memory"
-        )
     m = plan.settings.model_shards
     model_axis = _model_axis_bytes(plan, batch, model) if m > 1 else 0.0
+    sequence = _ulysses_bytes(plan, batch, model) if plan.settings.step.ulysses else 0.0
     persistent = _persistent(state, plan.mesh.devices.flat[0])
     compiled = compiled if compiled is not None else engine.compile(state, batch)
     text = compiled.as_text()
@@ -401,7 +399,39 @@ def report(
     memory = compiled_memory(compiled, host)
     return Report(
         config, persistent, th, ex, memory, tr, hlo.collectives, notes, host_transfers=host,
-        model_axis=model_axis,
+        model_axis=model_axis, ulysses=sequence,
+    )  # fmt: skip
+
+
+def _llama_config(model: Any, what: str) -> Any:
+    """The config of the Llama an engine trains, whose shape the formulas of ``what``
+    (a model axis, Ulysses) take."""
+    cfg: Any = getattr(model, "config", None)
+    if not hasattr(cfg, "num_key_value_heads"):
+        raise ValueError(
+            f"this engine splits {what}: pass the Llama it trains "
+            "(report(engine, state, batch, model=llama)), whose shape the formula of that "
+            "traffic takes"
+        )
+    return cfg
+
+
+def _ulysses_bytes(plan: Plan, batch: Any, model: Any) -> float:
+    """The formula's bytes a device sends in Ulysses' all-to-alls a step
+    (:func:`~jaxzero.accounting.formulas.ulysses_bytes`)."""
+    cfg = _llama_config(model, "each sequence over the data devices (ulysses)")
+    step = plan.settings.step
+    if step.qgz_bits:
+        raise ValueError(
+            "report tells Ulysses' all-to-alls from ZeRO's collectives by their kind, which "
+            "qgZ's quantized reductions share: report one of them at a time"
+        )
+    rows, seq = batch["inputs"].shape[:2]
+    tokens = rows * seq / int(plan.mesh.devices.size)  # a device's slice of its rows
+    return formulas.ulysses_bytes(
+        tokens, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size,
+        cfg.num_hidden_layers, plan.num_shards, _itemsize(step.compute_dtype),
+        recompute=cfg.remat != "none",
     )  # fmt: skip
 
 
@@ -409,13 +439,7 @@ def _model_axis_bytes(plan: Plan, batch: Any, model: Any) -> float:
     """The formula's bytes a device sends along the model axis a step (tensor and
     sequence parallelism, :func:`~jaxzero.accounting.formulas.tensor_parallel_bytes`)."""
     m = plan.settings.model_shards
-    cfg: Any = getattr(model, "config", None)
-    if not hasattr(cfg, "hidden_size") or not hasattr(cfg, "num_hidden_layers"):
-        raise ValueError(
-            f"this engine splits each layer over a model axis of {m} devices: pass the "
-            "Llama it trains (report(engine, state, batch, model=llama)), whose hidden size "
-            "and layers the model axis' traffic formula takes"
-        )
+    cfg = _llama_config(model, f"each layer over a model axis of {m} devices")
     step = plan.settings.step
     rows, seq = batch["inputs"].shape[:2]
     tokens = rows // (int(plan.mesh.devices.size) // m) * seq  # a model group's, every micro

@@ -78,6 +78,9 @@ class Report:
         along it a step (:func:`jaxzero.accounting.formulas.tensor_parallel_bytes`);
         ``traffic`` is then split by model group (``by_scope``: ``"intra"`` along the
         model axis, ``"inter"`` across groups, ZeRO's, which ``theory`` counts).
+      ulysses: with Ulysses (``Engine(ulysses=True)``), the bytes of its all-to-alls the
+        formula says a device sends a step (:func:`jaxzero.accounting.formulas.ulysses_bytes`);
+        the measured all-to-alls are then told from ZeRO's traffic by their kind.
     """
 
     config: dict[str, Any]
@@ -90,6 +93,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     host_transfers: HostTransfers = field(default_factory=HostTransfers)
     model_axis: float = 0.0
+    ulysses: float = 0.0
 
     @property
     def split(self) -> bool:
@@ -99,10 +103,18 @@ class Report:
     def zero_traffic(self, logical: bool = False) -> float:
         """Measured bytes of what ``theory.comm`` counts: every gradient and param
         collective, or with a model axis those across model groups (ZeRO's, over data)."""
-        if not self.split:
-            return self.traffic.grad_param_logical if logical else self.traffic.grad_param
-        by_scope = self.traffic.by_scope_logical if logical else self.traffic.by_scope
-        return by_scope.get("inter", 0.0)
+        if self.split:
+            by_scope = self.traffic.by_scope_logical if logical else self.traffic.by_scope
+            return by_scope.get("inter", 0.0)
+        every = self.traffic.grad_param_logical if logical else self.traffic.grad_param
+        return every - self.sequence_traffic(logical)
+
+    def sequence_traffic(self, logical: bool = False) -> float:
+        """Measured bytes of Ulysses' all-to-alls (0 without ``ulysses``)."""
+        if not self.config.get("ulysses"):
+            return 0.0
+        kinds = self.traffic.by_kind_logical if logical else self.traffic.by_kind
+        return kinds.get("all-to-all", 0.0)
 
     @property
     def offloaded(self) -> bool:
@@ -150,6 +162,8 @@ class Report:
                 key = "model_axis"
             if formula:
                 d["ratios"][key] = got / formula
+        if self.ulysses:
+            d["ratios"]["ulysses"] = self.sequence_traffic() / self.ulysses
         d["collectives"] = [
             {
                 "name": c.name,
@@ -192,10 +206,17 @@ class Report:
         return int(self.config.get("params_a_model_device", self.config["num_params"]))
 
     def _model_head(self) -> list[str]:
-        """With a model axis: what it splits, and which Ψ the formulas then count."""
+        """With a model axis: what it splits, and which Ψ the formulas then count; with
+        Ulysses, what it exchanges."""
+        c = self.config
+        if c.get("ulysses"):
+            return [
+                f"each row's sequence split over the N = {c['num_shards']} data devices "
+                "(Ulysses): its attention exchanges sequence slices for head slices "
+                "(all-to-alls, apart from ZeRO's collectives below)"
+            ]
         if not self.split:
             return []
-        c = self.config
         return [
             f"each layer split over a model axis of {c['model_shards']} devices (tensor and "
             f"sequence parallel): {c['num_params']:,} params in all, the formulas count a "
@@ -322,7 +343,7 @@ class Report:
             "",
             "communication per device per step (MB on the wire, ring)",
             head,
-            f"{'gradients + params' + (' (data)' if self.split else ''):<30}"
+            f"{'gradients + params' + (' (data)' if self.split or self.ulysses else ''):<30}"
             f"{mb(self.zero_traffic())}{mb(t.comm)}{ratio(self.zero_traffic(), t.comm)}",
         ]
         logical = self.zero_traffic(logical=True)
@@ -334,6 +355,12 @@ class Report:
         else:
             lines[-1] += f"{mb(e.comm)}{ratio(logical, e.comm)}"
         lines += self._scope_lines(mb, ratio) if self.split else []
+        if self.config.get("ulysses"):
+            got = self.sequence_traffic()
+            lines.append(
+                f"{'Ulysses all-to-alls (data)':<30}{mb(got)}{mb(self.ulysses)}"
+                f"{ratio(got, self.ulysses)}"
+            )
         for kind, b in sorted(self.traffic.by_kind.items()):
             lines.append(f"{'  ' + kind + (' (both axes)' if self.split else ''):<30}{mb(b)}")
         if self.has_frozen and (t.comm_frozen or e.comm_frozen):

@@ -37,7 +37,7 @@ from jaxzero.accounting.estimate import (
     estimate,
 )
 from jaxzero.accounting.expected import unsplit_elements
-from jaxzero.accounting.formulas import tensor_parallel_bytes
+from jaxzero.accounting.formulas import tensor_parallel_bytes, ulysses_bytes
 from jaxzero.cli import Parser, beyond_zero_options
 from jaxzero.models import Llama, Model, from_fields
 from jaxzero.models import lora as lora_lib
@@ -123,11 +123,6 @@ def _from_config(args: argparse.Namespace) -> Estimate:
     (``jax.eval_shape``, or a fine-tune's checkpoint headers: nothing allocated), the
     activations from its own dimensions (a Llama-family model's by layer kind)."""
     cfg = config_lib.resolve(args.config, [])
-    if cfg.mesh.ulysses:
-        raise ValueError(
-            f"{args.config}: estimate has no formulas for mesh.ulysses yet (a run's "
-            "pre-flight measures its peak; python -m experiments.tp_traffic its activations)"
-        )
     frozen: dict[str, Any] = {}
     model: Model
     path = finetune.source(cfg)
@@ -149,15 +144,18 @@ def _from_config(args: argparse.Namespace) -> Estimate:
     m = cfg.mesh.model
     if devices % m:
         raise ValueError(f"mesh.model={m} must divide the {devices} devices")
-    rows = cfg.train.batch_size // (devices // m * cfg.parallel.micro_batches)
+    groups = _row_groups(cfg, devices) if cfg.mesh.ulysses else devices // m
+    rows = cfg.train.batch_size // (groups * cfg.parallel.micro_batches)
     if rows < 1:
         raise ValueError(
             f"train.batch_size {cfg.train.batch_size} gives no rows per device "
-            f"on {devices // m} data devices x {cfg.parallel.micro_batches} micro-batches"
+            f"on {groups} data devices x {cfg.parallel.micro_batches} micro-batches"
         )
     split: dict[str, Any] = {}
     if m > 1:
         psi, split = _tensor_parallel(cfg, model, shapes, psi, rows)
+    if cfg.mesh.ulysses:
+        split = _ulysses(cfg, model, rows, devices // groups)
     return estimate(
         psi,
         devices // m,
@@ -195,6 +193,37 @@ def _tensor_parallel(
     act = 2.0 if cfg.precision.compute == "bf16" else 4.0
     comm = tensor_parallel_bytes(tokens, c.hidden_size, c.num_hidden_layers, m, act, unsplit, act)
     return local, {"model": m, "total_params": psi, "model_comm": comm}
+
+
+def _row_groups(cfg: Any, devices: int) -> int:
+    """Ulysses: the groups that split the rows (``mesh.group_size``'s; one without), each
+    splitting a row's sequence over its devices."""
+    size = cfg.mesh.group_size
+    if size is None:
+        return 1
+    if size == "node" or devices % size:
+        raise ValueError(
+            f"mesh.ulysses with mesh.group_size={size!r}: estimate takes a group size in "
+            f"devices that divides the {devices} devices"
+        )
+    return devices // size
+
+
+def _ulysses(cfg: Any, model: Model, rows: int, n: int) -> dict[str, Any]:
+    """``mesh.ulysses``: ``estimate``'s keywords: the devices a row's sequence is split
+    over and the bytes of the all-to-alls a device sends a step."""
+    c: Any = getattr(model, "config", None)
+    if not hasattr(c, "num_key_value_heads"):
+        raise ValueError(f"{type(model).__name__} has no Ulysses attention: drop mesh.ulysses")
+    if cfg.model.seq_len % n:
+        raise ValueError(f"mesh.ulysses: model.seq_len={cfg.model.seq_len} over {n} devices")
+    tokens = rows * cfg.model.seq_len // n * cfg.parallel.micro_batches
+    act = 2.0 if cfg.precision.compute == "bf16" else 4.0
+    comm = ulysses_bytes(
+        tokens, c.num_attention_heads, c.num_key_value_heads, c.head_size,
+        c.num_hidden_layers, n, act, recompute=c.remat != "none",
+    )  # fmt: skip
+    return {"sequence": n, "sequence_comm": comm}
 
 
 def _pretrained_counts(cfg: Any, model: Llama, path: Path) -> tuple[float, dict[str, Any]]:

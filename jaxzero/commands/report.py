@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
         "parallel, as mesh.model in a run); ZeRO shards over the rest",
     )
     p.add_argument(
+        "--ulysses",
+        action="store_true",
+        help="llama: split each row's sequence over the data devices (DeepSpeed-Ulysses, "
+        "as mesh.ulysses in a run); with --group-size, the rows over the groups",
+    )
+    p.add_argument(
         "--simulate-devices",
         type=int,
         default=None,
@@ -132,6 +138,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--lora-rank adapts the Llama: add --arch llama")
     if args.model_axis > 1 and args.arch != "llama":
         raise ValueError("--model-axis splits the Llama's layers: add --arch llama")
+    if args.ulysses and args.arch != "llama":
+        raise ValueError("--ulysses splits the Llama's attention by heads: add --arch llama")
     for name in ("devices", "simulate_devices", "batch", "group_size", "lora_rank", "model_axis"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -189,6 +197,7 @@ def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any, Any]:
         quant_block=args.quant_block,
         hpz=args.hpz,
         ema=0.999 if args.ema else None,  # the decay changes no byte
+        ulysses=args.ulysses,
     )
 
     def init(key: jax.Array) -> Any:
@@ -198,7 +207,8 @@ def build(args: argparse.Namespace, stage: int) -> tuple[Any, Any, Any, Any]:
         return params
 
     state = engine.init_from(init, jax.random.key(0))
-    batch_size = args.batch or 2 * engine.batch_devices * args.micro_batches
+    rows = engine.batch_devices // (engine.settings.num_shards if args.ulysses else 1)
+    batch_size = args.batch or 2 * rows * args.micro_batches  # Ulysses: rows over groups
     tokens = jnp.zeros((batch_size, args.seq_len), jnp.int32)
     return model, engine, state, {"inputs": tokens, "targets": tokens}
 

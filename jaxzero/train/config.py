@@ -266,8 +266,8 @@ def apply_overrides(config: Config, assignments: list[str]) -> Config:
 
 def split_mesh(config: Config) -> str | None:
     """The setting that splits layers or sequences over devices (``mesh.model``,
-    ``mesh.ulysses``), which the formulas of ``estimate``, ``plan`` and ``report`` do not
-    count yet; None when neither is set."""
+    ``mesh.ulysses``), which the planner (``jaxzero plan``, ``zero.auto``) does not survey
+    yet (``estimate`` and ``report`` count both); None when neither is set."""
     if config.mesh.model > 1:
         return f"mesh.model={config.mesh.model}"
     return "mesh.ulysses" if config.mesh.ulysses else None
