@@ -22,6 +22,8 @@ A Llama-shaped model is compiled (not run) on 8 simulated CPU devices:
   whole temp, not its growth a row: XLA's buffer assignment packs the temp unevenly
   from one batch to the next (the growth from 1 to 2 rows and from 3 to 4 differ by
   10%), and at equal gradients (stage 0) the whole temp's ratio bounds the activations'.
+* a long fine-tune: Llama-3.2-1B's shape, one 32k-token row, bf16, ZeRO-3, on one
+  device against Ulysses over 8 (compiled only).
 
 Writes experiments/results/tp_traffic.{csv,md}. Two to four minutes on 2 CPU cores:
 
@@ -158,6 +160,42 @@ def ulysses_row(cfg: LlamaConfig, n: int, rows: int, stage: int = 0) -> dict:
     return out
 
 
+# Llama-3.2-1B's shape (1.24B params, tied head), a 32k-token row: the long fine-tune
+# Ulysses is for (compiled, never run: XLA's attention keeps each head's scores)
+LONG = LlamaConfig(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    tie_word_embeddings=True,
+    seq_len=32768,
+    max_position_embeddings=131072,
+    remat="full",
+)
+
+
+def long_row(cfg: LlamaConfig = LONG, n: int = 8) -> dict:
+    """One ``cfg.seq_len``-token row, bf16, ZeRO-3, layers recomputed: the compiled temp
+    and arguments of one device holding it against a device of ``n`` splitting it."""
+    out: dict = {"sequence": cfg.seq_len, "devices": n, "params": 0}
+    for label, mesh, ulysses in (("one", jaxzero.make_mesh(1), False),
+                                 ("ulysses", jaxzero.make_mesh(n), True)):  # fmt: skip
+        model = Llama(cfg)
+        engine = model.engine(optax.adamw(1e-5), mesh=mesh, stage=3, precision="bf16",
+                              ulysses=ulysses)  # fmt: skip
+        state = engine.abstract_state(jax.eval_shape(model.init, jax.random.key(0)))
+        tokens = jax.ShapeDtypeStruct((1, cfg.seq_len), np.int32)
+        m = engine.compile(state, {"inputs": tokens, "targets": tokens}).memory_analysis()
+        out[f"{label}_temp"] = m.temp_size_in_bytes
+        out[f"{label}_arguments"] = m.argument_size_in_bytes
+        out["params"] = engine.num_params
+    out["ratio"] = round(out["ulysses_temp"] / out["one_temp"], 4)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny model: the code paths only")
@@ -201,16 +239,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['rows']} row(s): {r['ulysses_temp'] / 2**20:.3f} MiB against "
               f"{r['one_temp'] / 2**20:.3f} = {r['ratio']:.4f}")  # fmt: skip
     if not args.tiny:
+        r = long_row()
+        print(f"\n{r['params'] / 1e9:.2f}B params, one {r['sequence']}-token row, bf16, "
+              f"stage 3: temp {r['one_temp'] / 2**30:.1f} GiB on one device, "
+              f"{r['ulysses_temp'] / 2**30:.1f} GiB a device of {r['devices']} with Ulysses "
+              f"= {r['ratio']:.4f}")  # fmt: skip
         args.out.mkdir(parents=True, exist_ok=True)
         write_csv(args.out / "tp_traffic.csv", rows)
         write_csv(args.out / "tp_memory.csv", memory)
         write_csv(args.out / "ulysses_memory.csv", ulysses)
-        (args.out / "tp_traffic.md").write_text(markdown(cfg, rows, memory, ulysses))
+        write_csv(args.out / "ulysses_long.csv", [r])
+        (args.out / "tp_traffic.md").write_text(markdown(cfg, rows, memory, ulysses, r))
     return 0
 
 
-def markdown(cfg: LlamaConfig, rows: list[dict], memory: list[dict], ulysses: list[dict]) -> str:
-    """The two tables docs/tensor-parallel.md quotes."""
+def markdown(
+    cfg: LlamaConfig, rows: list[dict], memory: list[dict], ulysses: list[dict], long: dict
+) -> str:
+    """The tables docs/tensor-parallel.md quotes."""
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     out = [
         "# Tensor and sequence parallelism with ZeRO: traffic and activations, compiled\n",
@@ -256,6 +302,20 @@ def markdown(cfg: LlamaConfig, rows: list[dict], memory: list[dict], ulysses: li
             f"| {r['sequence']} | {r['devices']} | {r['rows']} | {mib(r['one_temp'])} | "
             f"{mib(r['ulysses_temp'])} | {r['ratio']:.4f} |"
         )
+    gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
+    r = long
+    out += [
+        "",
+        f"A long fine-tune: Llama-3.2-1B's shape ({r['params'] / 1e9:.2f}B params, tied "
+        f"head), one {r['sequence']}-token row, bf16, stage 3, layers recomputed, XLA's "
+        "attention (compiled, not run):\n",
+        "| sequence | devices | one device: temp, GiB | arguments | Ulysses a device: temp, "
+        "GiB | arguments | ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| {r['sequence']} | {r['devices']} | {gib(r['one_temp'])} | "
+        f"{gib(r['one_arguments'])} | {gib(r['ulysses_temp'])} | "
+        f"{gib(r['ulysses_arguments'])} | {r['ratio']:.4f} |",
+    ]
     return "\n".join(out) + "\n"
 
 
