@@ -356,6 +356,50 @@ def test_the_prune_is_a_lower_bound_of_a_frozen_base_state(precision):
         assert (engine.num_params, engine.num_frozen) == (psi, held / 2)
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_prune_is_a_lower_bound_with_a_model_axis(stage):
+    """A Llama split over a model axis of 2 on 8 devices (4 data devices): a device holds
+    its slices of the split params and the rest whole, so the formulas for Ψ/2 over 4
+    bound its state from below (within 20%: the norms and biases held whole); Ψ over 8
+    would not (stage 0 holds each slice whole: 16Ψ/2, not 16Ψ)."""
+    import optax
+
+    from jaxzero.models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, seq_len=16)  # fmt: skip
+    llama = Llama(cfg)
+    shapes = jax.eval_shape(llama.init, jax.random.key(0))
+    engine = llama.engine(optax.adamw(1e-3), mesh=make_mesh(8, model=2), stage=stage)
+    actual = pl.shard_bytes(engine.abstract_state(shapes))
+    psi, _ = pl.param_split(shapes)
+    prec = precision_bytes("fp32", "adamw")
+    bound = pl.formula_states(psi, 8, prec, model=2)(stage)
+    assert bound <= actual <= 1.2 * bound, (bound, actual)
+    if stage == 0:
+        assert pl.formula_states(psi, 8, prec)(stage) > actual  # the bound without the axis
+
+
+def test_plan_surveys_a_run_split_over_a_model_axis(capsys):
+    """`jaxzero plan` of a Llama run with mesh.model=2 on 8 devices: its rows are over the
+    4 data devices (batch 8: 2 rows a model group, so 1 or 2 micro-batches), the split
+    kept; and the devices a batch's rows are over with Ulysses: the replica groups."""
+    argv = ["--config", TINY, "--devices", "8", "--set", "data.max_bytes=100000",
+            "--set", "model.arch=llama", "--set", "model.n_kv_heads=2",
+            "--set", "model.d_model=32", "--set", f"model.seq_len={SEQ}",
+            "--set", f"train.batch_size={BATCH}", "--set", "mesh.model=2",
+            "--stages", "3", "--remats", "none", "--max-batch", "0", "--json"]  # fmt: skip
+    assert plan_cmd.main(argv) == plan_cmd.FITS
+    found = json.loads(capsys.readouterr().out)
+    assert "each layer split over 2 (mesh.model)" in found["title"]
+    assert [(r["micro_batches"], r["status"]) for r in found["rows"]] == [
+        (1, "fits"), (2, "skipped"),
+    ]  # fmt: skip
+    ulysses = C.apply_overrides(C.Config(), ["mesh.ulysses=true", "mesh.group_size=4"])
+    assert planning.row_devices(ulysses, make_mesh(8, replicas=2)) == 2
+    assert planning.row_devices(C.Config(), make_mesh(8, model=2)) == 4
+
+
 # --------------------------------------------------------------------------- offload
 
 

@@ -565,17 +565,24 @@ def param_split(shapes: Any, trainable: Trainable = None) -> tuple[float, float]
 
 
 def formula_states(
-    num_params: float, group: int, precision: Precision, frozen_bytes: float = 0.0
+    num_params: float,
+    group: int,
+    precision: Precision,
+    frozen_bytes: float = 0.0,
+    model: int = 1,
 ) -> Callable[..., float]:
     """A stage's persistent model-state bytes per device by the formulas (the
     :class:`Planner`'s ``formula_states``): ``num_params`` trainable params at
     ``precision``, ``frozen_bytes`` of frozen ones (whole, / N at stage 3). A lower
     bound of what the state holds: padding and replicated small leaves only add.
-    ``states(stage, True)``: with offload, the device's part alone."""
+    ``states(stage, True)``: with offload, the device's part alone. ``model``: a model
+    axis of that many devices in the ``group``: a model device holds at least Ψ/model
+    (the params it does not split whole), sharded over the group's data devices."""
     held = (frozen_bytes, 1.0)  # (count, bytes each) as the formulas take them
+    psi, n = num_params / model, group // model
 
     def states(stage: int, offload: bool = False) -> float:
-        ms = model_state_bytes(num_params, group, stage, precision, *held, offload=offload)
+        ms = model_state_bytes(psi, n, stage, precision, *held, offload=offload)
         return ms.device
 
     return states
@@ -599,6 +606,8 @@ def survey(
     headroom: float = 0.0,
     host_budget: float | None = None,
     host_note: str = "",
+    batch_devices: int | None = None,
+    model: int = 1,
 ) -> Survey:
     """Compile ``cands``, hold them to ``budget`` bytes per device, rank those that fit.
 
@@ -623,11 +632,15 @@ def survey(
         when its peak is at most the rest.
       host_budget: host bytes per device for offloaded candidates (None: the devices'
         own memory, counted in ``budget``); ``host_note`` says where it comes from.
+      batch_devices: the devices a batch's rows are split over (default ``devices``;
+        a model group shares its rows, a Ulysses group splits each row's sequence): the
+        largest batch is a multiple of them.
+      model: the mesh's model axis (tensor parallelism), for the formulas' bound.
     """
     group = group or devices
     states = None
     if num_params is not None and precision is not None:
-        states = formula_states(num_params, group, precision, frozen_bytes)
+        states = formula_states(num_params, group, precision, frozen_bytes, model)
     planner = Planner(build, budget, hardware, group, states, headroom, host_budget)
     rows = planner.survey(cands, exhaustive)
     out = Survey(
@@ -635,6 +648,6 @@ def survey(
         host_budget=host_budget, host_note=host_note,
     )  # fmt: skip
     for r in out.fitting()[:max_batch]:
-        granule = devices * r.candidate.micro_batches
+        granule = (batch_devices or devices) * r.candidate.micro_batches
         r.max_batch = planner.max_batch(r.candidate, granule)
     return out

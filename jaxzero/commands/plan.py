@@ -30,7 +30,7 @@ from jaxzero.cli import Parser
 from jaxzero.train import data as data_lib
 from jaxzero.train import finetune, planning
 from jaxzero.train.args import add_config_flags, config_from_args
-from jaxzero.train.config import Config, ConfigError, split_mesh
+from jaxzero.train.config import Config, ConfigError
 from jaxzero.train.devices import setup_devices
 
 # train's shortcuts that name one configuration; the planner searches over these instead
@@ -104,11 +104,6 @@ def plan(args: argparse.Namespace) -> Any:
     """The survey ``jaxzero plan`` prints (:class:`~jaxzero.accounting.planner.Survey`)."""
     began = time.perf_counter()
     cfg: Config = config_from_args(args)
-    if split_mesh(cfg):
-        raise ConfigError(
-            f"jaxzero plan does not survey runs with {split_mesh(cfg)} yet: the run's "
-            "pre-flight compiles and measures its step (jaxzero train)"
-        )
     if args.batch is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=args.batch))
     job = distributed.initialize(simulate_devices=cfg.parallel.simulate_devices)
@@ -128,7 +123,8 @@ def plan(args: argparse.Namespace) -> Any:
     limit, note = planning.budget(configured, n, host, target)
     hosted = planning.host_budget(args.host_memory or cfg.zero.host_memory, n, host, target)
     which: list[Candidate] = candidates(
-        cfg.train.batch_size, n, args.stages, args.remats, args.micro_batch_counts,
+        cfg.train.batch_size, planning.row_devices(cfg, mesh), args.stages, args.remats,
+        args.micro_batch_counts,
         **planning.beyond_options(mesh, hosted[0]),
     )  # fmt: skip
     found = planning.plan_run(

@@ -264,15 +264,6 @@ def apply_overrides(config: Config, assignments: list[str]) -> Config:
     return config
 
 
-def split_mesh(config: Config) -> str | None:
-    """The setting that splits layers or sequences over devices (``mesh.model``,
-    ``mesh.ulysses``), which the planner (``jaxzero plan``, ``zero.auto``) does not survey
-    yet (``estimate`` and ``report`` count both); None when neither is set."""
-    if config.mesh.model > 1:
-        return f"mesh.model={config.mesh.model}"
-    return "mesh.ulysses" if config.mesh.ulysses else None
-
-
 def validate(config: Config) -> Config:
     """Checks relations between fields that types alone cannot express."""
     m, o, t, p, lg = config.model, config.optimizer, config.train, config.parallel, config.logging
@@ -310,11 +301,6 @@ def validate(config: Config) -> Config:
         raise ConfigError(
             f"mesh.model={config.mesh.model} splits Llama-family layers (model.arch: llama, "
             "or a fine-tune); the GPT has no tensor-parallel layout: use mesh.model=1"
-        )
-    if config.zero.auto and split_mesh(config):
-        raise ConfigError(
-            f"zero.auto does not plan runs with {split_mesh(config)} yet: choose "
-            "parallel.stage yourself (the pre-flight still compiles and measures the step)"
         )
     if config.mesh.ulysses and m.arch != "llama" and not fine_tune:
         raise ConfigError(

@@ -57,7 +57,7 @@ from jaxzero.accounting.planner import (
     survey,
 )
 from jaxzero.engine import PRECISIONS
-from jaxzero.mesh import REPLICA
+from jaxzero.mesh import MODEL, REPLICA
 from jaxzero.models import Llama, Model, from_fields
 from jaxzero.models.common import cudnn_refusal
 from jaxzero.models.lora import trainable as lora_trainable
@@ -362,24 +362,40 @@ def plan_run(
     ``zero.host_memory``, else the machine's)."""
     n = int(cands.mesh.devices.size)
     group = n // int(dict(cands.mesh.shape).get(REPLICA, 1))
+    rows = row_devices(cfg, cands.mesh)
     if host is None:
         host = host_budget(cfg.zero.host_memory, jax.local_device_count())
-    cands_ = which or candidates(cfg.train.batch_size, n, **beyond_options(cands.mesh, host[0]))
+    cands_ = which or candidates(cfg.train.batch_size, rows, **beyond_options(cands.mesh, host[0]))
     cands_ = keep_choices(cfg, cands_)
     prec = precision_bytes("mixed" if cfg.precision.compute == "bf16" else "fp32", "adamw")
     psi, frozen = cands.num_params()
     held = f" (+{format_bytes(frozen)} frozen)" if frozen else ""
+    split = ""
+    if cfg.mesh.model > 1:
+        split = f", each layer split over {cfg.mesh.model} (mesh.model)"
+    elif cfg.mesh.ulysses:
+        split = f", each row over {group} (mesh.ulysses)"
     title = (
         f"{cfg.model.arch} {psi / 1e6:,.1f}M params{held}, global batch {cfg.train.batch_size} x "
-        f"{cfg.model.seq_len} tokens, {n} devices (groups of {group}), "
+        f"{cfg.model.seq_len} tokens, {n} devices (groups of {group}{split}), "
         f"{cfg.precision.compute}, AdamW"
     )
     return survey(
         cands, cands_, budget_bytes, hw, devices=n, group=group, num_params=psi,
         frozen_bytes=frozen, precision=prec, max_batch=max_batch, exhaustive=exhaustive,
         budget_note=note, title=title, headroom=headroom(cfg.zero.headroom, hw),
-        host_budget=host[0], host_note=host[1],
+        host_budget=host[0], host_note=host[1], batch_devices=rows, model=cfg.mesh.model,
     )  # fmt: skip
+
+
+def row_devices(cfg: Config, mesh: Any) -> int:
+    """The devices a global batch's rows are split over: all but the model axis' (a
+    model group shares its rows); with Ulysses the replica groups (each splits its rows'
+    sequences over its devices)."""
+    shape = dict(mesh.shape)
+    if cfg.mesh.ulysses:
+        return int(shape.get(REPLICA, 1))
+    return int(mesh.devices.size) // int(shape.get(MODEL, 1))
 
 
 # --------------------------------------------------------------------------- pre-flight
