@@ -380,24 +380,53 @@ def test_the_prune_is_a_lower_bound_with_a_model_axis(stage):
         assert pl.formula_states(psi, 8, prec)(stage) > actual  # the bound without the axis
 
 
-def test_plan_surveys_a_run_split_over_a_model_axis(capsys):
-    """`jaxzero plan` of a Llama run with mesh.model=2 on 8 devices: its rows are over the
-    4 data devices (batch 8: 2 rows a model group, so 1 or 2 micro-batches), the split
-    kept; and the devices a batch's rows are over with Ulysses: the replica groups."""
+def _llama_plan(capsys, *extra: str) -> dict:
     argv = ["--config", TINY, "--devices", "8", "--set", "data.max_bytes=100000",
             "--set", "model.arch=llama", "--set", "model.n_kv_heads=2",
-            "--set", "model.d_model=32", "--set", f"model.seq_len={SEQ}",
-            "--set", f"train.batch_size={BATCH}", "--set", "mesh.model=2",
-            "--stages", "3", "--remats", "none", "--max-batch", "0", "--json"]  # fmt: skip
-    assert plan_cmd.main(argv) == plan_cmd.FITS
-    found = json.loads(capsys.readouterr().out)
-    assert "each layer split over 2 (mesh.model)" in found["title"]
-    assert [(r["micro_batches"], r["status"]) for r in found["rows"]] == [
+            "--set", "model.d_model=32", "--set", "model.seq_len=64",
+            "--set", f"train.batch_size={BATCH}", "--stages", "3", "--remats", "none",
+            "--max-batch", "0", "--json", *extra]  # fmt: skip
+    code = plan_cmd.main(argv)
+    return {"code": code, **json.loads(capsys.readouterr().out)}
+
+
+def test_plan_keeps_a_runs_split_or_surveys_model_axes(capsys):
+    """`jaxzero plan` of a Llama run with mesh.model=2 on 8 devices: its rows are over the
+    4 data devices (batch 8: 2 rows a model group, so 1 or 2 micro-batches), the split
+    kept. With --model-axes 1 2 each is a candidate: the model axis' collectives add to
+    the roofline (nothing overlaps them), so where both fit the axis of 1 ranks first;
+    where only the split step fits (a budget between their peaks), it is the choice."""
+    kept = _llama_plan(capsys, "--set", "mesh.model=2")
+    assert kept["code"] == plan_cmd.FITS
+    assert "each layer split over 2 (mesh.model)" in kept["title"]
+    assert [(r["micro_batches"], r["status"]) for r in kept["rows"]] == [
         (1, "fits"), (2, "skipped"),
     ]  # fmt: skip
+
+    both = _llama_plan(capsys, "--model-axes", "1", "2")
+    fits = sorted((r for r in both["rows"] if r["status"] == "fits"), key=lambda r: r["rank"])
+    assert [(r["model"], r["micro_batches"]) for r in fits] == [(1, 1), (2, 1)]
+    assert fits[0]["model_s"] == 0 < fits[1]["model_s"]
+    peak = {r["model"]: r["peak_bytes"] for r in fits}
+    assert peak[2] < peak[1]  # the activations split over the model axis
+    budget = (peak[1] + peak[2]) / 2 / 0.8  # held to 80% of it (zero.headroom)
+    tight = _llama_plan(capsys, "--model-axes", "1", "2", "--device-memory", str(int(budget)))
+    first = next(r for r in tight["rows"] if r["rank"] == 1)
+    assert (first["model"], first["micro_batches"]) == (2, 1)
+    assert any(r["model"] == 1 and r["status"] == "over" for r in tight["rows"])
+
+
+@pytest.mark.unit
+def test_the_rows_are_over_the_data_devices_or_the_ulysses_groups():
     ulysses = C.apply_overrides(C.Config(), ["mesh.ulysses=true", "mesh.group_size=4"])
     assert planning.row_devices(ulysses, make_mesh(8, replicas=2)) == 2
     assert planning.row_devices(C.Config(), make_mesh(8, model=2)) == 4
+    cands = pl.candidates(8, 8, stages=[3], remats=["none"], model_axes=[1, 2, 4])
+    assert [(c.model, c.micro_batches) for c in cands] == [
+        (1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4),
+    ]  # fmt: skip
+    assert cands[1].flags().endswith("--set mesh.model=2")
+    assert cands[1].describe() == "stage 3, remat none, 1 micro-batch, model axis 2"
 
 
 # --------------------------------------------------------------------------- offload

@@ -22,13 +22,16 @@ def _time(s: float) -> str:
 _BEYOND = ("beyond ZeRO", "host/dev", "host link")  # columns when a candidate goes beyond
 
 
-def _cells(rank: str, r: Row, budget: float, beyond: bool = False) -> list[str]:
+def _cells(
+    rank: str, r: Row, budget: float, beyond: bool = False, split: bool = False
+) -> list[str]:
     c = r.candidate
     cells = [
         rank,
         str(c.stage),
         c.remat,
         str(c.micro_batches),
+        *([str(c.model)] if split else []),
         format_bytes(r.persistent),
         format_bytes(r.peak),
         format_bytes(budget - r.peak),
@@ -43,8 +46,9 @@ def _cells(rank: str, r: Row, budget: float, beyond: bool = False) -> list[str]:
     return cells
 
 
-def _head(beyond: bool) -> list[str]:
-    return list(_HEAD) + (list(_BEYOND) if beyond else [])
+def _head(beyond: bool, split: bool = False) -> list[str]:
+    head = list(_HEAD[:4]) + (["model"] if split else []) + list(_HEAD[4:])
+    return head + (list(_BEYOND) if beyond else [])
 
 
 def _grid(rows: list[list[str]]) -> list[str]:
@@ -74,6 +78,7 @@ def format_survey(s: Survey) -> str:
         if s.host_budget is not None and s.headroom:
             host += f"; held to {format_bytes(s.host_held or 0)}"
         lines.append(host)
+    tp = any(r.model_s for r in s.rows)  # a model axis' collectives in some step
     link = (
         f", moves offloaded state over a {format_bytes(hw.host_link)}/s host link each way"
         if offload and hw.host_link
@@ -82,27 +87,35 @@ def format_survey(s: Survey) -> str:
     lines += [
         f"roofline {hw.name}: {hw.flops:.3g} FLOP/s per device, sends {format_bytes(hw.intra)}/s "
         f"within a group of {s.group}, {format_bytes(hw.inter)}/s across{link}; step time = "
-        "max(compute, communication" + (", host transfers)" if link else ")"),
+        "max(compute, communication" + (", host transfers)" if link else ")")
+        + (" + the model axis' collectives (not overlapped)" if tp else ""),
         "",
     ]  # fmt: skip
     fit = s.fitting()
     beyond = any(r.candidate.beyond() for r in s.rows if r.status in ("fits", "over"))
-    head = _head(beyond)
+    split = any(r.candidate.model is not None for r in s.rows)  # model axes surveyed
+    head = _head(beyond, split)
     if fit:
-        lines += _grid([head] + [_cells(str(i + 1), r, s.held, beyond) for i, r in enumerate(fit)])
+        lines += _grid(
+            [head] + [_cells(str(i + 1), r, s.held, beyond, split) for i, r in enumerate(fit)]
+        )
     else:
         lines.append("nothing fits")
     over = [r for r in s.rows if r.status == "over"]
     if over:
         lines += ["", "compiled, over the budget:"]
-        lines += _grid([head] + [_cells("-", r, s.held, beyond) for r in over])
+        lines += _grid([head] + [_cells("-", r, s.held, beyond, split) for r in over])
         lines += [f"  {r.candidate.describe()}: {r.why}" for r in over if "host" in r.why]
-    pruned: dict[tuple[int, str], str] = {}
+    pruned: dict[tuple[int, str, int | None], str] = {}
     for r in (r for r in s.rows if r.status == "pruned"):  # the formulas judge a stage
-        pruned.setdefault((r.candidate.stage, r.candidate.beyond()), r.why)
-    for (stage, extra), why in pruned.items():
+        c = r.candidate
+        pruned.setdefault((c.stage, c.beyond(), c.model), r.why)
+    for (stage, extra, model), why in pruned.items():
         with_ = f" with {extra}" if extra else ""
-        lines.append(f"not compiled: stage {stage}{with_}, any remat and micro-batches: {why}")
+        axis = f", model axis {model}" if model is not None else ""
+        lines.append(
+            f"not compiled: stage {stage}{with_}{axis}, any remat and micro-batches: {why}"
+        )
     for r in (r for r in s.rows if r.status == "failed"):
         lines.append(f"failed to compile: {r.candidate.describe()}: {r.why}")
     skipped = [r for r in s.rows if r.status == "skipped"]

@@ -49,6 +49,7 @@ from jaxzero.accounting.hlo import host_transfers
 from jaxzero.accounting.measure import compiled_memory
 from jaxzero.accounting.plan_table import format_survey
 from jaxzero.frozen import Trainable, mask_of
+from jaxzero.mesh import MODEL
 
 __all__ = [
     "HARDWARE",
@@ -73,7 +74,9 @@ MAX_BATCH_ROWS = 1 << 20  # the largest-batch search stops here
 class Candidate:
     """One configuration: ZeRO stage, remat policy, micro-batches, global batch (rows);
     and beyond ZeRO: the optimizer state in host memory (``offload``), stage 3's weights
-    gathered in int8 (``qwz``), the gradients reduced in int8/int4 (``qgz``)."""
+    gathered in int8 (``qwz``), the gradients reduced in int8/int4 (``qgz``); each layer
+    split over a model axis of ``model`` devices (tensor parallelism; None: the run's
+    own mesh, whatever it splits)."""
 
     stage: int
     remat: str
@@ -82,10 +85,12 @@ class Candidate:
     offload: bool = False
     qwz: bool = False
     qgz: str | None = None
+    model: int | None = None
 
     def describe(self) -> str:
         k = self.micro_batches
         out = f"stage {self.stage}, remat {self.remat}, {k} micro-batch{'es' if k > 1 else ''}"
+        out += f", model axis {self.model}" if self.model is not None else ""
         beyond = self.beyond()
         return f"{out}, {beyond}" if beyond else out
 
@@ -105,6 +110,7 @@ class Candidate:
         out += " --set zero.offload=optimizer" if self.offload else ""
         out += " --set zero.qwz=true" if self.qwz else ""
         out += f" --set zero.qgz={self.qgz}" if self.qgz else ""
+        out += f" --set mesh.model={self.model}" if self.model is not None else ""
         return out
 
     @property
@@ -189,12 +195,15 @@ class Row:
     host: int = 0  # offload: host memory the step holds for this device (its host peak)
     host_moved: float = 0.0  # bytes moved over the host link per step, each way
     host_s: float = 0.0  # host_moved / the host link's bandwidth
+    model_s: float = 0.0  # the model axis' collectives (in ``intra``) / the group's link
 
     @property
     def predicted_s(self) -> float:
         """The roofline's step time: compute, communication and host transfers fully
-        overlapped (each a bound; the two directions of the host link overlap too)."""
-        return max(self.compute_s, self.comm_s, self.host_s)
+        overlapped (each a bound; the two directions of the host link overlap too); a
+        model axis' collectives added on top: each sits between the matmuls that need
+        its result (tensor and sequence parallelism), so nothing hides it."""
+        return max(self.compute_s, self.comm_s, self.host_s) + self.model_s
 
 
 @dataclass
@@ -277,6 +286,7 @@ def _row_dict(r: Row, rank: int | None) -> dict[str, Any]:
             host_bytes=r.host,
             host_moved_bytes=r.host_moved,
             host_s=r.host_s,
+            model_s=r.model_s,
         )
     return out
 
@@ -322,6 +332,10 @@ def measure(built: Built, candidate: Candidate, hw: Hardware, group: int) -> Row
     tr = traffic(hlo.collectives, group_size=group)
     devices = int(built.engine.mesh.devices.size)
     intra, inter = tr.by_scope_logical.get("intra", 0.0), tr.by_scope_logical.get("inter", 0.0)
+    m = int(dict(built.engine.mesh.shape).get(MODEL, 1))
+    along = 0.0  # the model axis' bytes: within a model group of m neighbouring devices
+    if m > 1:
+        along = traffic(hlo.collectives, group_size=m).by_scope_logical.get("intra", 0.0)
     flops = built.flops / devices
     moved = float(shard_bytes(built.state, "host"))  # to the device and back, each step
     return Row(
@@ -333,7 +347,8 @@ def measure(built: Built, candidate: Candidate, hw: Hardware, group: int) -> Row
         inter=inter,
         flops=flops,
         compute_s=flops / hw.flops,
-        comm_s=intra / hw.intra + inter / hw.inter,
+        comm_s=(intra - along) / hw.intra + inter / hw.inter,
+        model_s=along / hw.intra,
         host=mem.host_peak,
         host_moved=moved,
         host_s=moved / hw.host_link if moved and hw.host_link else 0.0,
@@ -348,6 +363,7 @@ def candidates(
     micro_batches: Sequence[int] | None = None,
     offload: bool = False,
     quantized: bool = False,
+    model_axes: Sequence[int] = (),
 ) -> list[Candidate]:
     """Stages x remats x micro-batches at global ``batch``: by default every divisor of
     the per-device rows (so each micro-batch has whole rows on every device).
@@ -355,27 +371,37 @@ def candidates(
     ``offload``: each candidate of stages 1-3 also with the optimizer state in host
     memory (compiled only where it does not fit without: :meth:`Planner.survey`).
     ``quantized``: each of stages 1-3 also with ZeRO++'s quantized collectives (qgZ
-    int8; at stage 3 with qwZ too): for a mesh whose groups span a slow link."""
-    if batch % batch_devices:
-        raise ValueError(f"global batch {batch} is not divisible by {batch_devices} devices")
-    rows = batch // batch_devices
-    ks = micro_batches or [k for k in range(1, rows + 1) if rows % k == 0]
+    int8; at stage 3 with qwZ too): for a mesh whose groups span a slow link.
+    ``model_axes``: each of them with each layer split over that many of the
+    ``batch_devices`` (tensor parallelism), the rows over the rest (none: the mesh's)."""
+    out = []
+    axes: list[int | None] = list(model_axes) or [None]
+    for m in axes:
+        for k in _micro_batch_counts(batch, batch_devices // (m or 1), micro_batches):
+            for s in stages:
+                for r in remats:
+                    out.append(Candidate(s, r, k, batch, model=m))
+                    if offload and s >= 1:
+                        out.append(Candidate(s, r, k, batch, offload=True, model=m))
+                    if quantized and s >= 1:
+                        out.append(Candidate(s, r, k, batch, qwz=s == 3, qgz="int8", model=m))
+    return sorted(out, key=lambda c: (c.model or 0, c.stage, REMATS.index(c.remat)))
+
+
+def _micro_batch_counts(batch: int, devices: int, asked: Sequence[int] | None) -> list[int]:
+    """The micro-batch counts ``asked`` (default: every divisor of the rows a device
+    holds) of ``batch`` rows over ``devices``; a count that does not divide them refused."""
+    if batch % devices:
+        raise ValueError(f"global batch {batch} is not divisible by {devices} devices")
+    rows = batch // devices
+    ks = asked or [k for k in range(1, rows + 1) if rows % k == 0]
     bad = [k for k in ks if rows % k]
     if bad:
         raise ValueError(
             f"{bad[0]} micro-batches do not divide the {rows} rows per device of a global "
-            f"batch of {batch} on {batch_devices} devices"
+            f"batch of {batch} on {devices} devices"
         )
-    out = []
-    for s in stages:
-        for r in remats:
-            for k in sorted(ks):
-                out.append(Candidate(s, r, k, batch))
-                if offload and s >= 1:
-                    out.append(Candidate(s, r, k, batch, offload=True))
-                if quantized and s >= 1:
-                    out.append(Candidate(s, r, k, batch, qwz=s == 3, qgz="int8"))
-    return out
+    return sorted(ks)
 
 
 class Planner:
@@ -417,7 +443,10 @@ class Planner:
     def _states(self, c: Candidate) -> float:
         if self.formula_states is None:
             return 0.0
-        return self.formula_states(c.stage, True) if c.offload else self.formula_states(c.stage)
+        split = {} if c.model is None else {"model": c.model}  # else the mesh's own
+        if c.offload:
+            return self.formula_states(c.stage, True, **split)
+        return self.formula_states(c.stage, **split)
 
     def row(self, c: Candidate) -> Row:
         """``c``'s outcome: pruned by the formulas, or compiled (memoized)."""
@@ -524,24 +553,28 @@ class Planner:
 
 def _rank_key(r: Row) -> tuple[float, ...]:
     """Fastest on the roofline; among equals, less to send, less to move to and from the
-    host, less recomputed, fewer passes, nothing quantized, then the smaller peak."""
+    host, less recomputed, fewer passes, nothing quantized, the narrower model axis, then
+    the smaller peak."""
     c = r.candidate
     quantized = int(c.qwz) + int(bool(c.qgz))
     return (
         r.predicted_s, r.comm_s, r.host_s, REMATS.index(c.remat), c.micro_batches, quantized,
-        r.peak,
+        c.model or 1, r.peak,
     )  # fmt: skip
 
 
 def _pair(c: Candidate) -> tuple:
     """What a micro-batch count varies within: the rest of the candidate."""
-    return (c.stage, c.remat, c.offload, c.qwz, c.qgz)
+    return (c.stage, c.remat, c.offload, c.qwz, c.qgz, c.model)
 
 
 def _order(c: Candidate) -> tuple:
     """Surveyed in this order: fewer micro-batches first, and a candidate before its
     offloaded twin (which is skipped when the first fits)."""
-    return (c.stage, REMATS.index(c.remat), c.qwz, c.qgz or "", c.micro_batches, c.offload)
+    return (
+        c.model or 0, c.stage, REMATS.index(c.remat), c.qwz, c.qgz or "", c.micro_batches,
+        c.offload,
+    )  # fmt: skip
 
 
 def param_split(shapes: Any, trainable: Trainable = None) -> tuple[float, float]:
@@ -577,12 +610,15 @@ def formula_states(
     bound of what the state holds: padding and replicated small leaves only add.
     ``states(stage, True)``: with offload, the device's part alone. ``model``: a model
     axis of that many devices in the ``group``: a model device holds at least Ψ/model
-    (the params it does not split whole), sharded over the group's data devices."""
+    (the params it does not split whole), sharded over the group's data devices;
+    ``states(stage, model=m)``: a candidate's own axis instead."""
     held = (frozen_bytes, 1.0)  # (count, bytes each) as the formulas take them
-    psi, n = num_params / model, group // model
+    mesh_model = model
 
-    def states(stage: int, offload: bool = False) -> float:
-        ms = model_state_bytes(psi, n, stage, precision, *held, offload=offload)
+    def states(stage: int, offload: bool = False, model: int | None = None) -> float:
+        m = mesh_model if model is None else model  # a candidate's own model axis
+        ms = model_state_bytes(num_params / m, group // m, stage, precision, *held,
+                               offload=offload)  # fmt: skip
         return ms.device
 
     return states
@@ -648,6 +684,8 @@ def survey(
         host_budget=host_budget, host_note=host_note,
     )  # fmt: skip
     for r in out.fitting()[:max_batch]:
-        granule = (batch_devices or devices) * r.candidate.micro_batches
+        m = r.candidate.model
+        rows_over = devices // m if m is not None else batch_devices or devices
+        granule = rows_over * r.candidate.micro_batches
         r.max_batch = planner.max_batch(r.candidate, granule)
     return out

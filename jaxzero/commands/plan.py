@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--remats", nargs="+", choices=list(REMATS), default=list(REMATS))
     c.add_argument("--micro-batch-counts", type=int, nargs="+", metavar="K",
                    help="default: every divisor of the rows per device")  # fmt: skip
+    c.add_argument("--model-axes", type=int, nargs="+", metavar="M",
+                   help="also split each layer over M devices (mesh.model, tensor "
+                   "parallelism; Llama-family models); default: the run's mesh.model")  # fmt: skip
     c.add_argument("--batch", type=int, help="global batch (default: train.batch_size)")
     c.add_argument("--max-batch", type=int, default=1, metavar="N",
                    help="find the largest batch that fits for the best N (0: none; each "
@@ -122,10 +125,11 @@ def plan(args: argparse.Namespace) -> Any:
     target = hw if args.hardware else None
     limit, note = planning.budget(configured, n, host, target)
     hosted = planning.host_budget(args.host_memory or cfg.zero.host_memory, n, host, target)
+    axes = _model_axes(cfg, n, args.model_axes)
     which: list[Candidate] = candidates(
-        cfg.train.batch_size, planning.row_devices(cfg, mesh), args.stages, args.remats,
-        args.micro_batch_counts,
-        **planning.beyond_options(mesh, hosted[0]),
+        cfg.train.batch_size, n if axes else planning.row_devices(cfg, mesh), args.stages,
+        args.remats, args.micro_batch_counts, **planning.beyond_options(mesh, hosted[0]),
+        model_axes=axes,
     )  # fmt: skip
     found = planning.plan_run(
         cfg, cands, limit, note, hw, which=which, max_batch=args.max_batch, exhaustive=args.all,
@@ -137,6 +141,18 @@ def plan(args: argparse.Namespace) -> Any:
         "configured batch); the peak is the compiled step's (argument + output + temp - alias)"
     )
     return found
+
+
+def _model_axes(cfg: Config, devices: int, asked: list[int] | None) -> list[int]:
+    """``--model-axes``, checked against the devices and the run (none: the run's own)."""
+    if not asked:
+        return []
+    for m in asked:
+        if m < 1 or devices % m:
+            raise ConfigError(f"--model-axes {m}: must divide the {devices} devices")
+    if cfg.mesh.ulysses and max(asked) > 1:
+        raise ConfigError("--model-axes with mesh.ulysses: Ulysses takes no model axis yet")
+    return sorted(set(asked))
 
 
 def main(argv: list[str] | None = None) -> int:

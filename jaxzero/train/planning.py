@@ -57,7 +57,7 @@ from jaxzero.accounting.planner import (
     survey,
 )
 from jaxzero.engine import PRECISIONS
-from jaxzero.mesh import MODEL, REPLICA
+from jaxzero.mesh import MODEL, REPLICA, make_mesh
 from jaxzero.models import Llama, Model, from_fields
 from jaxzero.models.common import cudnn_refusal
 from jaxzero.models.lora import trainable as lora_trainable
@@ -111,6 +111,8 @@ def with_candidate(cfg: Config, c: Candidate) -> Config:
     cfg = config_lib.override(cfg, "zero.offload", "optimizer" if c.offload else None)
     cfg = config_lib.override(cfg, "zero.qwz", c.qwz)
     cfg = config_lib.override(cfg, "zero.qgz", c.qgz)
+    if c.model is not None:
+        cfg = config_lib.override(cfg, "mesh.model", c.model)
     return config_lib.override(cfg, "train.batch_size", c.batch)
 
 
@@ -157,6 +159,19 @@ class Candidates:
         self.cfg, self.mesh, self.sample, self.pretrained = cfg, mesh, sample, pretrained
         self.built: dict[Candidate, tuple[Model, Any]] = {}
         self._shapes: Any = None
+        self._meshes = {int(dict(mesh.shape).get(MODEL, 1)): mesh}
+
+    def mesh_for(self, model: int | None) -> Any:
+        """The mesh of a candidate that splits each layer over ``model`` devices: the
+        run's devices and replica groups (None: the run's own mesh)."""
+        if model is None:
+            return self.mesh
+        if model not in self._meshes:
+            replicas = int(dict(self.mesh.shape).get(REPLICA, 1))
+            self._meshes[model] = make_mesh(
+                int(self.mesh.devices.size), replicas=replicas, model=model
+            )
+        return self._meshes[model]
 
     def model(self, cfg: Config) -> Model:
         lora = lora_run.adapters(cfg)[0]  # a LoRA run's every candidate has its adapters
@@ -185,7 +200,7 @@ class Candidates:
     def __call__(self, c: Candidate) -> Built:
         if c not in self.built:
             cfg = with_candidate(self.cfg, c)
-            model, engine, _ = build(cfg, self.mesh, self.model(cfg))
+            model, engine, _ = build(cfg, self.mesh_for(c.model), self.model(cfg))
             self.built[c] = (model, engine)
         model, engine = self.built[c]
         shapes = self.shapes(model)
