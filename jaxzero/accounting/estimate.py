@@ -360,7 +360,7 @@ def estimate(
         the activations of ``micro_batch`` rows are divided by ``model`` (sequence
         parallelism divides a layer's: experiments/tp_traffic.py measures 0.499 and
         0.249 of it at 2 and 4; the whole step's temp 0.504 and 0.261, a few whole-sequence
-        buffers at the head and the embedding not divided). ``total_params``: the
+        buffers of one layer's backward pass not divided). ``total_params``: the
         model's Ψ; ``model_comm``: the bytes a device sends along the model axis a
         step (:func:`formulas.tensor_parallel_bytes`).
       sequence: Ulysses' degree: the activations of ``micro_batch`` whole rows divided by
