@@ -144,18 +144,24 @@ def memory_row(cfg: LlamaConfig, model: int, rows: int = 8) -> dict:
     }
 
 
-def ulysses_row(cfg: LlamaConfig, n: int, rows: int, stage: int = 0) -> dict:
+def ulysses_row(
+    cfg: LlamaConfig, n: int, rows: int, stage: int = 0, precision: str = "fp32"
+) -> dict:
     """Ulysses over ``n`` data devices (each a slice of every row's sequence) against one
-    device holding the same whole rows: each one's compiled temp, the working memory."""
+    device holding the same whole rows: each one's compiled temp (the working memory)
+    and arguments (the state)."""
     out: dict = {"sequence": cfg.seq_len, "devices": n, "rows": rows, "stage": stage}
     for label, mesh, ulysses in (("one", jaxzero.make_mesh(1), False),
                                  ("ulysses", jaxzero.make_mesh(n), True)):  # fmt: skip
         model = Llama(cfg)
-        engine = model.engine(optax.adamw(1e-3), mesh=mesh, stage=stage, ulysses=ulysses)
+        engine = model.engine(optax.adamw(1e-3), mesh=mesh, stage=stage, precision=precision,
+                              ulysses=ulysses)  # fmt: skip
         state = engine.abstract_state(jax.eval_shape(model.init, jax.random.key(0)))
         tokens = jax.ShapeDtypeStruct((rows, cfg.seq_len), np.int32)
         m = engine.compile(state, {"inputs": tokens, "targets": tokens}).memory_analysis()
         out[f"{label}_temp"] = m.temp_size_in_bytes
+        out[f"{label}_arguments"] = m.argument_size_in_bytes
+        out["params"] = engine.num_params
     out["ratio"] = round(out["ulysses_temp"] / out["one_temp"], 4)
     return out
 
@@ -175,25 +181,6 @@ LONG = LlamaConfig(
     max_position_embeddings=131072,
     remat="full",
 )
-
-
-def long_row(cfg: LlamaConfig = LONG, n: int = 8) -> dict:
-    """One ``cfg.seq_len``-token row, bf16, ZeRO-3, layers recomputed: the compiled temp
-    and arguments of one device holding it against a device of ``n`` splitting it."""
-    out: dict = {"sequence": cfg.seq_len, "devices": n, "params": 0}
-    for label, mesh, ulysses in (("one", jaxzero.make_mesh(1), False),
-                                 ("ulysses", jaxzero.make_mesh(n), True)):  # fmt: skip
-        model = Llama(cfg)
-        engine = model.engine(optax.adamw(1e-5), mesh=mesh, stage=3, precision="bf16",
-                              ulysses=ulysses)  # fmt: skip
-        state = engine.abstract_state(jax.eval_shape(model.init, jax.random.key(0)))
-        tokens = jax.ShapeDtypeStruct((1, cfg.seq_len), np.int32)
-        m = engine.compile(state, {"inputs": tokens, "targets": tokens}).memory_analysis()
-        out[f"{label}_temp"] = m.temp_size_in_bytes
-        out[f"{label}_arguments"] = m.argument_size_in_bytes
-        out["params"] = engine.num_params
-    out["ratio"] = round(out["ulysses_temp"] / out["one_temp"], 4)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['rows']} row(s): {r['ulysses_temp'] / 2**20:.3f} MiB against "
               f"{r['one_temp'] / 2**20:.3f} = {r['ratio']:.4f}")  # fmt: skip
     if not args.tiny:
-        r = long_row()
+        r = ulysses_row(LONG, 8, 1, stage=3, precision="bf16")  # a long fine-tune
         print(f"\n{r['params'] / 1e9:.2f}B params, one {r['sequence']}-token row, bf16, "
               f"stage 3: temp {r['one_temp'] / 2**30:.1f} GiB on one device, "
               f"{r['ulysses_temp'] / 2**30:.1f} GiB a device of {r['devices']} with Ulysses "

@@ -269,9 +269,10 @@ def test_same_program_ignores_only_the_alias_line_and_the_root_tuples_name():
 @pytest.mark.timeout(900)
 def test_zeropp_quantized_collectives_train_the_default_run_to_the_exact_loss(tmp_path):
     """Issue 47: a default ``jaxzero train`` with qwZ + qgZ int8 ends within 2% of the exact
-    run's validation loss (each in a fresh process, the same seed and data). 150 steps, half
-    the experiment's 300 (its figures: +0.06% at 300, +0.10% at 150), for CI's time."""
-    _run("zeropp_loss.py", "--steps", "150", "--variants", "exact", "qwZ + qgZ int8",
+    run's validation loss (each in a fresh process, the same seed and data). 100 steps, a
+    third of the experiment's 300 (its figures: +0.06% at 300, +0.10% at 150; at 100, on
+    this machine: exact 2.390, quantized -0.60%), for CI's time."""
+    _run("zeropp_loss.py", "--steps", "100", "--variants", "exact", "qwZ + qgZ int8",
          "--out", str(tmp_path), optimized=True)  # fmt: skip
     rows = list(csv.DictReader((tmp_path / "zeropp_loss.csv").open()))
     assert [r["variant"] for r in rows] == ["exact", "qwZ + qgZ int8"]
